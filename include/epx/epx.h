@@ -1,0 +1,186 @@
+/*
+ * epx: expert-parallel communication for Mixture-of-Experts models.
+ *
+ * Plain C ABI. Every function returns an epx_status; on failure epx_last_error() returns a message that says
+ * what was wrong (thread-local, valid until the next epx call on the same thread). Handles are opaque.
+ * Device pointers are raw CUDA device pointers; streams are cudaStream_t passed as void*.
+ *
+ * The argument structs below are shared with the C++ API (include/epx/epx.hpp): zero-initialise them
+ * (`epx_dispatch_args a = {0};` in C, `{}` in C++) and set the fields you use.
+ */
+#ifndef EPX_EPX_H_
+#define EPX_EPX_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPX_VERSION_MAJOR 0
+#define EPX_VERSION_MINOR 1
+
+typedef enum epx_status {
+  EPX_OK = 0,
+  EPX_ERR_INVALID_ARGUMENT = 1, /* bad shape, pointer, alignment, range, config */
+  EPX_ERR_BUFFER_TOO_SMALL = 2, /* the message says how many bytes are needed */
+  EPX_ERR_CUDA = 3,             /* a CUDA call failed */
+  EPX_ERR_TIMEOUT = 4,          /* a wait exceeded its budget; the message names rank, role, channel, positions */
+  EPX_ERR_BOOTSTRAP = 5,        /* the all-gather callback failed */
+  EPX_ERR_NOT_SUPPORTED = 6,    /* a mode this build or machine does not offer */
+  EPX_ERR_FAILED_STATE = 7,     /* an earlier failure left the buffer unusable: destroy it */
+  EPX_ERR_INTERNAL = 8,
+  EPX_ERR_REMOTE = 9            /* another rank reported an error for this collective call */
+} epx_status;
+
+/* Data types of token rows. */
+typedef enum epx_dtype { EPX_BF16 = 0, EPX_FP8_E4M3 = 1 } epx_dtype;
+
+/* "All-gather these bytes": every rank passes `bytes` bytes; recv receives size*bytes, rank-major.
+ * Return 0 on success. Called collectively by Buffer creation and destruction. */
+typedef int (*epx_allgather_fn)(void* ctx, const void* send, void* recv, size_t bytes);
+
+typedef struct epx_bootstrap {
+  int rank;
+  int size;
+  epx_allgather_fn allgather;
+  void* ctx;
+} epx_bootstrap;
+
+typedef struct epx_buffer_options {
+  int64_t num_nvl_bytes;    /* high-throughput ring buffers (see epx_config_nvl_size_hint) */
+  int64_t num_rdma_bytes;   /* low-latency buffers (see epx_low_latency_size_hint) */
+  int low_latency_mode;     /* nonzero: the buffer serves low-latency dispatch/combine */
+  int num_nvl_ranks;        /* NVLink domain size G; 0 means every rank is in one domain */
+  double timeout_s;         /* wait budget of every device and host wait; <= 0 means the default, 100 s */
+  int device;               /* CUDA device; -1 means the current device */
+} epx_buffer_options;
+
+/* Tuning of the high-throughput kernels. num_sms blocks, num_sms / 2 channels. */
+typedef struct epx_config {
+  int num_sms;             /* even, >= 2 */
+  int num_max_send_tokens; /* tokens a sender publishes per tail update (chunk) */
+  int num_max_recv_tokens; /* ring capacity per (channel, peer), in tokens; >= num_max_send_tokens */
+} epx_config;
+
+typedef struct epx_layout_args {
+  const int64_t* topk_idx; /* [num_tokens, num_topk], -1 = no expert */
+  int num_tokens;
+  int num_topk;
+  int num_experts;
+} epx_layout_args;
+
+typedef struct epx_layout_outputs {
+  int* num_tokens_per_rank;      /* [R] */
+  int* num_tokens_per_rdma_rank; /* [R / G] or NULL (only when ranks span several NVLink domains) */
+  int* num_tokens_per_expert;    /* [E] */
+  uint8_t* is_token_in_rank;     /* [num_tokens, R] bool */
+} epx_layout_outputs;
+
+typedef struct epx_dispatch_args {
+  const void* x; /* [num_tokens, hidden] of dtype */
+  epx_dtype dtype;
+  int num_tokens;
+  int hidden;
+  const float* x_scales; /* FP8 only: [num_tokens, num_scales] (32-bit words, copied verbatim) */
+  int num_scales;
+  const int64_t* topk_idx;     /* optional [num_tokens, num_topk] */
+  const float* topk_weights;   /* optional [num_tokens, num_topk]; needs topk_idx */
+  int num_topk;
+  int num_experts;             /* needed with topk_idx or num_tokens_per_expert */
+  const int* num_tokens_per_rank;     /* [R] from get_dispatch_layout (not needed for cached dispatch) */
+  const int* num_tokens_per_expert;   /* optional [E] */
+  const uint8_t* is_token_in_rank;    /* [num_tokens, R] */
+  int expert_alignment;               /* >= 1 (0 is taken as 1) */
+  int num_worst_tokens;               /* > 0: outputs sized to this many rows, no host wait */
+} epx_dispatch_args;
+
+/* What combine and cached dispatch need. Device arrays are allocated by the caller with the shapes below
+ * (C = config.num_sms / 2) and filled by the library. */
+typedef struct epx_dispatch_handle {
+  int num_ranks;
+  int num_channels;
+  int num_tokens;
+  int num_recv_tokens;             /* rows of recv_x that hold tokens (-1 until known in worst-case mode) */
+  int* rank_prefix_matrix;         /* [R, R]: [i][j] = tokens ranks 0..i send to rank j */
+  int* channel_prefix_matrix;      /* [R, C]: [j][c] = tokens this rank sends to j in channels 0..c */
+  int* recv_channel_prefix_matrix; /* [R, C]: first recv row of the tokens from (source rank, channel) */
+  int* recv_src_idx;               /* [N]: source token index of each received row */
+  const uint8_t* is_token_in_rank; /* [num_tokens, R] */
+  int* send_head;                  /* [num_tokens, R]: stream position of token t towards rank j */
+} epx_dispatch_handle;
+
+typedef struct epx_dispatch_outputs {
+  void* recv_x;              /* [rows, hidden] of dtype */
+  float* recv_x_scales;      /* [rows, num_scales] when FP8 */
+  int64_t* recv_topk_idx;    /* [rows, num_topk] when topk_idx is given */
+  float* recv_topk_weights;  /* [rows, num_topk] when topk_weights is given */
+  int num_rows;              /* rows allocated: num_recv_tokens, or num_worst_tokens */
+} epx_dispatch_outputs;
+
+typedef struct epx_dispatch_counts {
+  int num_recv_tokens;                 /* -1 in worst-case mode */
+  int num_local_experts;
+  const int* num_recv_tokens_per_expert; /* [num_local_experts], aligned; valid until the next call */
+} epx_dispatch_counts;
+
+typedef struct epx_combine_args {
+  const void* x;             /* bf16 [num_rows, hidden], rows aligned with the dispatch's recv_x */
+  int num_rows;
+  int hidden;
+  const float* topk_weights; /* optional [num_rows, num_topk] */
+  int num_topk;
+  const void* bias0;         /* optional bf16 [num_tokens, hidden] */
+  const void* bias1;         /* optional bf16 [num_tokens, hidden] */
+} epx_combine_args;
+
+typedef struct epx_combine_outputs {
+  void* combined_x;              /* bf16 [num_tokens, hidden] */
+  float* combined_topk_weights;  /* [num_tokens, num_topk] when topk_weights is given */
+} epx_combine_outputs;
+
+typedef struct epx_buffer epx_buffer;
+
+const char* epx_last_error(void);
+const char* epx_status_string(epx_status status);
+int epx_version(void); /* major * 100 + minor */
+
+/* Creation and destruction are collective over the bootstrap's ranks. */
+epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_options* options,
+                             epx_buffer** out);
+epx_status epx_buffer_destroy(epx_buffer* buffer);
+epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, int* device,
+                           int* num_nvl_ranks);
+epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds);
+/* Waits for the stream, then reports any error a kernel of this buffer recorded (timeouts, bad input). */
+epx_status epx_buffer_check(epx_buffer* buffer, void* stream);
+
+epx_status epx_default_dispatch_config(int num_ranks, epx_config* out);
+epx_status epx_default_combine_config(int num_ranks, epx_config* out);
+/* Bytes of num_nvl_bytes that a config needs for rows of hidden_bytes (worst case of scales and top-k). */
+epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_bytes, int num_ranks,
+                                    int64_t* bytes);
+
+epx_status epx_get_dispatch_layout(epx_buffer* buffer, const epx_layout_args* args,
+                                   const epx_layout_outputs* outputs, void* stream);
+
+/* Step 1 of dispatch: exchanges counts, fills the handle's prefix matrices and, unless num_worst_tokens > 0,
+ * waits (bounded) for the counts and returns them. */
+epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                               epx_dispatch_handle* handle, epx_dispatch_counts* counts, void* stream);
+/* Step 2: moves the data. handle.recv_src_idx must have handle.num_recv_tokens (or num_worst_tokens) rows. */
+epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                        const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream);
+/* Repeats a dispatch's routing for new data: no layout, no count exchange, no host wait. */
+epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                               const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs,
+                               void* stream);
+epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
+                       const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_EPX_H_ */

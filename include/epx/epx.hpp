@@ -1,0 +1,132 @@
+// epx C++ API. The argument structs are the C ABI's (epx.h); this header adds RAII, exceptions and
+// bootstrap objects. Every operation takes an explicit CUDA stream and is collective over the ranks of
+// the Buffer: all ranks call the same operations in the same order.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "epx/epx.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace epx {
+
+enum class Status : int {
+  kOk = EPX_OK,
+  kInvalidArgument = EPX_ERR_INVALID_ARGUMENT,
+  kBufferTooSmall = EPX_ERR_BUFFER_TOO_SMALL,
+  kCuda = EPX_ERR_CUDA,
+  kTimeout = EPX_ERR_TIMEOUT,
+  kBootstrap = EPX_ERR_BOOTSTRAP,
+  kNotSupported = EPX_ERR_NOT_SUPPORTED,
+  kFailedState = EPX_ERR_FAILED_STATE,
+  kInternal = EPX_ERR_INTERNAL,
+  kRemote = EPX_ERR_REMOTE,
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(Status status, const std::string& message) : std::runtime_error(message), status_(status) {}
+  Status status() const { return status_; }
+
+ private:
+  Status status_;
+};
+
+// "All-gather these bytes" over the ranks of a job.
+class Bootstrap {
+ public:
+  virtual ~Bootstrap() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Every rank passes `bytes` bytes; `recv` receives size() * bytes, rank-major. Throws epx::Error.
+  virtual void all_gather(const void* send, void* recv, size_t bytes) = 0;
+  void barrier();
+};
+
+// Adapts a C callback (what other languages pass through the C ABI).
+class CallbackBootstrap : public Bootstrap {
+ public:
+  explicit CallbackBootstrap(const epx_bootstrap& c) : c_(c) {}
+  int rank() const override { return c_.rank; }
+  int size() const override { return c_.size; }
+  void all_gather(const void* send, void* recv, size_t bytes) override;
+
+ private:
+  epx_bootstrap c_;
+};
+
+using Config = epx_config;
+using BufferOptions = epx_buffer_options;
+using LayoutArgs = epx_layout_args;
+using LayoutOutputs = epx_layout_outputs;
+using DispatchArgs = epx_dispatch_args;
+using DispatchHandle = epx_dispatch_handle;
+using DispatchOutputs = epx_dispatch_outputs;
+using CombineArgs = epx_combine_args;
+using CombineOutputs = epx_combine_outputs;
+
+Config default_dispatch_config(int num_ranks);
+Config default_combine_config(int num_ranks);
+void validate_config(const Config& config, int num_ranks);
+// num_nvl_bytes a config needs for rows of hidden_bytes, assuming the largest scales and top-k we accept.
+int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks);
+BufferOptions default_buffer_options();
+
+struct DispatchCounts {
+  int num_recv_tokens = -1;  // -1 in worst-case mode (not waited for)
+  std::vector<int> num_recv_tokens_per_expert;
+};
+
+class Buffer {
+ public:
+  // Collective: maps every peer's NVLink buffer through CUDA IPC.
+  Buffer(Bootstrap& bootstrap, const BufferOptions& options);
+  ~Buffer();  // calls destroy() if still alive (collective)
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  // Collective. Frees device and host memory, unmaps peers. Safe to call twice.
+  void destroy();
+  bool alive() const;
+
+  int rank() const;
+  int num_ranks() const;
+  int device() const;
+  int num_nvl_ranks() const;
+  int num_sms_on_device() const;
+  void set_timeout(double seconds);
+  double timeout() const;
+
+  // Waits for `stream`, then throws any error a kernel of this buffer recorded.
+  void check(cudaStream_t stream);
+
+  void get_dispatch_layout(const LayoutArgs& args, const LayoutOutputs& outputs, cudaStream_t stream);
+
+  // Dispatch step 1: count exchange. Fills handle's prefix matrices; unless args.num_worst_tokens > 0
+  // waits (bounded) for the counts. handle.num_recv_tokens is set from the result.
+  DispatchCounts notify_dispatch(const DispatchArgs& args, const Config& config, DispatchHandle& handle,
+                                 cudaStream_t stream);
+  // Dispatch step 2: data.
+  void dispatch(const DispatchArgs& args, const Config& config, const DispatchHandle& handle,
+                const DispatchOutputs& outputs, cudaStream_t stream);
+  // Same routing as `handle`, new data; no count exchange, no host wait.
+  void dispatch_cached(const DispatchArgs& args, const Config& config, const DispatchHandle& handle,
+                       const DispatchOutputs& outputs, cudaStream_t stream);
+  void combine(const CombineArgs& args, const Config& config, const DispatchHandle& handle,
+               const CombineOutputs& outputs, cudaStream_t stream);
+
+  struct Impl;
+  Impl* impl() { return impl_.get(); }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+const char* status_string(Status status);
+
+}  // namespace epx

@@ -1,0 +1,182 @@
+// The C ABI: a thin exception-to-status layer over the C++ API.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epx/epx.h"
+#include "epx/epx.hpp"
+#include "runtime/errors.hpp"
+
+struct epx_buffer {
+  std::unique_ptr<epx::CallbackBootstrap> bootstrap;  // outlives `buffer`: destroy() uses it
+  std::unique_ptr<epx::Buffer> buffer;
+  std::vector<int> counts;  // backs epx_dispatch_counts::num_recv_tokens_per_expert
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+template <typename F>
+epx_status guarded(F&& f) {
+  try {
+    g_last_error.clear();
+    f();
+    return EPX_OK;
+  } catch (const epx::Error& e) {
+    g_last_error = e.what();
+    return static_cast<epx_status>(e.status());
+  } catch (const std::exception& e) {
+    g_last_error = std::string("internal error: ") + e.what();
+    return EPX_ERR_INTERNAL;
+  } catch (...) {
+    g_last_error = "internal error: unknown exception";
+    return EPX_ERR_INTERNAL;
+  }
+}
+
+template <typename T>
+void require_non_null(const T* p, const char* what) {
+  if (p == nullptr) epx::raise(epx::Status::kInvalidArgument, what, " is NULL");
+}
+
+epx::Buffer& live(epx_buffer* b) {
+  require_non_null(b, "buffer");
+  if (!b->buffer) epx::raise(epx::Status::kFailedState, "the buffer was destroyed");
+  return *b->buffer;
+}
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+extern "C" {
+
+const char* epx_last_error(void) { return g_last_error.c_str(); }
+
+const char* epx_status_string(epx_status status) { return epx::status_string(static_cast<epx::Status>(status)); }
+
+int epx_version(void) { return EPX_VERSION_MAJOR * 100 + EPX_VERSION_MINOR; }
+
+epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_options* options, epx_buffer** out) {
+  return guarded([&] {
+    require_non_null(bootstrap, "bootstrap");
+    require_non_null(options, "options");
+    require_non_null(out, "out");
+    *out = nullptr;
+    if (bootstrap->allgather == nullptr) epx::raise(epx::Status::kInvalidArgument, "bootstrap.allgather is NULL");
+    auto b = std::make_unique<epx_buffer>();
+    b->bootstrap = std::make_unique<epx::CallbackBootstrap>(*bootstrap);
+    b->buffer = std::make_unique<epx::Buffer>(*b->bootstrap, *options);
+    *out = b.release();
+  });
+}
+
+epx_status epx_buffer_destroy(epx_buffer* buffer) {
+  if (buffer == nullptr) return EPX_OK;
+  const epx_status s = guarded([&] {
+    if (buffer->buffer) buffer->buffer->destroy();
+  });
+  buffer->buffer.reset();
+  delete buffer;
+  return s;
+}
+
+epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, int* device, int* num_nvl_ranks) {
+  return guarded([&] {
+    epx::Buffer& b = live(const_cast<epx_buffer*>(buffer));
+    if (rank) *rank = b.rank();
+    if (num_ranks) *num_ranks = b.num_ranks();
+    if (device) *device = b.device();
+    if (num_nvl_ranks) *num_nvl_ranks = b.num_nvl_ranks();
+  });
+}
+
+epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) {
+  return guarded([&] { live(buffer).set_timeout(seconds); });
+}
+
+epx_status epx_buffer_check(epx_buffer* buffer, void* stream) {
+  return guarded([&] { live(buffer).check(as_stream(stream)); });
+}
+
+epx_status epx_default_dispatch_config(int num_ranks, epx_config* out) {
+  return guarded([&] {
+    require_non_null(out, "out");
+    *out = epx::default_dispatch_config(num_ranks);
+  });
+}
+
+epx_status epx_default_combine_config(int num_ranks, epx_config* out) {
+  return guarded([&] {
+    require_non_null(out, "out");
+    *out = epx::default_combine_config(num_ranks);
+  });
+}
+
+epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_bytes, int num_ranks, int64_t* bytes) {
+  return guarded([&] {
+    require_non_null(config, "config");
+    require_non_null(bytes, "bytes");
+    *bytes = epx::nvl_size_hint(*config, hidden_bytes, num_ranks);
+  });
+}
+
+epx_status epx_get_dispatch_layout(epx_buffer* buffer, const epx_layout_args* args, const epx_layout_outputs* outputs,
+                                   void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(outputs, "outputs");
+    live(buffer).get_dispatch_layout(*args, *outputs, as_stream(stream));
+  });
+}
+
+epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                               epx_dispatch_handle* handle, epx_dispatch_counts* counts, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(config, "config");
+    require_non_null(handle, "handle");
+    require_non_null(counts, "counts");
+    epx::DispatchCounts c = live(buffer).notify_dispatch(*args, *config, *handle, as_stream(stream));
+    buffer->counts = std::move(c.num_recv_tokens_per_expert);
+    counts->num_recv_tokens = c.num_recv_tokens;
+    counts->num_local_experts = int(buffer->counts.size());
+    counts->num_recv_tokens_per_expert = buffer->counts.data();
+  });
+}
+
+epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                        const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(config, "config");
+    require_non_null(handle, "handle");
+    require_non_null(outputs, "outputs");
+    live(buffer).dispatch(*args, *config, *handle, *outputs, as_stream(stream));
+  });
+}
+
+epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                               const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(config, "config");
+    require_non_null(handle, "handle");
+    require_non_null(outputs, "outputs");
+    live(buffer).dispatch_cached(*args, *config, *handle, *outputs, as_stream(stream));
+  });
+}
+
+epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
+                       const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(config, "config");
+    require_non_null(handle, "handle");
+    require_non_null(outputs, "outputs");
+    live(buffer).combine(*args, *config, *handle, *outputs, as_stream(stream));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,98 @@
+// Bounded waits. Every spin in epx goes through here: it has a budget, watches the abort flag that a failing
+// peer raises, and on failure leaves a diagnostic in host-mapped memory (rank, role, channel, peer and the
+// queue positions), tells every peer to abort, and traps so that the call fails instead of hanging.
+#pragma once
+
+#include <cstdint>
+
+#include "device/ptx.cuh"
+#include "runtime/fail_env.hpp"
+
+namespace epx::dev {
+
+// Where a wait happens, for the diagnostic.
+struct WaitSite {
+  int role;
+  int channel;
+  int peer;
+  int64_t extra;  // role-specific third value (e.g. a token index)
+};
+
+static __device__ __noinline__ void fail_fatal(const FailEnv& env, int code, const WaitSite& site, int64_t seen,
+                                        int64_t awaited) {
+  if (atomicCAS(&env.self->fatal_claimed, 0, 1) == 0) {
+    volatile DeviceDiag* d = &env.host->fatal;
+    d->rank = env.rank;
+    d->role = site.role;
+    d->channel = site.channel;
+    d->peer = site.peer;
+    d->a = seen;
+    d->b = awaited;
+    d->c = site.extra;
+    __threadfence_system();
+    d->code = code;  // written last: the host reads the record once code != 0
+    __threadfence_system();
+  }
+  if (code != kErrAbortedByPeer) {
+    for (int p = 0; p < env.num_peers; ++p) st_relaxed_sys(&env.peers[p]->abort, env.rank + 1);
+  }
+  __threadfence_system();
+  __trap();
+}
+
+__device__ __forceinline__ void check_abort(const FailEnv& env, const WaitSite& site) {
+  const int32_t a = ld_relaxed_sys(&env.self->abort);
+  if (a != 0) fail_fatal(env, kErrAbortedByPeer, site, a - 1, 0);
+}
+
+// Waits until *p >= target (acquire). Returns the value seen.
+__device__ __forceinline__ uint64_t wait_at_least(const uint64_t* p, uint64_t target, const FailEnv& env,
+                                                  const WaitSite& site) {
+  uint64_t v = ld_acquire_sys(p);
+  if (v >= target) return v;
+  const uint64_t start = globaltimer_ns();
+  while (true) {
+    v = ld_acquire_sys(p);
+    if (v >= target) return v;
+    check_abort(env, site);
+    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(v), int64_t(target));
+  }
+}
+
+// Waits until *p == target (acquire), for epoch flags.
+__device__ __forceinline__ void wait_equal(const uint32_t* p, uint32_t target, const FailEnv& env,
+                                           const WaitSite& site) {
+  if (ld_acquire_sys(p) == target) return;
+  const uint64_t start = globaltimer_ns();
+  while (true) {
+    const uint32_t v = ld_acquire_sys(p);
+    if (v == target) return;
+    check_abort(env, site);
+    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(v), int64_t(target));
+  }
+}
+
+// Waits until *p != 0 (acquire) and returns it, for count messages that are nonzero once written.
+__device__ __forceinline__ int32_t wait_nonzero(const int32_t* p, const FailEnv& env, const WaitSite& site) {
+  int32_t v = ld_acquire_sys(p);
+  if (v != 0) return v;
+  const uint64_t start = globaltimer_ns();
+  while (true) {
+    v = ld_acquire_sys(p);
+    if (v != 0) return v;
+    check_abort(env, site);
+    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, 0, 1);
+  }
+}
+
+// A spin with no memory to watch (a coordinator waiting on its own block) still has a budget.
+struct SpinBudget {
+  uint64_t start = 0;
+  __device__ __forceinline__ void tick(const FailEnv& env, const WaitSite& site, int64_t seen, int64_t awaited) {
+    if (start == 0) start = globaltimer_ns();
+    check_abort(env, site);
+    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, seen, awaited);
+  }
+};
+
+}  // namespace epx::dev

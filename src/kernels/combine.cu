@@ -1,0 +1,181 @@
+// High-throughput combine inside one NVLink domain (SPEC section 3): the dispatch run backwards.
+//
+// Block 2c sends channel c: for every source rank s, the rows that dispatch put at
+// [recv_channel_prefix_matrix[s][c], ...) go back, in the same order, into ring (c, me) of rank s. So the
+// k-th record of that ring is the token whose send_head[t][me] == k. Block 2c+1 reduces channel c: reducer
+// warps take tokens round robin, wait for each contributing rank's record, and sum them in ascending rank
+// order in float32 (then bias0, then bias1), rounding once. A coordinator warp frees ring slots: every
+// reducer publishes, per rank, the lowest position it may still read; the coordinator publishes the minimum
+// as the ring head.
+#include <cuda_runtime.h>
+
+#include <climits>
+
+#include "device/bf16.cuh"
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "device/warp_copy.cuh"
+#include "kernels/params.hpp"
+#include "kernels/peer_groups.cuh"
+
+namespace epx {
+namespace {
+
+using namespace dev;
+
+constexpr uint32_t kFullMask = 0xffffffffu;
+constexpr int kCopyUnroll = 4;
+constexpr int kReducerWarps = kDataWarps - 1;  // the last warp of a receiver block coordinates
+
+__device__ __forceinline__ int row_end_of(const CombineParams& p, int src, int channel) {
+  return channel + 1 < p.num_channels ? p.recv_channel_prefix_matrix[src * p.num_channels + channel + 1]
+                                      : p.rank_prefix_matrix[src * p.num_ranks + p.env.rank];
+}
+
+// Sender group for one destination (a source rank of the dispatch): pushes its rows in dispatch order.
+__device__ void combine_sender(const CombineParams& p, int channel) {
+  PeerGroup g;
+  if (!PeerGroup::of(p.num_ranks, g)) return;
+  const int lane = threadIdx.x % 32, dest = g.peer, me = p.env.rank;
+  const int row_begin = p.recv_channel_prefix_matrix[dest * p.num_channels + channel];
+  const int row_end = row_end_of(p, dest, channel);
+  NvlControl* dst = p.env.peers[dest];
+  uint64_t* tail_ptr = &dst->combine_tail[channel][me];
+  const uint64_t* head_ptr = &dst->combine_head[channel][me];
+  const uint64_t base = ld_relaxed_sys(tail_ptr);  // idle ring: head == tail == base
+  const uint64_t cap = p.ring.capacity;
+  uint64_t tail = base, head_seen = base;
+
+  for (int row = row_begin; row < row_end;) {
+    const int n = min(p.num_send_chunk, row_end - row);
+    if (g.leader && tail + n > cap + head_seen)  // pairs with the coordinator's release of head
+      head_seen = wait_at_least(head_ptr, tail + n - cap, p.env, WaitSite{kRoleCombineSender, channel, dest, row});
+    named_barrier(g.barrier_id, g.threads);
+    for (int i = g.warp; i < n; i += g.warps) {
+      uint8_t* slot = p.ring.slot(dst, channel, me, tail + i);
+      warp_copy<kCopyUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row + i) * p.x_int4, p.x_int4, lane,
+                             LoadNc{}, StoreNa{});
+      if (p.topk_weights != nullptr && lane < p.num_topk)
+        reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] =
+            p.topk_weights[int64_t(row + i) * p.num_topk + lane];
+    }
+    named_barrier(g.barrier_id, g.threads);  // every record of the chunk is written
+    tail += n;
+    row += n;
+    if (g.leader) st_release_sys(tail_ptr, tail);  // pairs with the reducers' acquire of tail
+  }
+}
+
+// Sums the rows of token t from every rank in `valid` (ascending), then the biases; one rounding.
+__device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const int4* const (&rows)[kMaxNvlRanks],
+                                           uint32_t valid, int lane) {
+  const int n = p.x_int4;
+  int4* out = p.combined_x + int64_t(t) * n;
+  const int4* b0 = p.bias0 != nullptr ? p.bias0 + int64_t(t) * n : nullptr;
+  const int4* b1 = p.bias1 != nullptr ? p.bias1 + int64_t(t) * n : nullptr;
+  for (int i = lane; i < n; i += 32) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int4 v[kMaxNvlRanks];
+#pragma unroll
+    for (int j = 0; j < kMaxNvlRanks; ++j)
+      if ((valid >> j) & 1u) v[j] = ld_cg(rows[j] + i);
+#pragma unroll
+    for (int j = 0; j < kMaxNvlRanks; ++j)
+      if ((valid >> j) & 1u) add_bf16x8(acc, v[j]);
+    if (b0 != nullptr) add_bf16x8(acc, ld_nc(b0 + i));
+    if (b1 != nullptr) add_bf16x8(acc, ld_nc(b1 + i));
+    st_na(out + i, pack_bf16x8(acc));
+  }
+}
+
+__device__ void combine_reducer(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks;
+  NvlControl* self = p.env.self;
+  const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
+  const uint64_t base = lane < R ? ld_relaxed_sys(&self->combine_head[channel][lane]) : 0;
+  volatile int* need_slot = s_need[warp];
+
+  for (int t = range.begin + warp; t < range.end; t += kReducerWarps) {
+    int pos = -1;
+    if (lane < R) {
+      pos = p.send_head[int64_t(t) * R + lane];
+      need_slot[lane] = pos >= 0 ? pos : -pos - 1;  // positions below this are no longer needed by this warp
+      if (pos >= 0)  // pairs with the sender's release of tail
+        wait_at_least(&self->combine_tail[channel][lane], base + pos + 1, p.env,
+                      WaitSite{kRoleCombineReceiver, channel, lane, t});
+    }
+    __syncwarp();
+    const uint32_t valid = __ballot_sync(kFullMask, pos >= 0);
+    const int4* rows[kMaxNvlRanks];
+#pragma unroll
+    for (int j = 0; j < kMaxNvlRanks; ++j) {
+      const int pj = __shfl_sync(kFullMask, pos, j);
+      const uint64_t bj = __shfl_sync(kFullMask, base, j);
+      rows[j] = ((valid >> j) & 1u) ? reinterpret_cast<const int4*>(p.ring.slot(self, channel, j, bj + pj)) : nullptr;
+    }
+    reduce_row(p, t, rows, valid, lane);
+    if (p.combined_topk_weights != nullptr && lane < p.num_topk) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < kMaxNvlRanks; ++j)
+        if ((valid >> j) & 1u) {
+          const float* w = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[j]) + p.record.weight_offset);
+          acc += __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(w) + lane));
+        }
+      p.combined_topk_weights[int64_t(t) * p.num_topk + lane] = acc;
+    }
+    __syncwarp();  // this token's records are consumed before the next need is published
+  }
+  if (lane < R) need_slot[lane] = INT_MAX;
+}
+
+// Publishes, for every source rank j, head = base + min over reducers of the position they may still need.
+__device__ void combine_coordinator(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
+  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels;
+  NvlControl* self = p.env.self;
+  const bool active = lane < R;
+  const uint64_t base = active ? ld_relaxed_sys(&self->combine_head[channel][lane]) : 0;
+  const int total = active ? p.channel_prefix_matrix[lane * C + channel] -
+                                 (channel > 0 ? p.channel_prefix_matrix[lane * C + channel - 1] : 0)
+                           : 0;
+  int published = 0;
+  SpinBudget budget;
+  while (true) {
+    if (active) {
+      int m = INT_MAX;
+      for (int w = 0; w < kReducerWarps; ++w) m = min(m, reinterpret_cast<volatile int*>(s_need[w])[lane]);
+      if (m == INT_MAX) m = total;
+      if (m > published) {
+        st_release_sys(&self->combine_head[channel][lane], base + m);  // pairs with the sender's acquire of head
+        published = m;
+      }
+    }
+    if (__all_sync(kFullMask, !active || published == total)) break;
+    budget.tick(p.env, WaitSite{kRoleCombineCoordinator, channel, lane, total}, published, total);
+  }
+}
+
+__global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams p) {
+  __shared__ int s_need[kReducerWarps][kMaxNvlRanks];
+  if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
+  const int channel = blockIdx.x / 2;
+  if (blockIdx.x % 2 == 0) {
+    combine_sender(p, channel);
+    return;
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < kReducerWarps && lane < kMaxNvlRanks) s_need[warp][lane] = 0;
+  __syncthreads();
+  if (warp < kReducerWarps)
+    combine_reducer(p, channel, s_need);
+  else
+    combine_coordinator(p, channel, s_need);
+}
+
+}  // namespace
+
+void launch_combine(const CombineParams& p, cudaStream_t stream) {
+  combine_kernel<<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+}
+
+}  // namespace epx

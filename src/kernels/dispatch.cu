@@ -1,0 +1,173 @@
+// High-throughput dispatch inside one NVLink domain (SPEC section 2).
+//
+// Block 2c sends channel c, block 2c+1 receives it. Channel c covers a contiguous token range of every
+// rank. Ring (c, s) lives in receiver r's buffer; sender s writes records and advances its tail, r copies
+// them to recv_x and advances its head. Record order is token order, so rows from source s, channel c land
+// at consecutive rows starting at recv_channel_prefix_matrix[s][c]. Ring indices never reset (64-bit,
+// monotonic): an operation starts where the last one ended, and notify guarantees the ring is idle then.
+#include <cuda_runtime.h>
+
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "device/warp_copy.cuh"
+#include "kernels/params.hpp"
+#include "kernels/peer_groups.cuh"
+
+namespace epx {
+namespace {
+
+using namespace dev;
+
+constexpr uint32_t kFullMask = 0xffffffffu;
+constexpr int kCopyUnroll = 4;
+
+// Writes token t (row, scales, src index, top-k rebased to dest's local experts) into a ring slot.
+__device__ __forceinline__ void write_record(const DispatchParams& p, int t, int dest, uint8_t* slot, int lane) {
+  warp_copy<kCopyUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{},
+                         StoreNa{});
+  if (p.num_scales) {
+    const int32_t* src = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
+    int32_t* dst = reinterpret_cast<int32_t*>(slot + p.record.scale_offset);
+    for (int i = lane; i < p.num_scales; i += 32) dst[i] = ld_nc(src + i);
+  }
+  int32_t* meta = reinterpret_cast<int32_t*>(slot + p.record.meta_offset);
+  if (lane == 0) meta[0] = t;
+  if (p.topk_idx != nullptr && lane < p.num_topk) {
+    const int64_t e = p.topk_idx[int64_t(t) * p.num_topk + lane];
+    const int64_t first = int64_t(dest) * p.experts_per_rank;
+    const int local = (e >= first && e < first + p.experts_per_rank) ? int(e - first) : -1;
+    const float w = (local >= 0 && p.topk_weights != nullptr) ? p.topk_weights[int64_t(t) * p.num_topk + lane] : 0.f;
+    meta[1 + lane] = local;
+    meta[1 + p.num_topk + lane] = __float_as_int(w);
+  }
+}
+
+// Copies one ring record to row `row` of the outputs.
+__device__ __forceinline__ void read_record(const DispatchParams& p, const uint8_t* slot, int row, int lane) {
+  warp_copy<kCopyUnroll>(p.recv_x + int64_t(row) * p.x_int4, reinterpret_cast<const int4*>(slot), p.x_int4, lane,
+                         LoadCg{}, StoreNa{});
+  if (p.num_scales) {
+    const int32_t* src = reinterpret_cast<const int32_t*>(slot + p.record.scale_offset);
+    int32_t* dst = reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales;
+    for (int i = lane; i < p.num_scales; i += 32) dst[i] = ld_cg(src + i);
+  }
+  const int32_t* meta = reinterpret_cast<const int32_t*>(slot + p.record.meta_offset);
+  if (lane == 0) p.recv_src_idx[row] = ld_cg(meta);
+  if (lane < p.num_topk) {
+    if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = ld_cg(meta + 1 + lane);
+    if (p.recv_topk_weights != nullptr)
+      p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = __int_as_float(ld_cg(meta + 1 + p.num_topk + lane));
+  }
+}
+
+// Sender group for one destination: scans the channel's tokens in order, takes up to a chunk of those
+// routed to the destination, copies them (token i of the chunk by warp i % warps), then publishes the tail.
+// Also records send_head[t][dest]: the token's stream position, or -(next position) - 1 if not sent, which
+// the combine receiver uses as "positions below this are no longer needed".
+__device__ void dispatch_sender(const DispatchParams& p, int channel) {
+  PeerGroup g;
+  if (!PeerGroup::of(p.num_ranks, g)) return;
+  const int lane = threadIdx.x % 32, R = p.num_ranks, dest = g.peer, me = p.env.rank;
+  const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
+  NvlControl* dst = p.env.peers[dest];
+  uint64_t* tail_ptr = &dst->dispatch_tail[channel][me];
+  const uint64_t* head_ptr = &dst->dispatch_head[channel][me];
+  const uint64_t base = ld_relaxed_sys(tail_ptr);  // idle ring: head == tail == base
+  const uint64_t cap = p.ring.capacity;
+  const int chunk = p.num_send_chunk;
+  uint64_t tail = base, head_seen = base;
+
+  int cursor = range.begin;
+  while (cursor < range.end) {
+    if (g.leader && tail + chunk > cap + head_seen)  // pairs with the receiver's release of head
+      head_seen = wait_at_least(head_ptr, tail + chunk - cap, p.env, WaitSite{kRoleDispatchSender, channel, dest, cursor});
+    named_barrier(g.barrier_id, g.threads);
+
+    int taken = 0;
+    while (taken < chunk && cursor < range.end) {
+      const int t = cursor + lane;
+      const bool in = t < range.end && p.is_token_in_rank[int64_t(t) * R + dest];
+      uint32_t mask = __ballot_sync(kFullMask, in);
+      int scanned = min(32, range.end - cursor);
+      const int need = chunk - taken;
+      if (__popc(mask) > need) {  // stop right after the need-th routed token
+        scanned = int(__fns(mask, 0, need)) + 1;
+        mask &= scanned == 32 ? kFullMask : ((1u << scanned) - 1);
+      }
+      if (g.warp == 0 && lane < scanned) {
+        const int pos = int(tail - base) + taken + __popc(mask & lanemask_lt());
+        p.send_head[int64_t(t) * R + dest] = in ? pos : -pos - 1;
+      }
+      int i = taken;
+      for (uint32_t m = mask; m != 0; m &= m - 1, ++i) {
+        if (i % g.warps != g.warp) continue;
+        write_record(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, tail + i), lane);
+      }
+      taken += __popc(mask);
+      cursor += scanned;
+    }
+    named_barrier(g.barrier_id, g.threads);  // every record of the chunk is written
+    tail += taken;
+    if (g.leader && taken > 0) st_release_sys(tail_ptr, tail);  // pairs with the receiver's acquire of tail
+  }
+}
+
+// Receiver group for one source: waits for the source's tail, copies what arrived, publishes the head.
+__device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t* s_tail) {
+  PeerGroup g;
+  if (!PeerGroup::of(p.num_ranks, g)) return;
+  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, src = g.peer, me = p.env.rank;
+  NvlControl* self = p.env.self;
+  const uint64_t* tail_ptr = &self->dispatch_tail[channel][src];
+  uint64_t* head_ptr = &self->dispatch_head[channel][src];
+  uint64_t head = ld_relaxed_sys(head_ptr);
+  const int row_begin = p.recv_channel_prefix_matrix[src * C + channel];
+  const int row_end =
+      channel + 1 < C ? p.recv_channel_prefix_matrix[src * C + channel + 1] : p.rank_prefix_matrix[src * R + me];
+
+  for (int row = row_begin; row < row_end;) {
+    if (g.leader)  // pairs with the sender's release of tail
+      s_tail[src] = wait_at_least(tail_ptr, head + 1, p.env, WaitSite{kRoleDispatchReceiver, channel, src, row});
+    named_barrier(g.barrier_id, g.threads);
+    const uint64_t tail = *reinterpret_cast<volatile uint64_t*>(&s_tail[src]);
+    const int avail = int(min(tail - head, uint64_t(row_end - row)));
+    for (int i = g.warp; i < avail; i += g.warps) read_record(p, p.ring.slot(self, channel, src, head + i), row + i, lane);
+    named_barrier(g.barrier_id, g.threads);  // every record read: the slots may be reused
+    head += avail;
+    row += avail;
+    if (g.leader) st_release_sys(head_ptr, head);  // pairs with the sender's acquire of head
+  }
+}
+
+// Worst-case mode: rows past the received ones get src index -1 and no experts.
+__device__ void pad_rows(const DispatchParams& p, int channel) {
+  const int first = p.rank_prefix_matrix[(p.num_ranks - 1) * p.num_ranks + p.env.rank];  // rows received
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int row = first + channel * kDataWarps + warp; row < p.num_worst_tokens; row += p.num_channels * kDataWarps) {
+    if (lane == 0) p.recv_src_idx[row] = -1;
+    if (lane < p.num_topk) {
+      if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = -1;
+      if (p.recv_topk_weights != nullptr) p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = 0.f;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParams p) {
+  __shared__ uint64_t s_tail[kMaxNvlRanks];
+  if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
+  const int channel = blockIdx.x / 2;
+  if (blockIdx.x % 2 == 0) {
+    dispatch_sender(p, channel);
+  } else {
+    if (p.num_worst_tokens > 0) pad_rows(p, channel);
+    dispatch_receiver(p, channel, s_tail);
+  }
+}
+
+}  // namespace
+
+void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
+  dispatch_kernel<<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+}
+
+}  // namespace epx

@@ -1,0 +1,86 @@
+// get_dispatch_layout: per-token destination ranks and per-rank / per-expert counts (SPEC section 1).
+// One thread per token; counts go through shared-memory histograms, then one global atomic per bin per
+// block. Out-of-range expert ids are not counted and are reported (first one wins) to the host.
+#include <cuda_runtime.h>
+
+#include "kernels/params.hpp"
+
+namespace epx {
+namespace {
+
+constexpr int kLayoutThreads = 256;
+
+__device__ void report_bad_expert(const LayoutParams& p, int token, int slot, int64_t value) {
+  if (atomicCAS(&p.self->local_error, 0, kErrTopkOutOfRange) == 0) {
+    volatile DeviceDiag* d = &p.host->input;
+    d->rank = -1;
+    d->role = kRoleLayout;
+    d->a = token;
+    d->b = slot;
+    d->c = value;
+    __threadfence_system();
+    d->code = kErrTopkOutOfRange;
+  }
+}
+
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) {
+  extern __shared__ int smem[];
+  int* s_expert = smem;                           // [E]
+  int* s_rank = s_expert + p.num_experts;         // [R]
+  int* s_rdma = s_rank + p.num_ranks;             // [R / G]
+  const int num_rdma = p.num_tokens_per_rdma_rank ? p.num_ranks / p.num_nvl_ranks : 0;
+  const int bins = p.num_experts + p.num_ranks + num_rdma;
+  for (int i = threadIdx.x; i < bins; i += blockDim.x) smem[i] = 0;
+  __syncthreads();
+
+  const int experts_per_rank = p.num_experts / p.num_ranks;
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < p.num_tokens; t += gridDim.x * blockDim.x) {
+    uint64_t ranks = 0;
+    for (int k = 0; k < p.num_topk; ++k) {
+      const int64_t e = p.topk_idx[int64_t(t) * p.num_topk + k];
+      if (e == -1) continue;
+      if (e < -1 || e >= p.num_experts) {
+        report_bad_expert(p, t, k, e);
+        continue;
+      }
+      atomicAdd(&s_expert[e], 1);
+      ranks |= 1ull << (e / experts_per_rank);
+    }
+    uint64_t domains = 0;
+    for (int r = 0; r < p.num_ranks; ++r) {
+      const bool in = (ranks >> r) & 1ull;
+      p.is_token_in_rank[int64_t(t) * p.num_ranks + r] = in;
+      if (in) {
+        atomicAdd(&s_rank[r], 1);
+        domains |= 1ull << (r / p.num_nvl_ranks);
+      }
+    }
+    for (int d = 0; d < num_rdma; ++d)
+      if ((domains >> d) & 1ull) atomicAdd(&s_rdma[d], 1);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x)
+    if (s_expert[i]) atomicAdd(&p.num_tokens_per_expert[i], s_expert[i]);
+  for (int i = threadIdx.x; i < p.num_ranks; i += blockDim.x)
+    if (s_rank[i]) atomicAdd(&p.num_tokens_per_rank[i], s_rank[i]);
+  for (int i = threadIdx.x; i < num_rdma; i += blockDim.x)
+    if (s_rdma[i]) atomicAdd(&p.num_tokens_per_rdma_rank[i], s_rdma[i]);
+}
+
+}  // namespace
+
+void launch_layout(const LayoutParams& p, int num_sms, cudaStream_t stream) {
+  const int num_rdma = p.num_tokens_per_rdma_rank ? p.num_ranks / p.num_nvl_ranks : 0;
+  cudaMemsetAsync(p.num_tokens_per_rank, 0, sizeof(int) * p.num_ranks, stream);
+  cudaMemsetAsync(p.num_tokens_per_expert, 0, sizeof(int) * p.num_experts, stream);
+  if (num_rdma) cudaMemsetAsync(p.num_tokens_per_rdma_rank, 0, sizeof(int) * num_rdma, stream);
+  if (p.num_tokens == 0) return;
+  const size_t smem = sizeof(int) * (p.num_experts + p.num_ranks + num_rdma);
+  int blocks = ceil_div(p.num_tokens, kLayoutThreads);
+  if (blocks > num_sms) blocks = num_sms;
+  layout_kernel<<<blocks, kLayoutThreads, smem, stream>>>(p);
+}
+
+static_assert(kMaxRanks <= 64, "rank masks are 64-bit");
+
+}  // namespace epx

@@ -1,0 +1,203 @@
+// notify: the count exchange in front of a dispatch, and the barrier in front of cached dispatch and combine.
+//
+// One block. Every rank writes one message into every peer's buffer (its tokens-per-rank row, the counts
+// for that peer's experts and channels, and any input error it knows of), then publishes the operation's
+// epoch in the peer's notify_flag. When a rank has seen the epoch from every rank, each rank has finished
+// all of its previous operation's kernels (they precede notify on its stream), so rings are idle and
+// message slots of parity epoch & 1 can be reused. Errors are collective: every rank computes the same
+// op_error from the same messages, and the data kernels of every rank skip when it is set.
+#include <cuda_runtime.h>
+
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "kernels/params.hpp"
+
+namespace epx {
+namespace {
+
+using namespace dev;
+
+constexpr int kNotifyThreads = 1024;
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Tokens this rank sends to rank j in channel c, for all (j, c).
+__device__ void count_channels(const NotifyParams& p, int (*s_counts)[kMaxChannels]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  const int R = p.num_ranks, C = p.num_channels;
+  for (int pair = warp; pair < R * C; pair += num_warps) {
+    const int j = pair / C, c = pair % C;
+    const ChannelRange range = ChannelRange::of(p.num_tokens, C, c);
+    int n = 0;
+    for (int t = range.begin + lane; t < range.end; t += 32) n += p.is_token_in_rank[int64_t(t) * R + j] ? 1 : 0;
+    n = warp_sum(n);
+    if (lane == 0) s_counts[j][c] = n;
+  }
+}
+
+// The value of field `field` of the message this rank sends to rank j.
+__device__ int message_field(const NotifyParams& p, int j, int field, int error, int error_rank,
+                             int (*s_counts)[kMaxChannels]) {
+  const int R = p.num_ranks;
+  if (field == NotifyMsg::kErrorCode) return error;
+  if (field == NotifyMsg::kErrorRank) return error ? error_rank : -1;
+  if (field == NotifyMsg::kNumTokens) return p.num_tokens;
+  if (field < NotifyMsg::kHeader) return 0;
+  if (field < NotifyMsg::tokens_per_rank(R)) return p.num_tokens_per_rank[field - NotifyMsg::tokens_per_rank(0)];
+  if (field < NotifyMsg::expert(kMaxLocalExperts)) {
+    const int L = p.num_experts / R;
+    const int i = field - NotifyMsg::expert(0);
+    return i < L ? p.num_tokens_per_expert[j * L + i] : 0;
+  }
+  return s_counts[j][field - NotifyMsg::channel(0)];
+}
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams p) {
+  __shared__ int s_counts[kMaxNvlRanks][kMaxChannels];
+  __shared__ int s_error;
+  __shared__ int s_error_rank;
+  __shared__ int s_worst_rank;
+  __shared__ uint32_t s_epoch;
+  const int tid = threadIdx.x;
+  const int R = p.num_ranks, C = p.num_channels, me = p.env.rank;
+  NvlControl* self = p.env.self;
+
+  if (tid == 0) {
+    s_epoch = self->epoch + 1;
+    self->epoch = s_epoch;
+    // Sticky: an error stays until every rank's host has reported it (runtime clears op_error then).
+    s_error = self->op_error ? self->op_error : self->local_error;
+    s_error_rank = self->op_error ? self->op_error_rank : me;
+    self->local_error = 0;
+    s_worst_rank = R;
+  }
+  __syncthreads();
+  const uint32_t epoch = s_epoch;
+  const int parity = epoch & 1;
+
+  if (!p.barrier_only) {
+    count_channels(p, s_counts);
+    __syncthreads();
+    if (tid < R) {
+      int sent = 0;
+      for (int c = 0; c < C; ++c) sent += s_counts[tid][c];
+      const int claimed = p.num_tokens_per_rank[tid];
+      if (sent != claimed && atomicCAS(&s_error, 0, kErrLayoutMismatch) == 0) {
+        s_error_rank = me;
+        volatile DeviceDiag* d = &p.env.host->input;
+        d->rank = me;
+        d->role = kRoleNotify;
+        d->a = tid;
+        d->b = claimed;
+        d->c = sent;
+        __threadfence_system();
+        d->code = kErrLayoutMismatch;
+      }
+    }
+    __syncthreads();
+  }
+
+  // Messages to every rank (this one included), then the epoch flag.
+  const int error = s_error;
+  const int error_rank = s_error_rank;
+  const int fields = p.barrier_only ? NotifyMsg::kHeader : NotifyMsg::channel(C);
+  for (int i = tid; i < R * fields; i += blockDim.x) {
+    const int j = i / fields, field = i % fields;
+    const bool unused = field >= NotifyMsg::tokens_per_rank(R) && field < NotifyMsg::expert(0);
+    const bool unused_expert = field >= NotifyMsg::expert(0) && field < NotifyMsg::channel(0) &&
+                               field - NotifyMsg::expert(0) >= (p.num_experts ? p.num_experts / R : 0);
+    if (unused || unused_expert) continue;
+    p.env.peers[j]->notify_msg[parity][me][field] = message_field(p, j, field, error, error_rank, s_counts);
+  }
+  fence_acq_rel_sys();
+  __syncthreads();
+  if (tid < R) st_release_sys(&p.env.peers[tid]->notify_flag[me], epoch);  // pairs with wait_equal below
+  if (tid < R) wait_equal(&self->notify_flag[tid], epoch, p.env, WaitSite{kRoleNotify, -1, tid, int64_t(epoch)});
+  __syncthreads();
+  fence_acq_rel_sys();
+
+  auto msg = [&](int s, int field) { return dev::ld_cg(&self->notify_msg[parity][s][field]); };
+  if (tid == 0) {
+    int code = 0, rank = -1;
+    for (int s = 0; s < R && code == 0; ++s) {
+      code = msg(s, NotifyMsg::kErrorCode);
+      rank = msg(s, NotifyMsg::kErrorRank);
+    }
+    s_error = code;
+    s_error_rank = rank;
+  }
+  __syncthreads();
+  const int collective_error = s_error;
+  const int collective_error_rank = s_error_rank;
+
+  int num_recv = 0;
+  if (!p.barrier_only) {
+    if (tid < R) {
+      // Column tid of rank_prefix_matrix; the worst-case bound is checked for every rank, by every rank.
+      int acc = 0;
+      for (int i = 0; i < R; ++i) {
+        acc += msg(i, NotifyMsg::tokens_per_rank(tid));
+        p.rank_prefix_matrix[i * R + tid] = acc;
+      }
+      if (p.num_worst_tokens > 0 && acc > p.num_worst_tokens) atomicMin(&s_worst_rank, tid);
+      // Row tid of channel_prefix_matrix (what this rank sends to tid), inclusive over channels.
+      int sent = 0;
+      for (int c = 0; c < C; ++c) {
+        sent += s_counts[tid][c];
+        p.channel_prefix_matrix[tid * C + c] = sent;
+      }
+      // Row tid of recv_channel_prefix_matrix: where tokens from source tid, channel c, start.
+      int row = 0;
+      for (int i = 0; i < tid; ++i) row += msg(i, NotifyMsg::tokens_per_rank(me));
+      for (int c = 0; c < C; ++c) {
+        p.recv_channel_prefix_matrix[tid * C + c] = row;
+        row += msg(tid, NotifyMsg::channel(c));
+      }
+    }
+    const int L = p.num_experts / R;
+    for (int i = tid; i < L; i += blockDim.x) {
+      int n = 0;
+      for (int s = 0; s < R; ++s) n += msg(s, NotifyMsg::expert(i));
+      const int a = p.expert_alignment;
+      p.env.host->num_recv_tokens_per_expert[i] = (n + a - 1) / a * a;
+    }
+    for (int s = 0; s < R; ++s) num_recv += msg(s, NotifyMsg::tokens_per_rank(me));
+  }
+  __syncthreads();
+
+  if (tid == 0) {
+    int code = collective_error, rank = collective_error_rank;
+    if (code == 0 && s_worst_rank < R) {
+      code = kErrWorstTokensExceeded;
+      rank = s_worst_rank;
+      int rows = 0;
+      for (int s = 0; s < R; ++s) rows += msg(s, NotifyMsg::tokens_per_rank(rank));
+      volatile DeviceDiag* d = &p.env.host->input;
+      d->rank = rank;
+      d->role = kRoleNotify;
+      d->a = rank;
+      d->b = rows;
+      d->c = p.num_worst_tokens;
+      __threadfence_system();
+      d->code = kErrWorstTokensExceeded;
+    }
+    self->op_error = code;
+    self->op_error_rank = rank;
+    HostShared* host = p.env.host;
+    host->op_error = code;
+    host->op_error_rank = rank;
+    host->num_recv_tokens = num_recv;
+    __threadfence_system();
+    if (p.host_seq > 0) st_release_sys(&host->notify_seq, p.host_seq);  // pairs with the host's acquire poll
+  }
+}
+
+}  // namespace
+
+void launch_notify(const NotifyParams& p, cudaStream_t stream) { notify_kernel<<<1, kNotifyThreads, 0, stream>>>(p); }
+
+}  // namespace epx

@@ -1,0 +1,117 @@
+// Parameters of the high-throughput kernels and their launch functions. Filled by the host runtime
+// (runtime/buffer_*.cpp), read by the kernels (kernels/*.cu). Plain data: passed by value.
+#pragma once
+
+#include <vector_types.h>  // int4
+
+#include <cstdint>
+
+#include "runtime/fail_env.hpp"
+#include "runtime/nvl_layout.hpp"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace epx {
+
+// Tokens [begin, end) of channel c when num_tokens are split over num_channels.
+struct ChannelRange {
+  int begin;
+  int end;
+  EPX_HD static ChannelRange of(int num_tokens, int num_channels, int channel) {
+    const int per = ceil_div(num_tokens, num_channels);
+    const int b = per * channel < num_tokens ? per * channel : num_tokens;
+    const int e = b + per < num_tokens ? b + per : num_tokens;
+    return {b, e};
+  }
+};
+
+struct LayoutParams {
+  const int64_t* topk_idx;
+  int num_tokens;
+  int num_topk;
+  int num_experts;
+  int num_ranks;
+  int num_nvl_ranks;  // ranks per NVLink domain; num_tokens_per_rdma_rank has num_ranks / num_nvl_ranks entries
+  int* num_tokens_per_rank;
+  int* num_tokens_per_rdma_rank;  // may be null
+  int* num_tokens_per_expert;
+  uint8_t* is_token_in_rank;
+  NvlControl* self;  // local_error
+  HostShared* host;  // input diagnostic
+};
+
+struct NotifyParams {
+  FailEnv env;
+  int num_ranks;
+  int barrier_only;  // cached dispatch and combine: only the epoch handshake (and error exchange)
+  // Count exchange (barrier_only == 0).
+  const int* num_tokens_per_rank;
+  const int* num_tokens_per_expert;  // may be null
+  const uint8_t* is_token_in_rank;
+  int num_tokens;
+  int num_experts;                   // 0 when num_tokens_per_expert is null
+  int num_channels;
+  int expert_alignment;
+  int num_worst_tokens;
+  int* rank_prefix_matrix;           // [R, R]
+  int* channel_prefix_matrix;        // [R, C] inclusive over channels, of what this rank sends
+  int* recv_channel_prefix_matrix;   // [R, C] first recv row of (source, channel)
+  int host_seq;                      // > 0: publish counts to the host under this sequence number
+};
+
+struct DispatchParams {
+  FailEnv env;
+  RingLayout ring;
+  DispatchRecord record;
+  int num_ranks;
+  int num_channels;
+  int num_tokens;
+  int num_send_chunk;      // tokens per tail update
+  int x_int4;              // row bytes / 16
+  int num_scales;
+  int num_topk;
+  int experts_per_rank;    // L (0 without top-k)
+  const int4* x;
+  const float* x_scales;
+  const int64_t* topk_idx;
+  const float* topk_weights;
+  const uint8_t* is_token_in_rank;
+  const int* rank_prefix_matrix;
+  const int* recv_channel_prefix_matrix;
+  int* send_head;          // [T, R]
+  int4* recv_x;
+  float* recv_x_scales;
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+  int* recv_src_idx;
+  int num_worst_tokens;    // > 0: pad rows [num_recv_tokens, num_worst_tokens)
+};
+
+struct CombineParams {
+  FailEnv env;
+  RingLayout ring;
+  CombineRecord record;
+  int num_ranks;
+  int num_channels;
+  int num_tokens;          // tokens this rank dispatched (outputs rows)
+  int num_send_chunk;
+  int x_int4;              // hidden * 2 / 16
+  int num_topk;            // 0 without weights
+  const int4* x;           // [rows, hidden] expert outputs in recv order
+  const float* topk_weights;
+  const int* rank_prefix_matrix;
+  const int* channel_prefix_matrix;
+  const int* recv_channel_prefix_matrix;
+  const int* send_head;
+  const int4* bias0;
+  const int4* bias1;
+  int4* combined_x;
+  float* combined_topk_weights;
+};
+
+void launch_layout(const LayoutParams& p, int num_sms, cudaStream_t stream);
+void launch_notify(const NotifyParams& p, cudaStream_t stream);
+void launch_dispatch(const DispatchParams& p, cudaStream_t stream);
+void launch_combine(const CombineParams& p, cudaStream_t stream);
+
+}  // namespace epx

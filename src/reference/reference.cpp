@@ -1,0 +1,189 @@
+// The CPU reference model (SPEC sections 1-3). Plain loops, written to be obviously right.
+#include "epx/reference.hpp"
+
+#include <cfenv>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+namespace epx::ref {
+namespace {
+
+uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+}  // namespace
+
+float bf16_to_float(uint16_t bits) { return bits_float(uint32_t(bits) << 16); }
+
+uint16_t float_to_bf16(float value) {
+  uint32_t u = float_bits(value);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t(((u >> 16) & 0x8000u) | 0x7fc0u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+float e4m3_to_float(uint8_t bits) {
+  const int exponent = (bits >> 3) & 0xf, mantissa = bits & 7;
+  const float sign = (bits & 0x80) ? -1.f : 1.f;
+  if (exponent == 0xf && mantissa == 7) return std::nanf("");
+  if (exponent == 0) return sign * std::ldexp(float(mantissa), -9);
+  return sign * std::ldexp(1.f + float(mantissa) / 8.f, exponent - 7);
+}
+
+uint8_t float_to_e4m3(float value) {
+  if (std::isnan(value)) return 0x7f;
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0;
+  const float a = std::fabs(value);
+  constexpr uint8_t kMaxFinite = 0x7e;  // 448
+  if (a >= 448.f) return sign | kMaxFinite;
+  if (a < std::ldexp(1.f, -6)) {  // subnormal: multiples of 2^-9; 8 rounds up to the smallest normal (0x08)
+    const float q = std::nearbyint(a * 512.f);
+    return sign | uint8_t(q);
+  }
+  int e = 0;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  e -= 1;                             // a = (2m) * 2^e, 2m in [1, 2)
+  float q = std::nearbyint((2.f * m - 1.f) * 8.f);
+  if (q == 8.f) {
+    q = 0.f;
+    ++e;
+  }
+  const int field = e + 7;
+  if (field > 15 || (field == 15 && q == 7.f)) return sign | kMaxFinite;
+  return sign | uint8_t(field << 3) | uint8_t(q);
+}
+
+Layout dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                       int num_nvl_ranks) {
+  require(num_tokens >= 0 && num_topk >= 1 && num_ranks >= 1, "dispatch_layout: bad sizes");
+  require(num_experts > 0 && num_experts % num_ranks == 0, "dispatch_layout: num_experts must be a multiple of R");
+  const bool rdma = num_nvl_ranks > 0 && num_nvl_ranks < num_ranks;
+  require(!rdma || num_ranks % num_nvl_ranks == 0, "dispatch_layout: num_nvl_ranks must divide R");
+  const int experts_per_rank = num_experts / num_ranks;
+  Layout out;
+  out.num_tokens_per_rank.assign(num_ranks, 0);
+  out.num_tokens_per_expert.assign(num_experts, 0);
+  if (rdma) out.num_tokens_per_rdma_rank.assign(num_ranks / num_nvl_ranks, 0);
+  out.is_token_in_rank.assign(size_t(num_tokens) * num_ranks, 0);
+  for (int t = 0; t < num_tokens; ++t) {
+    std::vector<uint8_t> in_domain(out.num_tokens_per_rdma_rank.size(), 0);
+    for (int k = 0; k < num_topk; ++k) {
+      const int64_t e = topk_idx[size_t(t) * num_topk + k];
+      if (e == -1) continue;
+      require(e >= 0 && e < num_experts, "topk_idx[" + std::to_string(t) + "][" + std::to_string(k) +
+                                             "] = " + std::to_string(e) + " is outside [-1, " +
+                                             std::to_string(num_experts) + ")");
+      ++out.num_tokens_per_expert[e];
+      const int r = int(e / experts_per_rank);
+      out.is_token_in_rank[size_t(t) * num_ranks + r] = 1;
+    }
+    for (int r = 0; r < num_ranks; ++r) {
+      if (!out.is_token_in_rank[size_t(t) * num_ranks + r]) continue;
+      ++out.num_tokens_per_rank[r];
+      if (rdma) in_domain[r / num_nvl_ranks] = 1;
+    }
+    for (size_t d = 0; d < in_domain.size(); ++d) out.num_tokens_per_rdma_rank[d] += in_domain[d];
+  }
+  return out;
+}
+
+std::vector<int> rank_prefix_matrix(const std::vector<Source>& sources) {
+  const int R = int(sources.size());
+  std::vector<int> m(size_t(R) * R, 0);
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < R; ++j) {
+      int n = 0;
+      for (int t = 0; t < sources[i].num_tokens; ++t) n += sources[i].is_token_in_rank[size_t(t) * R + j] ? 1 : 0;
+      m[size_t(i) * R + j] = (i > 0 ? m[size_t(i - 1) * R + j] : 0) + n;
+    }
+  return m;
+}
+
+std::vector<RecvRow> recv_rows(const std::vector<Source>& sources, int rank) {
+  const int R = int(sources.size());
+  std::vector<RecvRow> rows;
+  for (int s = 0; s < R; ++s)
+    for (int t = 0; t < sources[s].num_tokens; ++t)
+      if (sources[s].is_token_in_rank[size_t(t) * R + rank]) rows.push_back({s, t});
+  return rows;
+}
+
+RecvMeta dispatch_meta(const std::vector<Source>& sources, int rank, int num_topk, int num_experts,
+                       int expert_alignment) {
+  const int R = int(sources.size());
+  const std::vector<RecvRow> rows = recv_rows(sources, rank);
+  RecvMeta meta;
+  meta.recv_src_idx.reserve(rows.size());
+  for (const RecvRow& row : rows) meta.recv_src_idx.push_back(row.src_token);
+  const bool topk = !sources.empty() && sources[0].topk_idx != nullptr;
+  if (!topk) return meta;
+  require(num_experts > 0 && num_experts % R == 0 && expert_alignment >= 1, "dispatch_meta: bad sizes");
+  const int L = num_experts / R;
+  const bool weights = sources[0].topk_weights != nullptr;
+  meta.recv_topk_idx.assign(rows.size() * num_topk, -1);
+  if (weights) meta.recv_topk_weights.assign(rows.size() * num_topk, 0.f);
+  meta.num_recv_tokens_per_expert.assign(L, 0);
+  for (size_t n = 0; n < rows.size(); ++n) {
+    const Source& src = sources[rows[n].src_rank];
+    for (int k = 0; k < num_topk; ++k) {
+      const size_t slot = size_t(rows[n].src_token) * num_topk + k;
+      const int64_t e = src.topk_idx[slot];
+      if (e < int64_t(rank) * L || e >= int64_t(rank + 1) * L) continue;
+      meta.recv_topk_idx[n * num_topk + k] = e - int64_t(rank) * L;
+      if (weights) meta.recv_topk_weights[n * num_topk + k] = src.topk_weights[slot];
+      ++meta.num_recv_tokens_per_expert[e - int64_t(rank) * L];
+    }
+  }
+  for (int& c : meta.num_recv_tokens_per_expert) c = (c + expert_alignment - 1) / expert_alignment * expert_alignment;
+  return meta;
+}
+
+void reduce_bf16_rows(int hidden, const std::vector<const uint16_t*>& rows, const uint16_t* bias0,
+                      const uint16_t* bias1, uint16_t* out) {
+  for (int h = 0; h < hidden; ++h) {
+    float acc = 0.f;
+    for (const uint16_t* row : rows) acc += bf16_to_float(row[h]);
+    if (bias0 != nullptr) acc += bf16_to_float(bias0[h]);
+    if (bias1 != nullptr) acc += bf16_to_float(bias1[h]);
+    out[h] = float_to_bf16(acc);
+  }
+}
+
+Combined combine(const Source& own, int num_ranks, int hidden, int num_topk, const ContributionRow& row,
+                 const ContributionWeights& weights, const uint16_t* bias0, const uint16_t* bias1) {
+  Combined out;
+  out.x.assign(size_t(own.num_tokens) * hidden, 0);
+  if (weights) out.weights.assign(size_t(own.num_tokens) * num_topk, 0.f);
+  std::vector<const uint16_t*> rows;
+  for (int t = 0; t < own.num_tokens; ++t) {
+    rows.clear();
+    for (int j = 0; j < num_ranks; ++j)
+      if (own.is_token_in_rank[size_t(t) * num_ranks + j]) rows.push_back(row(j, t));
+    const size_t off = size_t(t) * hidden;
+    reduce_bf16_rows(hidden, rows, bias0 ? bias0 + off : nullptr, bias1 ? bias1 + off : nullptr, out.x.data() + off);
+    if (!weights) continue;
+    for (int k = 0; k < num_topk; ++k) {
+      float acc = 0.f;
+      for (int j = 0; j < num_ranks; ++j)
+        if (own.is_token_in_rank[size_t(t) * num_ranks + j]) acc += weights(j, t)[k];
+      out.weights[size_t(t) * num_topk + k] = acc;
+    }
+  }
+  return out;
+}
+
+}  // namespace epx::ref

@@ -1,0 +1,285 @@
+// Buffer creation and teardown (CUDA IPC mapping of every peer's NVLink buffer), failure reporting.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "runtime/buffer_impl.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/diagnostics.hpp"
+
+namespace epx {
+namespace {
+
+constexpr uint32_t kPeerInfoMagic = 0x65707831;  // "epx1"
+
+// What every rank publishes at creation.
+struct PeerInfo {
+  uint32_t magic;
+  int32_t rank;
+  int32_t device;
+  int32_t pci_domain, pci_bus, pci_device;
+  int32_t num_nvl_ranks;
+  int32_t low_latency_mode;
+  int64_t alloc_bytes;
+  char hostname[64];
+  cudaIpcMemHandle_t handle;
+};
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    cudaGetDevice(&now);
+    if (now != previous_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace
+
+FailEnv Buffer::Impl::fail_env() const {
+  FailEnv env{};
+  env.host = host_dev;
+  env.self = control();
+  for (int i = 0; i < num_nvl_ranks; ++i) env.peers[i] = static_cast<NvlControl*>(peers[i]);
+  env.rank = nvl_rank;
+  env.num_peers = num_nvl_ranks;
+  env.budget_ns = uint64_t(timeout_s * 1e9);
+  return env;
+}
+
+void Buffer::Impl::enter(const char* op) {
+  if (!alive) raise(Status::kFailedState, op, ": the buffer was destroyed");
+  if (failed) raise(Status::kFailedState, op, ": the buffer is unusable after an earlier failure: ", failure);
+  int now = -1;
+  if (cudaGetDevice(&now) != cudaSuccess || now != device) EPX_CUDA_CHECK(cudaSetDevice(device));
+}
+
+void Buffer::Impl::check_launch(cudaError_t err, const char* op) {
+  if (err != cudaSuccess) raise_device_failure(err, op);
+}
+
+void Buffer::Impl::raise_device_failure(cudaError_t err, const char* op) {
+  // A trapping kernel writes its diagnostic before it traps; give the PCIe writes a moment to land.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const DeviceDiag diag = read_diag(&host->fatal);
+  failed = true;
+  std::string msg = cat(op, ": ");
+  Status status = Status::kCuda;
+  if (diag.code == kErrTimeout) {
+    status = Status::kTimeout;
+    msg += describe_fatal(diag, timeout_s);
+  } else if (diag.code == kErrAbortedByPeer) {
+    status = Status::kRemote;
+    msg += describe_fatal(diag, timeout_s);
+  } else {
+    msg += cat("CUDA error ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+  }
+  msg += ". The buffer is unusable: destroy it";
+  if (err != cudaSuccess) msg += "; the CUDA context is lost, so the process must restart to use the GPU again";
+  failure = msg;
+  throw Error(status, msg);
+}
+
+void Buffer::Impl::raise_if_input_error(const char* op, cudaStream_t stream) {
+  volatile HostShared* h = host;
+  const int code = h->op_error;
+  if (code == 0) return;
+  const int who = h->op_error_rank;
+  std::string msg;
+  Status status;
+  if (who == nvl_rank || code == kErrWorstTokensExceeded) {
+    const DeviceDiag diag = read_diag(&host->input);
+    msg = describe_input(code, diag, who);
+    status = Status::kInvalidArgument;
+  } else {
+    msg = cat("rank ", who, " reported invalid input (", error_name(code), "); see that rank's error");
+    status = Status::kRemote;
+  }
+  // Clear the sticky state on this rank; every rank's call reports the same error.
+  h->op_error = 0;
+  h->input.code = 0;
+  cudaMemsetAsync(&control()->op_error, 0, sizeof(int32_t) * 2, stream);
+  raise(status, op, ": ", msg);
+}
+
+void Buffer::Impl::wait_notify(int seq, const char* op, cudaStream_t stream) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto budget = std::chrono::duration<double>(timeout_s + 5.0);  // the device wait fails first
+  volatile int32_t* flag = &host->notify_seq;
+  for (uint64_t spin = 0;; ++spin) {
+    if (*flag == seq) break;
+    if ((spin & 1023) == 1023) {
+      const cudaError_t err = cudaStreamQuery(stream);
+      if (err != cudaSuccess && err != cudaErrorNotReady) raise_device_failure(err, op);
+      if (*flag == seq) break;
+      if (clock::now() - start > budget)
+        raise(Status::kTimeout, op, ": rank ", rank, " waited ", timeout_s + 5.0,
+              " s for the count exchange; a peer did not call it, or the stream is blocked by earlier work");
+      if (clock::now() - start > std::chrono::milliseconds(5)) std::this_thread::yield();
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // pairs with notify's st.release.sys of notify_seq
+}
+
+void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
+  bootstrap = &bs;
+  options = opts;
+  rank = bs.rank();
+  num_ranks = bs.size();
+  timeout_s = opts.timeout_s > 0 ? opts.timeout_s : kDefaultTimeoutSeconds;
+  EPX_REQUIRE(num_ranks >= 1, "bootstrap size must be >= 1, got ", num_ranks);
+  EPX_REQUIRE(rank >= 0 && rank < num_ranks, "bootstrap rank ", rank, " is outside [0, ", num_ranks, ")");
+  num_nvl_ranks = opts.num_nvl_ranks > 0 ? opts.num_nvl_ranks : num_ranks;
+  EPX_REQUIRE(num_ranks % num_nvl_ranks == 0, "num_nvl_ranks (", num_nvl_ranks, ") must divide the number of ranks (",
+              num_ranks, ")");
+  EPX_REQUIRE(num_nvl_ranks <= kMaxNvlRanks, "an NVLink domain holds at most ", kMaxNvlRanks, " ranks, got ",
+              num_nvl_ranks);
+  if (num_nvl_ranks != num_ranks)
+    raise(Status::kNotSupported, "ranks spanning several NVLink domains (internode mode) are not implemented yet: ",
+          num_ranks, " ranks with num_nvl_ranks = ", num_nvl_ranks);
+  EPX_REQUIRE(opts.num_nvl_bytes >= 0 && opts.num_rdma_bytes >= 0, "buffer sizes must be >= 0");
+  if (opts.low_latency_mode || opts.num_rdma_bytes > 0)
+    raise(Status::kNotSupported, "low-latency mode is not implemented yet");
+  nvl_rank = rank % num_nvl_ranks;
+
+  int device_count = 0;
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&device_count));
+  if (opts.device >= 0) {
+    EPX_REQUIRE(opts.device < device_count, "device ", opts.device, " does not exist (", device_count, " visible)");
+    device = opts.device;
+  } else {
+    EPX_CUDA_CHECK(cudaGetDevice(&device));
+  }
+  EPX_CUDA_CHECK(cudaSetDevice(device));
+  cudaDeviceProp prop{};
+  EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  num_device_sms = prop.multiProcessorCount;
+
+  alloc_bytes = RingLayout::data_offset() + align_up(opts.num_nvl_bytes, kAlign);
+  EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));
+  EPX_CUDA_CHECK(cudaMemset(local, 0, RingLayout::data_offset()));
+  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(HostShared), cudaHostAllocMapped));
+  std::memset(host, 0, sizeof(HostShared));
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+
+  PeerInfo mine{};
+  mine.magic = kPeerInfoMagic;
+  mine.rank = rank;
+  mine.device = device;
+  mine.pci_domain = prop.pciDomainID;
+  mine.pci_bus = prop.pciBusID;
+  mine.pci_device = prop.pciDeviceID;
+  mine.num_nvl_ranks = num_nvl_ranks;
+  mine.low_latency_mode = opts.low_latency_mode;
+  mine.alloc_bytes = alloc_bytes;
+  gethostname(mine.hostname, sizeof(mine.hostname) - 1);
+  EPX_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, local));
+  std::vector<PeerInfo> all(num_ranks);
+  bs.all_gather(&mine, all.data(), sizeof(PeerInfo));
+
+  const int domain_first = rank - nvl_rank;
+  for (int i = 0; i < num_ranks; ++i) {
+    const PeerInfo& p = all[i];
+    EPX_REQUIRE(p.magic == kPeerInfoMagic && p.rank == i, "bootstrap all-gather returned garbage for rank ", i,
+                " (is every rank creating a Buffer at the same time, with the same library version?)");
+    EPX_REQUIRE(p.alloc_bytes == alloc_bytes && p.num_nvl_ranks == num_nvl_ranks &&
+                    p.low_latency_mode == mine.low_latency_mode,
+                "buffer options differ between ranks: rank ", i, " has ", p.alloc_bytes, " bytes / num_nvl_ranks ",
+                p.num_nvl_ranks, ", rank ", rank, " has ", alloc_bytes, " / ", num_nvl_ranks);
+  }
+  for (int j = 0; j < num_nvl_ranks; ++j) {
+    const PeerInfo& p = all[domain_first + j];
+    if (j == nvl_rank) {
+      peers[j] = local;
+      continue;
+    }
+    EPX_REQUIRE(std::strncmp(p.hostname, mine.hostname, sizeof(mine.hostname)) == 0, "rank ", p.rank, " is on host '",
+                p.hostname, "', rank ", rank, " on '", mine.hostname, "': an NVLink domain must be one host");
+    EPX_REQUIRE(!(p.pci_domain == mine.pci_domain && p.pci_bus == mine.pci_bus && p.pci_device == mine.pci_device),
+                "ranks ", p.rank, " and ", rank, " use the same GPU (device ", device,
+                "); use one GPU per rank (set the device before creating the Buffer, or options.device)");
+    int can = 0;
+    EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, p.device));
+    if (!can)
+      raise(Status::kNotSupported, "GPU ", device, " cannot access GPU ", p.device, " (rank ", p.rank,
+            ") directly: epx needs NVLink or PCIe peer access inside a domain");
+    EPX_CUDA_CHECK(cudaIpcOpenMemHandle(&peers[j], p.handle, cudaIpcMemLazyEnablePeerAccess));
+  }
+  alive = true;
+  bs.barrier();  // no rank writes into a peer's buffer before every rank has mapped and zeroed its own
+}
+
+void Buffer::Impl::destroy() {
+  if (!alive) return;
+  alive = false;
+  DeviceGuard guard(device);
+  // A failed (trapped) context answers every call with an error; free what can be freed, keep the barriers.
+  cudaDeviceSynchronize();
+  bootstrap->barrier();  // every rank's kernels are done with every buffer
+  for (int j = 0; j < num_nvl_ranks; ++j)
+    if (j != nvl_rank && peers[j] != nullptr) cudaIpcCloseMemHandle(peers[j]);
+  bootstrap->barrier();  // nobody maps this rank's buffer any more
+  cudaFree(local);
+  cudaFreeHost(host);
+  local = nullptr;
+  host = host_dev = nullptr;
+  for (auto& p : peers) p = nullptr;
+  cudaGetLastError();
+}
+
+// ---- Buffer ----------------------------------------------------------------------------------------------------
+
+Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : impl_(std::make_unique<Impl>()) {
+  impl_->create(bootstrap, options);
+}
+
+Buffer::~Buffer() {
+  try {
+    destroy();
+  } catch (...) {
+    // A destructor must not throw; destroy() explicitly to see teardown errors.
+  }
+}
+
+void Buffer::destroy() { impl_->destroy(); }
+bool Buffer::alive() const { return impl_->alive; }
+int Buffer::rank() const { return impl_->rank; }
+int Buffer::num_ranks() const { return impl_->num_ranks; }
+int Buffer::device() const { return impl_->device; }
+int Buffer::num_nvl_ranks() const { return impl_->num_nvl_ranks; }
+int Buffer::num_sms_on_device() const { return impl_->num_device_sms; }
+double Buffer::timeout() const { return impl_->timeout_s; }
+
+void Buffer::set_timeout(double seconds) {
+  EPX_REQUIRE(seconds > 0 && seconds < 1e7, "timeout must be in (0, 1e7) seconds, got ", seconds);
+  impl_->timeout_s = seconds;
+}
+
+void Buffer::check(cudaStream_t stream) {
+  impl_->enter("check");
+  const cudaError_t err = cudaStreamSynchronize(stream);
+  if (err != cudaSuccess) impl_->raise_device_failure(err, "check");
+  impl_->raise_if_input_error("check", stream);
+}
+
+BufferOptions default_buffer_options() {
+  BufferOptions o{};
+  o.timeout_s = kDefaultTimeoutSeconds;
+  o.device = -1;
+  return o;
+}
+
+}  // namespace epx

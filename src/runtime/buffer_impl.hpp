@@ -1,0 +1,56 @@
+// Internal state of a Buffer: device memory, peer mappings, host-mapped block, failure state.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "epx/epx.hpp"
+#include "runtime/fail_env.hpp"
+#include "runtime/host_shared.hpp"
+#include "runtime/nvl_layout.hpp"
+
+namespace epx {
+
+struct Buffer::Impl {
+  Bootstrap* bootstrap = nullptr;  // must outlive the Buffer (creation and destroy are collective)
+  BufferOptions options{};
+  int rank = 0;
+  int num_ranks = 0;
+  int device = 0;
+  int num_nvl_ranks = 0;           // NVLink domain size
+  int nvl_rank = 0;                // index inside the domain
+  int num_device_sms = 0;
+  double timeout_s = kDefaultTimeoutSeconds;
+
+  void* local = nullptr;           // this rank's buffer: NvlControl, then ring data
+  int64_t alloc_bytes = 0;
+  void* peers[kMaxNvlRanks] = {};  // every domain rank's buffer as mapped here (peers[nvl_rank] == local)
+  HostShared* host = nullptr;      // host view of the host-mapped block
+  HostShared* host_dev = nullptr;  // device view
+  int host_seq = 0;                // sequence numbers of notify calls waited for by the host
+
+  bool alive = false;
+  bool failed = false;
+  std::string failure;
+
+  NvlControl* control() const { return static_cast<NvlControl*>(local); }
+  int64_t ring_bytes_available() const { return options.num_nvl_bytes; }
+  FailEnv fail_env() const;
+
+  // Throws kFailedState if an earlier failure made the buffer unusable; switches to the buffer's device.
+  void enter(const char* op);
+  // After a launch or query: turns a CUDA error into a fatal failure with the kernel's diagnostic.
+  void check_launch(cudaError_t err, const char* op);
+  [[noreturn]] void raise_device_failure(cudaError_t err, const char* op);
+  // Reports (and clears on this rank) the collective input error the last notify recorded, if any.
+  void raise_if_input_error(const char* op, cudaStream_t stream);
+  // Polls the host-mapped block until notify with sequence `seq` has published its counts (bounded).
+  void wait_notify(int seq, const char* op, cudaStream_t stream);
+
+  void create(Bootstrap& bs, const BufferOptions& opts);
+  void destroy();
+};
+
+}  // namespace epx

@@ -1,0 +1,54 @@
+// Configs of the high-throughput kernels: defaults per rank count, validation, buffer size hints.
+#include "runtime/errors.hpp"
+#include "runtime/nvl_layout.hpp"
+
+namespace epx {
+namespace {
+
+// Default SMs: the target point (24 SMs on H200); both kernels split them into senders and receivers.
+constexpr int kDefaultNumSms = 24;
+// Ring capacity per (channel, peer): enough that a sender rarely waits for its receiver.
+constexpr int kDefaultRingTokens = 256;
+
+// A chunk of two tokens per sender warp keeps every warp of a peer group busy (kDataWarps / R warps).
+int default_chunk(int num_ranks) {
+  const int r = num_ranks < 1 ? 1 : (num_ranks > kMaxNvlRanks ? kMaxNvlRanks : num_ranks);
+  return 2 * (kDataWarps / r);
+}
+
+}  // namespace
+
+Config default_dispatch_config(int num_ranks) {
+  return Config{kDefaultNumSms, default_chunk(num_ranks), kDefaultRingTokens};
+}
+
+Config default_combine_config(int num_ranks) {
+  return Config{kDefaultNumSms, default_chunk(num_ranks), kDefaultRingTokens};
+}
+
+void validate_config(const Config& c, int num_ranks) {
+  EPX_REQUIRE(c.num_sms >= 2 && c.num_sms % 2 == 0, "config.num_sms must be even and >= 2, got ", c.num_sms);
+  EPX_REQUIRE(c.num_sms / 2 <= kMaxChannels, "config.num_sms must be <= ", 2 * kMaxChannels, ", got ", c.num_sms);
+  EPX_REQUIRE(c.num_max_send_tokens >= 1, "config.num_max_send_tokens must be >= 1, got ", c.num_max_send_tokens);
+  EPX_REQUIRE(c.num_max_recv_tokens >= c.num_max_send_tokens,
+              "config.num_max_recv_tokens (ring capacity, ", c.num_max_recv_tokens,
+              ") must be >= num_max_send_tokens (", c.num_max_send_tokens, ")");
+  EPX_REQUIRE(c.num_max_recv_tokens <= (1 << 20), "config.num_max_recv_tokens is unreasonably large: ",
+              c.num_max_recv_tokens);
+  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxNvlRanks, "high-throughput kernels run on 1..", kMaxNvlRanks,
+              " ranks of one NVLink domain, got ", num_ranks);
+}
+
+int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks) {
+  validate_config(config, num_ranks);
+  EPX_REQUIRE(hidden_bytes > 0 && hidden_bytes % 16 == 0, "hidden_bytes must be a positive multiple of 16, got ",
+              hidden_bytes);
+  // hidden_bytes is the BF16 row (hidden * 2): covers an FP8 row of the same hidden plus its scales, and the
+  // combine row; top-k metadata at the largest K we accept.
+  const int64_t dispatch = DispatchRecord::make(hidden_bytes, 0, kMaxTopk).bytes;
+  const int64_t combine = CombineRecord::make(int(hidden_bytes / 2), kMaxTopk).bytes;
+  const RingLayout ring{num_ranks, config.num_max_recv_tokens, dispatch > combine ? dispatch : combine};
+  return align_up(ring.bytes(config.num_sms / 2), kAlign);
+}
+
+}  // namespace epx

@@ -1,0 +1,94 @@
+#include "runtime/diagnostics.hpp"
+
+#include "runtime/errors.hpp"
+
+namespace epx {
+
+DeviceDiag read_diag(const volatile DeviceDiag* d) {
+  DeviceDiag r{};
+  r.code = d->code;
+  r.rank = d->rank;
+  r.role = d->role;
+  r.channel = d->channel;
+  r.peer = d->peer;
+  r.a = d->a;
+  r.b = d->b;
+  r.c = d->c;
+  return r;
+}
+
+const char* error_name(int code) {
+  switch (code) {
+    case kErrNone: return "no error";
+    case kErrTopkOutOfRange: return "topk_idx out of range";
+    case kErrLayoutMismatch: return "num_tokens_per_rank does not match is_token_in_rank";
+    case kErrWorstTokensExceeded: return "num_worst_tokens too small";
+    case kErrTimeout: return "timeout";
+    case kErrAbortedByPeer: return "aborted by a peer";
+  }
+  return "unknown error";
+}
+
+const char* role_name(int role) {
+  switch (role) {
+    case kRoleLayout: return "layout";
+    case kRoleNotify: return "notify (count exchange / barrier)";
+    case kRoleDispatchSender: return "dispatch sender";
+    case kRoleDispatchReceiver: return "dispatch receiver";
+    case kRoleCombineSender: return "combine sender";
+    case kRoleCombineReceiver: return "combine receiver";
+    case kRoleCombineCoordinator: return "combine coordinator";
+    case kRoleLowLatencySend: return "low-latency dispatch send";
+    case kRoleLowLatencyRecv: return "low-latency dispatch receive";
+    case kRoleLowLatencyCombineSend: return "low-latency combine send";
+    case kRoleLowLatencyCombineRecv: return "low-latency combine receive";
+  }
+  return "unknown role";
+}
+
+std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
+  if (d.code == kErrAbortedByPeer)
+    return cat("rank ", d.rank, " ", role_name(d.role), " (channel ", d.channel, ", peer ", d.peer,
+               ") stopped because rank ", d.a, " failed a wait first; see that rank's error");
+  std::string what;
+  switch (d.role) {
+    case kRoleNotify:
+      what = cat("waiting for rank ", d.peer, " to reach the same operation (epoch flag ", d.a, ", awaited ", d.b,
+                 "): did every rank call it?");
+      break;
+    case kRoleDispatchSender:
+    case kRoleCombineSender:
+      what = cat("waiting for ring space at rank ", d.peer, ": head ", d.a, ", needed >= ", d.b, " (at ",
+                 d.role == kRoleDispatchSender ? "token " : "row ", d.c, ")");
+      break;
+    case kRoleDispatchReceiver:
+      what = cat("waiting for data from rank ", d.peer, ": tail ", d.a, ", needed >= ", d.b, " (row ", d.c, ")");
+      break;
+    case kRoleCombineReceiver:
+      what = cat("waiting for data from rank ", d.peer, ": tail ", d.a, ", needed >= ", d.b, " (token ", d.c, ")");
+      break;
+    case kRoleCombineCoordinator:
+      what = cat("reducers did not finish: head of rank ", d.peer, " at ", d.a, " of ", d.b);
+      break;
+    default:
+      what = cat("waiting on rank ", d.peer, ": seen ", d.a, ", awaited ", d.b, " (", d.c, ")");
+  }
+  return cat("rank ", d.rank, " ", role_name(d.role), " timed out after ", timeout_s, " s on channel ", d.channel,
+             ", ", what);
+}
+
+std::string describe_input(int code, const DeviceDiag& d, int reporting_rank) {
+  switch (code) {
+    case kErrTopkOutOfRange:
+      return cat("topk_idx[", d.a, "][", d.b, "] = ", d.c, " on rank ", reporting_rank,
+                 " is outside [-1, num_experts) (found by get_dispatch_layout; the slot was not counted)");
+    case kErrLayoutMismatch:
+      return cat("on rank ", reporting_rank, ", num_tokens_per_rank[", d.a, "] = ", d.b, " but is_token_in_rank has ",
+                 d.c, " tokens for rank ", d.a, ": pass the layout of the same topk_idx");
+    case kErrWorstTokensExceeded:
+      return cat("num_worst_tokens = ", d.c, " is too small: rank ", d.a, " would receive ", d.b, " rows");
+  }
+  return cat(error_name(code), " (rank ", reporting_rank, ")");
+}
+
+}  // namespace epx

@@ -1,0 +1,59 @@
+// Host-mapped memory of one rank (cudaHostAlloc, mapped): what the kernels tell the CPU without a copy.
+// The CPU polls it with a bounded wait; kernels write it with system-scope release stores.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/limits.hpp"
+
+namespace epx {
+
+// Conditions a kernel reports. Input errors are collective and non-fatal (every rank's call throws, the
+// buffer stays usable); timeouts and aborts are fatal (the kernel traps, the buffer must be destroyed).
+enum DeviceError : int32_t {
+  kErrNone = 0,
+  kErrTopkOutOfRange = 1,     // a = token, b = slot, c = value
+  kErrLayoutMismatch = 2,     // a = destination rank, b = num_tokens_per_rank[a], c = count in is_token_in_rank
+  kErrWorstTokensExceeded = 3,// a = receiving rank, b = rows it would receive, c = num_worst_tokens
+  kErrTimeout = 4,            // a = value seen, b = value awaited, c = role-specific (see the role)
+  kErrAbortedByPeer = 5,      // a = rank whose wait failed first
+};
+
+enum DeviceRole : int32_t {
+  kRoleLayout = 0,
+  kRoleNotify = 1,
+  kRoleDispatchSender = 2,
+  kRoleDispatchReceiver = 3,
+  kRoleCombineSender = 4,
+  kRoleCombineReceiver = 5,
+  kRoleCombineCoordinator = 6,
+  kRoleLowLatencySend = 7,
+  kRoleLowLatencyRecv = 8,
+  kRoleLowLatencyCombineSend = 9,
+  kRoleLowLatencyCombineRecv = 10,
+};
+
+struct DeviceDiag {
+  int32_t code;
+  int32_t rank;
+  int32_t role;
+  int32_t channel;
+  int32_t peer;
+  int32_t pad;
+  int64_t a, b, c;
+};
+
+struct HostShared {
+  int32_t notify_seq;       // written last by notify (release): the host's sequence number of that call
+  int32_t num_recv_tokens;  // counts of that notify
+  int32_t op_error;         // collective input error of that notify (DeviceError), 0 if none
+  int32_t op_error_rank;
+  int32_t fatal_claimed;    // 0 until a fatal diagnostic is written (first writer wins)
+  int32_t input_claimed;    // 0 until this rank's first input error since the last report
+  int32_t pad[2];
+  DeviceDiag fatal;         // timeout / abort
+  DeviceDiag input;         // this rank's input error (layout kernel)
+  int32_t num_recv_tokens_per_expert[kMaxLocalExperts];
+};
+
+}  // namespace epx

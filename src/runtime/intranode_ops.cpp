@@ -1,0 +1,243 @@
+// Host side of layout, notify, dispatch and combine inside one NVLink domain: validation, kernel parameters,
+// launches, and the bounded host wait for the counts.
+#include <cstdint>
+
+#include "kernels/params.hpp"
+#include "runtime/buffer_impl.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/validate.hpp"
+
+namespace epx {
+namespace {
+
+RingLayout ring_for(const Buffer::Impl& b, const Config& c, int64_t record_bytes, const char* op) {
+  const RingLayout ring{b.num_nvl_ranks, c.num_max_recv_tokens, record_bytes};
+  const int64_t need = ring.bytes(c.num_sms / 2);
+  if (need > b.ring_bytes_available())
+    raise(Status::kBufferTooSmall, op, ": num_nvl_bytes is ", b.ring_bytes_available(), " but this call needs ", need,
+          " (", c.num_sms / 2, " channels x ", b.num_nvl_ranks, " ranks x ", c.num_max_recv_tokens, " tokens x ",
+          record_bytes, " bytes per token); create the Buffer with at least that, e.g. from nvl_size_hint");
+  return ring;
+}
+
+void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Config& c, int num_tokens, const char* op) {
+  EPX_REQUIRE(h.num_ranks == b.num_ranks, op, ": the handle is for ", h.num_ranks, " ranks, the buffer has ",
+              b.num_ranks);
+  EPX_REQUIRE(h.num_channels == c.num_sms / 2, op, ": the handle was made with ", h.num_channels,
+              " channels (num_sms ", 2 * h.num_channels, "); use the same num_sms, got ", c.num_sms);
+  EPX_REQUIRE(h.num_tokens == num_tokens, op, ": the handle is for ", h.num_tokens, " tokens, got ", num_tokens);
+  EPX_REQUIRE(h.rank_prefix_matrix && h.channel_prefix_matrix && h.recv_channel_prefix_matrix, op,
+              ": handle prefix matrices are null (was notify_dispatch called?)");
+  EPX_REQUIRE(num_tokens == 0 || (h.send_head != nullptr && h.is_token_in_rank != nullptr), op,
+              ": handle.send_head / is_token_in_rank are null");
+}
+
+}  // namespace
+
+void Buffer::get_dispatch_layout(const LayoutArgs& a, const LayoutOutputs& o, cudaStream_t stream) {
+  const char* op = "get_dispatch_layout";
+  Impl& b = *impl_;
+  b.enter(op);
+  EPX_REQUIRE(a.num_tokens >= 0, op, ": num_tokens must be >= 0, got ", a.num_tokens);
+  EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be in [1, ", kMaxTopk, "], got ",
+              a.num_topk);
+  EPX_REQUIRE(a.num_experts > 0 && a.num_experts % b.num_ranks == 0 && a.num_experts <= kMaxExperts, op,
+              ": num_experts (", a.num_experts, ") must be a positive multiple of the number of ranks (", b.num_ranks,
+              ") and <= ", kMaxExperts);
+  EPX_REQUIRE(a.num_tokens == 0 || a.topk_idx != nullptr, op, ": topk_idx is null");
+  EPX_REQUIRE(o.num_tokens_per_rank && o.num_tokens_per_expert, op, ": output counts are null");
+  EPX_REQUIRE(a.num_tokens == 0 || o.is_token_in_rank != nullptr, op, ": is_token_in_rank is null");
+  EPX_REQUIRE(o.num_tokens_per_rdma_rank == nullptr || b.num_nvl_ranks < b.num_ranks, op,
+              ": num_tokens_per_rdma_rank is only for ranks spanning several NVLink domains");
+  LayoutParams p{};
+  p.topk_idx = a.topk_idx;
+  p.num_tokens = a.num_tokens;
+  p.num_topk = a.num_topk;
+  p.num_experts = a.num_experts;
+  p.num_ranks = b.num_ranks;
+  p.num_nvl_ranks = b.num_nvl_ranks;
+  p.num_tokens_per_rank = o.num_tokens_per_rank;
+  p.num_tokens_per_rdma_rank = o.num_tokens_per_rdma_rank;
+  p.num_tokens_per_expert = o.num_tokens_per_expert;
+  p.is_token_in_rank = o.is_token_in_rank;
+  p.self = b.control();
+  p.host = b.host_dev;
+  launch_layout(p, b.num_device_sms, stream);
+  b.check_launch(cudaGetLastError(), op);
+}
+
+DispatchCounts Buffer::notify_dispatch(const DispatchArgs& a, const Config& c, DispatchHandle& h, cudaStream_t stream) {
+  const char* op = "notify_dispatch";
+  Impl& b = *impl_;
+  b.enter(op);
+  validate_config(c, b.num_nvl_ranks);
+  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
+              b.num_device_sms, " SMs");
+  validate_dispatch_args(a, b.num_ranks, false, op);
+  ring_for(b, c, dispatch_record(a).bytes, op);
+  EPX_REQUIRE(h.rank_prefix_matrix && h.channel_prefix_matrix && h.recv_channel_prefix_matrix, op,
+              ": handle arrays rank_prefix_matrix [R, R], channel_prefix_matrix and recv_channel_prefix_matrix [R, C]"
+              " must be allocated by the caller");
+  EPX_REQUIRE(a.num_tokens == 0 || h.send_head != nullptr, op, ": handle.send_head [num_tokens, R] must be allocated");
+
+  h.num_ranks = b.num_ranks;
+  h.num_channels = c.num_sms / 2;
+  h.num_tokens = a.num_tokens;
+  h.num_recv_tokens = -1;
+  h.is_token_in_rank = a.is_token_in_rank;
+
+  NotifyParams p{};
+  p.env = b.fail_env();
+  p.num_ranks = b.num_ranks;
+  p.barrier_only = 0;
+  p.num_tokens_per_rank = a.num_tokens_per_rank;
+  p.num_tokens_per_expert = a.num_tokens_per_expert;
+  p.is_token_in_rank = a.is_token_in_rank;
+  p.num_tokens = a.num_tokens;
+  p.num_experts = a.num_tokens_per_expert != nullptr ? a.num_experts : 0;
+  p.num_channels = h.num_channels;
+  p.expert_alignment = a.expert_alignment > 0 ? a.expert_alignment : 1;
+  p.num_worst_tokens = a.num_worst_tokens;
+  p.rank_prefix_matrix = h.rank_prefix_matrix;
+  p.channel_prefix_matrix = h.channel_prefix_matrix;
+  p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
+  const bool wait = a.num_worst_tokens == 0;
+  p.host_seq = wait ? ++b.host_seq : 0;
+  if (b.host_seq == (1 << 30)) b.host_seq = 0;
+  launch_notify(p, stream);
+  b.check_launch(cudaGetLastError(), op);
+
+  DispatchCounts counts;
+  if (!wait) return counts;
+  b.wait_notify(p.host_seq, op, stream);
+  b.raise_if_input_error(op, stream);
+  const volatile HostShared* host = b.host;
+  counts.num_recv_tokens = host->num_recv_tokens;
+  const int local_experts = p.num_experts / b.num_ranks;
+  counts.num_recv_tokens_per_expert.resize(local_experts);
+  for (int i = 0; i < local_experts; ++i) counts.num_recv_tokens_per_expert[i] = host->num_recv_tokens_per_expert[i];
+  h.num_recv_tokens = counts.num_recv_tokens;
+  return counts;
+}
+
+namespace {
+
+void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
+                          const DispatchOutputs& o, cudaStream_t stream, const char* op) {
+  const DispatchRecord record = dispatch_record(a);
+  const RingLayout ring = ring_for(b, c, record.bytes, op);
+  const int rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : h.num_recv_tokens;
+  EPX_REQUIRE(rows >= 0, op, ": the handle does not know how many tokens arrive (notify_dispatch not waited for);"
+              " pass num_worst_tokens");
+  EPX_REQUIRE(o.num_rows >= rows, op, ": outputs have ", o.num_rows, " rows, need ", rows);
+  if (rows > 0) {
+    EPX_REQUIRE(o.recv_x != nullptr && aligned16(o.recv_x), op, ": recv_x must be a 16-byte aligned device pointer");
+    EPX_REQUIRE(h.recv_src_idx != nullptr, op, ": handle.recv_src_idx [rows] must be allocated");
+    EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
+    EPX_REQUIRE(a.topk_idx == nullptr || o.recv_topk_idx != nullptr, op, ": top-k dispatch needs recv_topk_idx");
+    EPX_REQUIRE(a.topk_weights == nullptr || o.recv_topk_weights != nullptr, op,
+                ": dispatch with topk_weights needs recv_topk_weights");
+  }
+  DispatchParams p{};
+  p.env = b.fail_env();
+  p.ring = ring;
+  p.record = record;
+  p.num_ranks = b.num_ranks;
+  p.num_channels = h.num_channels;
+  p.num_tokens = a.num_tokens;
+  p.num_send_chunk = c.num_max_send_tokens;
+  p.x_int4 = int(record.x_bytes / 16);
+  p.num_scales = a.dtype == EPX_FP8_E4M3 ? a.num_scales : 0;
+  p.num_topk = a.topk_idx != nullptr ? a.num_topk : 0;
+  p.experts_per_rank = a.topk_idx != nullptr ? a.num_experts / b.num_ranks : 0;
+  p.x = static_cast<const int4*>(a.x);
+  p.x_scales = a.x_scales;
+  p.topk_idx = a.topk_idx;
+  p.topk_weights = a.topk_weights;
+  p.is_token_in_rank = h.is_token_in_rank;
+  p.rank_prefix_matrix = h.rank_prefix_matrix;
+  p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
+  p.send_head = h.send_head;
+  p.recv_x = static_cast<int4*>(o.recv_x);
+  p.recv_x_scales = o.recv_x_scales;
+  p.recv_topk_idx = o.recv_topk_idx;
+  p.recv_topk_weights = o.recv_topk_weights;
+  p.recv_src_idx = h.recv_src_idx;
+  p.num_worst_tokens = a.num_worst_tokens;
+  launch_dispatch(p, stream);
+  b.check_launch(cudaGetLastError(), op);
+}
+
+void launch_barrier(Buffer::Impl& b, cudaStream_t stream, const char* op) {
+  NotifyParams p{};
+  p.env = b.fail_env();
+  p.num_ranks = b.num_ranks;
+  p.barrier_only = 1;
+  launch_notify(p, stream);
+  b.check_launch(cudaGetLastError(), op);
+}
+
+}  // namespace
+
+void Buffer::dispatch(const DispatchArgs& a, const Config& c, const DispatchHandle& h, const DispatchOutputs& o,
+                      cudaStream_t stream) {
+  const char* op = "dispatch";
+  Impl& b = *impl_;
+  b.enter(op);
+  validate_config(c, b.num_nvl_ranks);
+  validate_dispatch_args(a, b.num_ranks, false, op);
+  validate_handle(h, b, c, a.num_tokens, op);
+  launch_dispatch_data(b, a, c, h, o, stream, op);
+}
+
+void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const DispatchHandle& h,
+                             const DispatchOutputs& o, cudaStream_t stream) {
+  const char* op = "dispatch (cached)";
+  Impl& b = *impl_;
+  b.enter(op);
+  validate_config(c, b.num_nvl_ranks);
+  validate_dispatch_args(a, b.num_ranks, true, op);
+  validate_handle(h, b, c, a.num_tokens, op);
+  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
+  launch_barrier(b, stream, op);
+  launch_dispatch_data(b, a, c, h, o, stream, op);
+}
+
+void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
+                     cudaStream_t stream) {
+  const char* op = "combine";
+  Impl& b = *impl_;
+  b.enter(op);
+  validate_config(c, b.num_nvl_ranks);
+  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
+  validate_handle(h, b, c, h.num_tokens, op);
+  validate_combine_args(a, o, h.num_tokens, h.num_recv_tokens, op);
+  const CombineRecord record = CombineRecord::make(a.hidden, a.topk_weights != nullptr ? a.num_topk : 0);
+  const RingLayout ring = ring_for(b, c, record.bytes, op);
+
+  CombineParams p{};
+  p.env = b.fail_env();
+  p.ring = ring;
+  p.record = record;
+  p.num_ranks = b.num_ranks;
+  p.num_channels = h.num_channels;
+  p.num_tokens = h.num_tokens;
+  p.num_send_chunk = c.num_max_send_tokens;
+  p.x_int4 = int(record.x_bytes / 16);
+  p.num_topk = a.topk_weights != nullptr ? a.num_topk : 0;
+  p.x = static_cast<const int4*>(a.x);
+  p.topk_weights = a.topk_weights;
+  p.rank_prefix_matrix = h.rank_prefix_matrix;
+  p.channel_prefix_matrix = h.channel_prefix_matrix;
+  p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
+  p.send_head = h.send_head;
+  p.bias0 = static_cast<const int4*>(a.bias0);
+  p.bias1 = static_cast<const int4*>(a.bias1);
+  p.combined_x = static_cast<int4*>(o.combined_x);
+  p.combined_topk_weights = o.combined_topk_weights;
+  launch_barrier(b, stream, op);
+  launch_combine(p, stream);
+  b.check_launch(cudaGetLastError(), op);
+}
+
+}  // namespace epx

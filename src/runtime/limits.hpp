@@ -1,0 +1,42 @@
+// Named limits of the library, each explained once. Host and device code include this.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define EPX_HD __host__ __device__ __forceinline__
+#else
+#define EPX_HD inline
+#endif
+
+namespace epx {
+
+// Ranks inside one NVLink domain. A sender block gives every peer at least one warp, and a named barrier
+// per peer (16 hardware barriers per block, id 0 kept for __syncthreads).
+constexpr int kMaxNvlRanks = 8;
+// Channels of the high-throughput kernels (num_sms / 2). H200 has 132 SMs.
+constexpr int kMaxChannels = 64;
+// Top-k slots per token: one lane per slot in the kernels.
+constexpr int kMaxTopk = 32;
+// Local experts per rank: sizes the count messages of notify and the host-mapped per-expert counters.
+constexpr int kMaxLocalExperts = 1024;
+// Experts in total: the layout kernel keeps one shared-memory counter per expert.
+constexpr int kMaxExperts = 8192;
+// Ranks the layout kernel handles (one 64-bit destination mask per token).
+constexpr int kMaxRanks = 64;
+// Largest hidden size we accept (bytes of one row are bounded by the ring record size).
+constexpr int kMaxHidden = 32768;
+// FP8 scales are per group of this many elements (SPEC section 2 and 4).
+constexpr int kFp8GroupSize = 128;
+// Every device region starts on this alignment; rows are moved in 16-byte vectors.
+constexpr int64_t kAlign = 128;
+// Threads of a high-throughput data block: 24 warps, enough loads in flight per SM to saturate NVLink.
+constexpr int kDataThreads = 768;
+constexpr int kDataWarps = kDataThreads / 32;
+// Default wait budget (SPEC section 7).
+constexpr double kDefaultTimeoutSeconds = 100.0;
+
+EPX_HD constexpr int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+EPX_HD constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace epx

@@ -1,0 +1,101 @@
+// Layout of the NVLink buffer of one rank (mapped into every peer through CUDA IPC), shared by the host
+// (sizes, validation) and the kernels (addresses). Nothing else computes these offsets.
+//
+//   [ NvlControl | pad to kAlign | ring data: [channel][peer][slot] records ]
+//
+// The ring data is reused by dispatch and combine (never active at once: every operation starts with the
+// notify/barrier kernel, which no rank passes before all ranks finished their previous operation).
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/limits.hpp"
+
+namespace epx {
+
+// Count message that rank s writes into rank r's buffer during notify (ints).
+struct NotifyMsg {
+  static constexpr int kErrorCode = 0;  // first input error the sender saw (ErrorCode), 0 if none
+  static constexpr int kErrorRank = 1;  // rank that saw it
+  static constexpr int kNumTokens = 2;  // sender's token count (diagnostics)
+  static constexpr int kHeader = 4;
+  EPX_HD static constexpr int tokens_per_rank(int j) { return kHeader + j; }                  // sender's row
+  EPX_HD static constexpr int expert(int i) { return kHeader + kMaxNvlRanks + i; }            // receiver's expert i
+  EPX_HD static constexpr int channel(int c) { return kHeader + kMaxNvlRanks + kMaxLocalExperts + c; }
+  static constexpr int kInts = kHeader + kMaxNvlRanks + kMaxLocalExperts + kMaxChannels;
+};
+
+// Control region at offset 0 of every NVLink buffer. Zeroed at creation; counters only grow afterwards.
+struct NvlControl {
+  // Written by this rank only.
+  uint32_t epoch;        // operations (notify or barrier) this rank has started
+  int32_t local_error;   // input error found by this rank's layout kernel, reported at the next notify
+  int32_t op_error;      // collective error of the current operation (0: none), set by notify
+  int32_t op_error_rank; // rank that reported op_error
+  // Written by any rank: 1 + the rank that failed a wait; every wait of every rank checks it.
+  int32_t abort;
+  int32_t fatal_claimed;  // first failing thread of this rank claims the host diagnostic slot (atomicCAS)
+  int32_t pad0;
+  // notify_flag[s] = epoch of the last notify message rank s wrote here (release; read with acquire).
+  uint32_t notify_flag[kMaxNvlRanks];
+  // Messages double-buffered by epoch parity: no rank can run two operations ahead of another.
+  int32_t notify_msg[2][kMaxNvlRanks][NotifyMsg::kInts];
+  // Ring indices, monotonic over the buffer's life (64-bit: they never wrap). For the ring of
+  // (channel c, peer p) held in this buffer: tail advanced by the sender p (release), head by this rank.
+  uint64_t dispatch_tail[kMaxChannels][kMaxNvlRanks];
+  uint64_t dispatch_head[kMaxChannels][kMaxNvlRanks];
+  uint64_t combine_tail[kMaxChannels][kMaxNvlRanks];
+  uint64_t combine_head[kMaxChannels][kMaxNvlRanks];
+};
+
+// Dispatch ring record: one token.
+//   [x: x_bytes][scales: num_scales * 4][src_idx int32][topk idx int32 * K][topk weight f32 * K]
+struct DispatchRecord {
+  int64_t x_bytes;
+  int64_t scale_offset;
+  int64_t meta_offset;
+  int64_t bytes;
+  EPX_HD static DispatchRecord make(int64_t x_bytes, int num_scales, int num_topk) {
+    DispatchRecord r{};
+    r.x_bytes = x_bytes;
+    r.scale_offset = align_up(x_bytes, 16);
+    r.meta_offset = r.scale_offset + align_up(int64_t(num_scales) * 4, 16);
+    r.bytes = r.meta_offset + align_up(4 + int64_t(num_topk) * 8, 16);
+    return r;
+  }
+  EPX_HD static int64_t src_idx_offset() { return 0; }
+  EPX_HD static int64_t topk_idx_offset() { return 4; }
+  EPX_HD static int64_t topk_weight_offset(int num_topk) { return 4 + int64_t(num_topk) * 4; }
+};
+
+// Combine ring record: one expert-output row.  [x: hidden * 2][topk weight f32 * K]
+struct CombineRecord {
+  int64_t x_bytes;
+  int64_t weight_offset;
+  int64_t bytes;
+  EPX_HD static CombineRecord make(int hidden, int num_topk) {
+    CombineRecord r{};
+    r.x_bytes = int64_t(hidden) * 2;
+    r.weight_offset = align_up(r.x_bytes, 16);
+    r.bytes = r.weight_offset + align_up(int64_t(num_topk) * 4, 16);
+    return r;
+  }
+};
+
+// Ring data region: [channel][peer][slot] records of `record_bytes`.
+struct RingLayout {
+  int num_peers;
+  int capacity;  // slots per (channel, peer)
+  int64_t record_bytes;
+
+  EPX_HD static constexpr int64_t data_offset() { return align_up(int64_t(sizeof(NvlControl)), kAlign); }
+  EPX_HD int64_t bytes(int num_channels) const {
+    return int64_t(num_channels) * num_peers * capacity * record_bytes;
+  }
+  EPX_HD uint8_t* slot(void* buffer_base, int channel, int peer, uint64_t position) const {
+    const int64_t index = (int64_t(channel) * num_peers + peer) * capacity + int64_t(position % uint64_t(capacity));
+    return static_cast<uint8_t*>(buffer_base) + data_offset() + index * record_bytes;
+  }
+};
+
+}  // namespace epx

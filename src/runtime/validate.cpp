@@ -1,0 +1,68 @@
+// Argument validation that needs no Buffer (also exercised by the CPU tests).
+#include "runtime/validate.hpp"
+
+#include "runtime/errors.hpp"
+
+namespace epx {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int64_t row_bytes(epx_dtype dtype, int hidden) { return int64_t(hidden) * (dtype == EPX_FP8_E4M3 ? 1 : 2); }
+
+void validate_dispatch_args(const DispatchArgs& a, int num_ranks, bool cached, const char* op) {
+  EPX_REQUIRE(a.dtype == EPX_BF16 || a.dtype == EPX_FP8_E4M3, op, ": dtype must be EPX_BF16 or EPX_FP8_E4M3, got ",
+              int(a.dtype));
+  EPX_REQUIRE(a.num_tokens >= 0, op, ": num_tokens must be >= 0, got ", a.num_tokens);
+  EPX_REQUIRE(a.hidden > 0 && a.hidden <= kMaxHidden, op, ": hidden must be in [1, ", kMaxHidden, "], got ", a.hidden);
+  EPX_REQUIRE(row_bytes(a.dtype, a.hidden) % 16 == 0, op, ": a row of x must be a multiple of 16 bytes (hidden ",
+              a.hidden, a.dtype == EPX_BF16 ? " bf16: hidden % 8 == 0" : " fp8: hidden % 16 == 0", ")");
+  const bool has_tokens = a.num_tokens > 0;
+  EPX_REQUIRE(!has_tokens || a.x != nullptr, op, ": x is null");
+  EPX_REQUIRE(aligned16(a.x), op, ": x must be 16-byte aligned");
+  if (a.dtype == EPX_FP8_E4M3) {
+    EPX_REQUIRE(a.num_scales >= 1, op, ": FP8 dispatch needs x_scales with num_scales >= 1 (hidden / 128 = ",
+                a.hidden / kFp8GroupSize, " for per-128 scales)");
+    EPX_REQUIRE(!has_tokens || a.x_scales != nullptr, op, ": FP8 dispatch needs x_scales");
+  } else {
+    EPX_REQUIRE(a.x_scales == nullptr && a.num_scales == 0, op, ": x_scales are only for FP8 x");
+  }
+  EPX_REQUIRE(a.topk_weights == nullptr || a.topk_idx != nullptr, op, ": topk_weights need topk_idx");
+  if (a.topk_idx != nullptr || a.num_tokens_per_expert != nullptr) {
+    EPX_REQUIRE(a.num_experts > 0 && a.num_experts % num_ranks == 0, op, ": num_experts (", a.num_experts,
+                ") must be a positive multiple of the number of ranks (", num_ranks, ")");
+    EPX_REQUIRE(a.num_experts / num_ranks <= kMaxLocalExperts, op, ": at most ", kMaxLocalExperts,
+                " experts per rank, got ", a.num_experts / num_ranks);
+  }
+  if (a.topk_idx != nullptr)
+    EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be in [1, ", kMaxTopk, "], got ",
+                a.num_topk);
+  EPX_REQUIRE(!has_tokens || a.is_token_in_rank != nullptr, op, ": is_token_in_rank is null");
+  if (!cached) EPX_REQUIRE(a.num_tokens_per_rank != nullptr, op, ": num_tokens_per_rank is null");
+  EPX_REQUIRE(a.expert_alignment >= 0, op, ": expert_alignment must be >= 1, got ", a.expert_alignment);
+  EPX_REQUIRE(a.num_worst_tokens >= 0, op, ": num_worst_tokens must be >= 0, got ", a.num_worst_tokens);
+}
+
+DispatchRecord dispatch_record(const DispatchArgs& a) {
+  return DispatchRecord::make(row_bytes(a.dtype, a.hidden), a.dtype == EPX_FP8_E4M3 ? a.num_scales : 0,
+                              a.topk_idx != nullptr ? a.num_topk : 0);
+}
+
+void validate_combine_args(const CombineArgs& a, const CombineOutputs& o, int num_tokens, int num_recv_tokens,
+                           const char* op) {
+  EPX_REQUIRE(a.hidden > 0 && a.hidden <= kMaxHidden && a.hidden % 8 == 0, op,
+              ": hidden must be a multiple of 8 in [8, ", kMaxHidden, "] (bf16 rows of 16-byte vectors), got ", a.hidden);
+  EPX_REQUIRE(a.num_rows >= 0, op, ": num_rows must be >= 0");
+  EPX_REQUIRE(num_recv_tokens < 0 || a.num_rows >= num_recv_tokens, op, ": x has ", a.num_rows,
+              " rows but the dispatch delivered ", num_recv_tokens);
+  EPX_REQUIRE(a.num_rows == 0 || (a.x != nullptr && aligned16(a.x)), op, ": x must be a 16-byte aligned device pointer");
+  if (a.topk_weights != nullptr)
+    EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be in [1, ", kMaxTopk, "], got ",
+                a.num_topk);
+  EPX_REQUIRE((a.topk_weights == nullptr) == (o.combined_topk_weights == nullptr) || num_tokens == 0, op,
+              ": combined_topk_weights is needed exactly when topk_weights is given");
+  EPX_REQUIRE(num_tokens == 0 || (o.combined_x != nullptr && aligned16(o.combined_x)), op,
+              ": combined_x must be a 16-byte aligned device pointer");
+  EPX_REQUIRE(aligned16(a.bias0) && aligned16(a.bias1), op, ": biases must be 16-byte aligned");
+}
+
+}  // namespace epx
