@@ -6,6 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cuda_runtime.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -78,6 +80,21 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 }
 
 }  // namespace
+
+int count_local_gpus() {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t pid = fork();
+  if (pid < 0) return 0;
+  if (pid == 0) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+    _exit(n > 250 ? 250 : n);
+  }
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 0;
+  return WEXITSTATUS(status);
+}
 
 LaunchResult launch_local(int num_ranks, const std::function<int(Bootstrap&)>& body, double timeout_s, double grace_s) {
   EPX_REQUIRE(num_ranks >= 1 && num_ranks <= 1024, "launch_local: num_ranks must be in [1, 1024], got ", num_ranks);

@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
   NvlControl* self = p.env.self;
 
   if (tid == 0) {
+    check_abort(p.env, WaitSite{kRoleNotify, -1, -1, 0});  // a peer failed earlier: fail now, not after the budget
     s_epoch = self->epoch + 1;
     self->epoch = s_epoch;
     // Sticky: an error stays until every rank's host has reported it (runtime clears op_error then).

@@ -1,0 +1,37 @@
+// A tiny collective test runner: every rank runs every case; rank 0 prints one line per case with the
+// failures of all ranks. A case returns "" on success or a description of what was wrong.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "epx/epx.hpp"
+
+namespace epx::gpu_test {
+
+struct Context {
+  Bootstrap& bootstrap;
+  Buffer& buffer;
+  cudaStream_t stream;
+  int rank;
+  int num_ranks;
+  int64_t num_nvl_bytes;
+  Config dispatch_config;
+  Config combine_config;
+};
+
+struct Case {
+  std::string name;
+  std::function<std::string(Context&)> run;
+};
+
+std::vector<Case> intranode_cases();
+std::vector<Case> lifecycle_cases();
+
+// Runs the timeout scenario in its own processes (a timed-out rank's CUDA context is lost).
+int run_timeout_suite(int num_ranks);
+
+}  // namespace epx::gpu_test

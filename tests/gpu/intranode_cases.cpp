@@ -1,0 +1,280 @@
+// GPU tests of the intranode path against the reference model (SPEC sections 1-3, 7).
+#include <cstring>
+
+#include "../../tools/harness/intranode.hpp"
+#include "gpu_test.hpp"
+
+namespace epx::gpu_test {
+namespace {
+
+using harness::IntranodeCase;
+using harness::IntranodeSession;
+using harness::Routing;
+
+IntranodeCase base_case(std::vector<int> tokens, int hidden, uint64_t seed) {
+  IntranodeCase c;
+  c.tokens = std::move(tokens);
+  c.hidden = hidden;
+  c.routing.num_experts = 64;
+  c.routing.num_topk = 8;
+  c.routing.empty_slot_prob = 0.1;
+  c.routing.seed = seed;
+  c.seed = seed;
+  return c;
+}
+
+// layout -> dispatch -> combine, each checked.
+std::string run_full(Context& ctx, const IntranodeCase& c) {
+  IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+  s.layout();
+  std::string err = s.check_layout();
+  s.dispatch();
+  err += s.check_dispatch();
+  s.set_combine_inputs(c.seed * 7 + 1);
+  s.combine();
+  err += s.check_combine();
+  return err;
+}
+
+std::vector<int> per_rank(int num_ranks, std::initializer_list<int> first, int rest) {
+  std::vector<int> v(first);
+  v.resize(num_ranks, rest);
+  v.resize(num_ranks);
+  return v;
+}
+
+Case scenario(std::string name, std::function<IntranodeCase(Context&)> make) {
+  return Case{std::move(name), [make](Context& ctx) { return run_full(ctx, make(ctx)); }};
+}
+
+}  // namespace
+
+std::vector<Case> intranode_cases() {
+  std::vector<Case> cases;
+  cases.push_back(scenario("one token per rank, h2048", [](Context&) { return base_case({1}, 2048, 11); }));
+  cases.push_back(scenario("random bf16 h2048, 20% empty slots", [](Context&) {
+    auto c = base_case({256}, 2048, 12);
+    c.routing.empty_slot_prob = 0.2;
+    return c;
+  }));
+  cases.push_back(scenario("random bf16 h4096, one bias", [](Context&) {
+    auto c = base_case({512}, 4096, 13);
+    c.num_biases = 1;
+    return c;
+  }));
+  cases.push_back(scenario("random bf16 h7168, two biases, 256 experts", [](Context&) {
+    auto c = base_case({384}, 7168, 14);
+    c.routing.num_experts = 256;
+    c.num_biases = 2;
+    return c;
+  }));
+  cases.push_back(scenario("fp8 h7168 with scales", [](Context&) {
+    auto c = base_case({512}, 7168, 15);
+    c.dtype = EPX_FP8_E4M3;
+    return c;
+  }));
+  cases.push_back(scenario("fp8 h4096, expert_alignment 128", [](Context&) {
+    auto c = base_case({300}, 4096, 16);
+    c.dtype = EPX_FP8_E4M3;
+    c.expert_alignment = 128;
+    return c;
+  }));
+  cases.push_back(scenario("rank 0 sends nothing", [](Context& ctx) {
+    return base_case(per_rank(ctx.num_ranks, {0}, 300), 2048, 17);
+  }));
+  cases.push_back(scenario("last rank receives nothing", [](Context&) {
+    auto c = base_case({400}, 2048, 18);
+    c.routing.kind = Routing::kLastIdle;
+    return c;
+  }));
+  cases.push_back(scenario("skewed expert popularity", [](Context&) {
+    auto c = base_case({1024}, 4096, 19);
+    c.routing.kind = Routing::kSkewed;
+    c.routing.num_experts = 256;
+    return c;
+  }));
+  cases.push_back(scenario("every token to expert 0", [](Context&) {
+    auto c = base_case({500}, 2048, 20);
+    c.routing.kind = Routing::kOneExpert;
+    return c;
+  }));
+  cases.push_back(scenario("no top-k (routing only), no combine weights", [](Context&) {
+    auto c = base_case({300}, 2048, 21);
+    c.with_topk = false;
+    c.combine_weights = false;
+    return c;
+  }));
+  cases.push_back(scenario("top-k without weights", [](Context&) {
+    auto c = base_case({300}, 2048, 22);
+    c.with_weights = false;
+    return c;
+  }));
+  cases.push_back(scenario("uneven tokens per rank", [](Context& ctx) {
+    return base_case(per_rank(ctx.num_ranks, {100, 1000, 7, 333}, 50), 2048, 23);
+  }));
+  cases.push_back(scenario("4096 tokens, bf16 h7168, top-8 of 256", [](Context&) {
+    auto c = base_case({4096}, 7168, 24);
+    c.routing.num_experts = 256;
+    c.routing.empty_slot_prob = 0.02;
+    return c;
+  }));
+  cases.push_back(scenario("8192 tokens, fp8 h4096", [](Context&) {
+    auto c = base_case({8192}, 4096, 25);
+    c.dtype = EPX_FP8_E4M3;
+    c.routing.num_experts = 256;
+    return c;
+  }));
+  cases.push_back(scenario("8192 tokens, bf16 h2048", [](Context&) { return base_case({8192}, 2048, 26); }));
+  cases.push_back(scenario("worst-case mode (no host wait)", [](Context&) {
+    auto c = base_case({600}, 2048, 27);
+    c.worst_case = true;
+    return c;
+  }));
+  cases.push_back(scenario("worst-case mode, fp8, 1 token", [](Context&) {
+    auto c = base_case({1}, 4096, 28);
+    c.worst_case = true;
+    c.dtype = EPX_FP8_E4M3;
+    return c;
+  }));
+
+  cases.push_back(Case{"cached dispatch with new data, then combine", [](Context& ctx) {
+    auto c = base_case({700}, 4096, 29);
+    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+    s.layout();
+    s.dispatch();
+    std::string err = s.check_dispatch();
+    for (int i = 0; i < 3; ++i) {
+      s.set_x(1000 + i);
+      s.dispatch_cached();
+      err += s.check_dispatch();
+    }
+    s.set_combine_inputs(99);
+    s.combine();
+    err += s.check_combine();
+    return err;
+  }});
+
+  cases.push_back(Case{"legacy default stream", [](Context& ctx) {
+    auto c = base_case({256}, 2048, 30);
+    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, nullptr);
+    s.layout();
+    s.dispatch();
+    std::string err = s.check_dispatch();
+    s.set_combine_inputs(5);
+    s.combine();
+    return err + s.check_combine();
+  }});
+
+  cases.push_back(Case{"small configs: 2 SMs, chunk 1, ring 2", [](Context& ctx) {
+    Config small{2, 1, 2};
+    auto c = base_case({300}, 2048, 31);
+    IntranodeSession s(ctx.buffer, c, small, small, ctx.stream);
+    s.layout();
+    s.dispatch();
+    std::string err = s.check_dispatch();
+    s.set_combine_inputs(6);
+    s.combine();
+    return err + s.check_combine();
+  }});
+
+  cases.push_back(Case{"out-of-range topk_idx fails every rank, buffer stays usable", [](Context& ctx) {
+    auto c = base_case({64}, 2048, 32);
+    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+    const int culprit = ctx.num_ranks > 1 ? 1 : 0;
+    if (ctx.rank == culprit) {  // a layout of a corrupted topk_idx: slot [3][2] = E + 5
+      std::vector<int64_t> idx;
+      std::vector<float> w;
+      harness::make_topk(c.routing, ctx.rank, ctx.num_ranks, 64, idx, w);
+      idx[3 * c.routing.num_topk + 2] = c.routing.num_experts + 5;
+      harness::DeviceArray<int64_t> bad;
+      bad.upload(idx, ctx.stream);
+      harness::DeviceArray<int> per_rank(ctx.num_ranks), per_expert(c.routing.num_experts);
+      harness::DeviceArray<uint8_t> in_rank(size_t(64) * ctx.num_ranks);
+      ctx.buffer.get_dispatch_layout(LayoutArgs{bad.get(), 64, c.routing.num_topk, c.routing.num_experts},
+                                     LayoutOutputs{per_rank.get(), nullptr, per_expert.get(), in_rank.get()},
+                                     ctx.stream);
+      cudaStreamSynchronize(ctx.stream);
+    }
+    s.layout();
+    std::string err;
+    try {
+      s.dispatch();
+      err = "expected an error, dispatch succeeded\n";
+    } catch (const Error& e) {
+      const Status want = ctx.rank == culprit ? Status::kInvalidArgument : Status::kRemote;
+      if (e.status() != want) err = std::string("wrong status ") + status_string(e.status()) + ": " + e.what() + "\n";
+      if (ctx.rank == culprit && std::string(e.what()).find("topk_idx[3][2]") == std::string::npos)
+        err += std::string("message does not name the slot: ") + e.what() + "\n";
+    }
+    s.layout();  // the next operation works
+    s.dispatch();
+    err += s.check_dispatch();
+    s.set_combine_inputs(8);
+    s.combine();
+    return err + s.check_combine();
+  }});
+
+  cases.push_back(Case{"num_worst_tokens too small: check() fails every rank, buffer stays usable", [](Context& ctx) {
+    auto c = base_case({200}, 2048, 33);
+    c.worst_case = true;
+    c.worst_tokens_override = 1;
+    std::string err;
+    {
+      IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+      s.layout();
+      s.dispatch();  // no host wait in worst-case mode; the data kernels skip on every rank
+      try {
+        ctx.buffer.check(ctx.stream);
+        err = "expected check() to report num_worst_tokens\n";
+      } catch (const Error& e) {
+        if (e.status() != Status::kInvalidArgument || std::string(e.what()).find("num_worst_tokens") == std::string::npos)
+          err = std::string("wrong error: ") + e.what() + "\n";
+      }
+    }
+    c.worst_tokens_override = 0;
+    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+    s.layout();
+    s.dispatch();
+    err += s.check_dispatch();
+    s.set_combine_inputs(3);
+    s.combine();
+    return err + s.check_combine();
+  }});
+
+  cases.push_back(Case{"buffer too small is reported before any launch", [](Context& ctx) {
+    auto c = base_case({64}, 7168, 34);
+    Config big{ctx.dispatch_config.num_sms, ctx.dispatch_config.num_max_send_tokens, 1 << 20};
+    IntranodeSession s(ctx.buffer, c, big, big, ctx.stream);
+    s.layout();
+    try {
+      s.dispatch();
+    } catch (const Error& e) {
+      if (e.status() != Status::kBufferTooSmall) return std::string("wrong status: ") + e.what() + "\n";
+      if (std::string(e.what()).find("needs") == std::string::npos)
+        return std::string("message does not say the size needed: ") + e.what() + "\n";
+      return std::string();
+    }
+    return std::string("expected kBufferTooSmall\n");
+  }});
+
+  cases.push_back(Case{"1000 back-to-back dispatch + combine iterations", [](Context& ctx) {
+    auto c = base_case({96}, 1024, 35);
+    c.num_biases = 1;
+    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+    s.layout();
+    std::string err;
+    for (int i = 0; i < 1000 && err.empty(); ++i) {
+      s.set_x(5000 + i);
+      s.dispatch();
+      s.set_combine_inputs(9000 + i);
+      s.combine();
+      err += s.check_dispatch();
+      err += s.check_combine();
+      if (!err.empty()) err = "iteration " + std::to_string(i) + ":\n" + err;
+    }
+    return err;
+  }});
+  return cases;
+}
+
+}  // namespace epx::gpu_test

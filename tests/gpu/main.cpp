@@ -1,0 +1,128 @@
+// epx_gpu_tests: the GPU test suite, one process per GPU through the local launcher.
+//   epx_gpu_tests [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "epx/launcher.hpp"
+#include "gpu_test.hpp"
+
+namespace epx::gpu_test {
+namespace {
+
+struct Result {
+  int ok;
+  int fatal;
+  double seconds;
+  char message[2000];
+};
+
+struct Options {
+  int gpus = 0;
+  std::string filter;
+  bool timeout_suite = true;
+  double budget_s = 20;
+};
+
+int suite(Bootstrap& bs, const Options& opt) {
+  const int rank = bs.rank(), R = bs.size();
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  cudaSetDevice(rank % devices);
+  const Config dcfg = default_dispatch_config(R), ccfg = default_combine_config(R);
+  BufferOptions o = default_buffer_options();
+  o.num_nvl_bytes = nvl_size_hint(dcfg, 7168 * 2, R);
+  Buffer buffer(bs, o);
+  buffer.set_timeout(opt.budget_s);
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  Context ctx{bs, buffer, stream, rank, R, o.num_nvl_bytes, dcfg, ccfg};
+
+  std::vector<Case> cases = intranode_cases();
+  for (auto& c : lifecycle_cases()) cases.push_back(std::move(c));
+  int failed = 0, run = 0;
+  for (const Case& c : cases) {
+    if (!opt.filter.empty() && c.name.find(opt.filter) == std::string::npos) continue;
+    ++run;
+    Result mine{};
+    const auto start = std::chrono::steady_clock::now();
+    std::string msg;
+    try {
+      msg = c.run(ctx);
+      const cudaError_t e = cudaStreamSynchronize(stream);
+      if (e != cudaSuccess) msg += std::string("stream error: ") + cudaGetErrorString(e);
+    } catch (const Error& e) {
+      msg = std::string("epx::Error (") + status_string(e.status()) + "): " + e.what();
+      mine.fatal = e.status() == Status::kFailedState || e.status() == Status::kTimeout || e.status() == Status::kCuda;
+    } catch (const std::exception& e) {
+      msg = std::string("exception: ") + e.what();
+    }
+    mine.ok = msg.empty();
+    mine.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::snprintf(mine.message, sizeof(mine.message), "%s", msg.c_str());
+    std::vector<Result> all(R);
+    bs.all_gather(&mine, all.data(), sizeof(Result));
+    bool ok = true, fatal = false;
+    double seconds = 0;
+    for (const Result& r : all) ok &= r.ok != 0, fatal |= r.fatal != 0, seconds = std::max(seconds, r.seconds);
+    failed += ok ? 0 : 1;
+    if (rank == 0) {
+      std::printf("[%s] %s (%.2f s)\n", ok ? "PASS" : "FAIL", c.name.c_str(), seconds);
+      for (int r = 0; r < R; ++r)
+        if (!all[r].ok) std::printf("  rank %d:\n%s\n", r, all[r].message);
+      std::fflush(stdout);
+    }
+    if (fatal) {
+      if (rank == 0) std::printf("a fatal error makes the buffer unusable: stopping the suite\n");
+      failed += 1;
+      break;
+    }
+  }
+  if (rank == 0) std::printf("intranode suite on %d ranks: %d of %d cases passed\n", R, run - failed, run);
+  buffer.destroy();
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace epx::gpu_test
+
+int main(int argc, char** argv) {
+  using namespace epx;
+  gpu_test::Options opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--gpus" && i + 1 < argc) {
+      opt.gpus = std::atoi(argv[++i]);
+    } else if (a == "--filter" && i + 1 < argc) {
+      opt.filter = argv[++i];
+    } else if (a == "--no-timeout-suite") {
+      opt.timeout_suite = false;
+    } else if (a == "--budget" && i + 1 < argc) {
+      opt.budget_s = std::atof(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: %s [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  const int available = count_local_gpus();
+  if (available <= 0) {
+    std::printf("epx_gpu_tests: no CUDA GPU visible on this machine; nothing to test here\n");
+    return 0;
+  }
+  const int R = opt.gpus > 0 ? opt.gpus : available;
+  if (R > available) {
+    std::fprintf(stderr, "epx_gpu_tests: --gpus %d but only %d GPUs are visible\n", R, available);
+    return 2;
+  }
+  const LaunchResult res = launch_local(R, [&](Bootstrap& bs) { return gpu_test::suite(bs, opt); }, 3600, 60);
+  int rc = res.num_failed == 0 ? 0 : 1;
+  if (res.num_failed) std::printf("%s", res.summary.c_str());
+  if (opt.timeout_suite && opt.filter.empty() && R >= 2) rc |= gpu_test::run_timeout_suite(R);
+  std::printf("epx_gpu_tests on %d GPUs: %s\n", R, rc == 0 ? "ALL PASSED" : "FAILURES");
+  return rc;
+}

@@ -1,0 +1,334 @@
+#include "intranode.hpp"
+
+#include <cstring>
+#include <sstream>
+
+namespace epx::harness {
+namespace {
+
+constexpr uint64_t kExpertOutSalt = 0xe0;
+constexpr uint64_t kBiasSalt = 0xb0;
+constexpr int kMaxReported = 4;
+
+// Collects the first few mismatches of a check.
+class Mismatches {
+ public:
+  explicit Mismatches(const char* what) : what_(what) {}
+  template <typename A, typename B>
+  void expect_eq(const A& got, const B& want, const std::string& where) {
+    if (got == want) return;
+    if (count_++ < kMaxReported) os_ << "  " << what_ << " " << where << ": got " << got << ", want " << want << "\n";
+  }
+  void fail(const std::string& msg) {
+    if (count_++ < kMaxReported) os_ << "  " << what_ << " " << msg << "\n";
+  }
+  std::string str() const {
+    if (count_ == 0) return "";
+    std::ostringstream o;
+    o << os_.str();
+    if (count_ > kMaxReported) o << "  ... " << count_ << " mismatches in " << what_ << "\n";
+    return o.str();
+  }
+
+ private:
+  const char* what_;
+  int count_ = 0;
+  std::ostringstream os_;
+};
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+std::string at(int row, int col = -1) {
+  return col < 0 ? "[" + std::to_string(row) + "]" : "[" + std::to_string(row) + "][" + std::to_string(col) + "]";
+}
+
+}  // namespace
+
+IntranodeSession::IntranodeSession(Buffer& buffer, const IntranodeCase& c, const Config& dispatch_config,
+                                   const Config& combine_config, cudaStream_t stream)
+    : buffer_(buffer), c_(c), dispatch_config_(dispatch_config), combine_config_(combine_config), stream_(stream) {
+  rank_ = buffer.rank();
+  num_ranks_ = buffer.num_ranks();
+  num_tokens_ = c.tokens_of(rank_);
+  x_seed_ = mix(c.seed, 0x0);
+  const int R = num_ranks_, K = c.routing.num_topk, E = c.routing.num_experts;
+
+  topk_.resize(R);
+  weights_.resize(R);
+  layouts_.resize(R);
+  max_rows_ = 0;
+  for (int s = 0; s < R; ++s) {
+    make_topk(c.routing, s, R, c.tokens_of(s), topk_[s], weights_[s]);
+    layouts_[s] = ref::dispatch_layout(topk_[s].data(), c.tokens_of(s), K, E, R);
+    max_rows_ += c.tokens_of(s);
+  }
+  for (int s = 0; s < R; ++s) {
+    ref::Source src{c.tokens_of(s), layouts_[s].is_token_in_rank.data(), topk_[s].data(), weights_[s].data()};
+    routing_.push_back(src);
+    if (!c.with_topk) src.topk_idx = nullptr;
+    if (!c.with_topk || !c.with_weights) src.topk_weights = nullptr;
+    sources_.push_back(src);
+  }
+  expected_rows_ = ref::recv_rows(sources_, rank_);
+
+  const int T = num_tokens_, C = dispatch_config.num_sms / 2;
+  topk_idx_.upload(topk_[rank_], stream);
+  topk_weights_.upload(weights_[rank_], stream);
+  num_tokens_per_rank_.resize(R);
+  num_tokens_per_expert_.resize(E);
+  is_token_in_rank_.resize(size_t(T) * R);
+  rank_prefix_.resize(size_t(R) * R);
+  channel_prefix_.resize(size_t(R) * C);
+  recv_channel_prefix_.resize(size_t(R) * C);
+  send_head_.resize(size_t(T) * R);
+  recv_src_idx_.resize(max_rows_);
+  recv_x_.resize(size_t(max_rows_) * row_bytes());
+  recv_scales_.resize(size_t(max_rows_) * num_scales());
+  recv_topk_idx_.resize(size_t(max_rows_) * K);
+  recv_topk_weights_.resize(size_t(max_rows_) * K);
+  expert_out_.resize(size_t(max_rows_) * c.hidden);
+  expert_weights_.resize(size_t(max_rows_) * K);
+  bias0_.resize(size_t(T) * c.hidden);
+  bias1_.resize(size_t(T) * c.hidden);
+  combined_x_.resize(size_t(T) * c.hidden);
+  combined_weights_.resize(size_t(T) * K);
+  // Poison outputs: a row the kernels forget to write cannot pass by accident.
+  recv_x_.fill_bytes(0x7b, stream);
+  recv_src_idx_.fill_bytes(0x7b, stream);
+  combined_x_.fill_bytes(0x7b, stream);
+  set_x(x_seed_);
+}
+
+int IntranodeSession::worst_tokens() const {
+  if (!c_.worst_case) return 0;
+  return c_.worst_tokens_override > 0 ? c_.worst_tokens_override : max_rows_;
+}
+
+void IntranodeSession::set_x(uint64_t seed) {
+  x_seed_ = seed;
+  const int T = num_tokens_, H = c_.hidden;
+  std::vector<uint8_t> x(size_t(T) * row_bytes());
+  for (int t = 0; t < T; ++t) {
+    uint8_t* row = x.data() + size_t(t) * row_bytes();
+    if (c_.dtype == EPX_FP8_E4M3)
+      fill_fp8_row(seed, rank_, t, H, row);
+    else
+      fill_bf16_row(seed, rank_, t, H, reinterpret_cast<uint16_t*>(row));
+  }
+  x_.upload(x, stream_);
+  if (num_scales() > 0) {
+    std::vector<float> scales(size_t(T) * num_scales());
+    for (int t = 0; t < T; ++t) fill_scales(seed, rank_, t, num_scales(), scales.data() + size_t(t) * num_scales());
+    x_scales_.upload(scales, stream_);
+  }
+  cuda_check(cudaStreamSynchronize(stream_), "set_x");
+}
+
+void IntranodeSession::expected_x_row(int src, int token, std::vector<uint8_t>& row) const {
+  row.resize(row_bytes());
+  if (c_.dtype == EPX_FP8_E4M3)
+    fill_fp8_row(x_seed_, src, token, c_.hidden, row.data());
+  else
+    fill_bf16_row(x_seed_, src, token, c_.hidden, reinterpret_cast<uint16_t*>(row.data()));
+}
+
+void IntranodeSession::layout() {
+  LayoutArgs a{topk_idx_.get(), num_tokens_, c_.routing.num_topk, c_.routing.num_experts};
+  LayoutOutputs o{num_tokens_per_rank_.get(), nullptr, num_tokens_per_expert_.get(), is_token_in_rank_.get()};
+  buffer_.get_dispatch_layout(a, o, stream_);
+}
+
+DispatchArgs IntranodeSession::dispatch_args() const {
+  DispatchArgs a{};
+  a.x = x_.get();
+  a.dtype = c_.dtype;
+  a.num_tokens = num_tokens_;
+  a.hidden = c_.hidden;
+  a.x_scales = num_scales() > 0 ? x_scales_.get() : nullptr;
+  a.num_scales = num_scales();
+  a.topk_idx = c_.with_topk ? topk_idx_.get() : nullptr;
+  a.topk_weights = c_.with_topk && c_.with_weights ? topk_weights_.get() : nullptr;
+  a.num_topk = c_.routing.num_topk;
+  a.num_experts = c_.routing.num_experts;
+  a.num_tokens_per_rank = num_tokens_per_rank_.get();
+  a.num_tokens_per_expert = num_tokens_per_expert_.get();
+  a.is_token_in_rank = is_token_in_rank_.get();
+  a.expert_alignment = c_.expert_alignment;
+  a.num_worst_tokens = worst_tokens();
+  return a;
+}
+
+DispatchOutputs IntranodeSession::dispatch_outputs() const {
+  DispatchOutputs o{};
+  o.recv_x = recv_x_.get();
+  o.recv_x_scales = num_scales() > 0 ? recv_scales_.get() : nullptr;
+  o.recv_topk_idx = c_.with_topk ? recv_topk_idx_.get() : nullptr;
+  o.recv_topk_weights = c_.with_topk && c_.with_weights ? recv_topk_weights_.get() : nullptr;
+  o.num_rows = max_rows_;
+  return o;
+}
+
+void IntranodeSession::dispatch() {
+  handle_ = DispatchHandle{};
+  handle_.rank_prefix_matrix = rank_prefix_.get();
+  handle_.channel_prefix_matrix = channel_prefix_.get();
+  handle_.recv_channel_prefix_matrix = recv_channel_prefix_.get();
+  handle_.send_head = send_head_.get();
+  handle_.recv_src_idx = recv_src_idx_.get();
+  const DispatchArgs a = dispatch_args();
+  counts_ = buffer_.notify_dispatch(a, dispatch_config_, handle_, stream_);
+  buffer_.dispatch(a, dispatch_config_, handle_, dispatch_outputs(), stream_);
+}
+
+void IntranodeSession::dispatch_cached() {
+  buffer_.dispatch_cached(dispatch_args(), dispatch_config_, handle_, dispatch_outputs(), stream_);
+}
+
+void IntranodeSession::set_combine_inputs(uint64_t seed) {
+  combine_seed_ = seed;
+  const int H = c_.hidden, K = c_.routing.num_topk, T = num_tokens_;
+  const size_t rows = expected_rows_.size();
+  std::vector<uint16_t> y(rows * H);
+  std::vector<float> w(rows * K);
+  for (size_t n = 0; n < rows; ++n) {
+    const ref::RecvRow& r = expected_rows_[n];
+    fill_bf16_row(mix(seed, kExpertOutSalt, rank_), r.src_rank, r.src_token, H, y.data() + n * H);
+    for (int k = 0; k < K; ++k) w[n * K + k] = weight_value(mix(seed, rank_), r.src_rank, r.src_token, k);
+  }
+  expert_out_.upload(y, stream_);
+  expert_weights_.upload(w, stream_);
+  for (int b = 0; b < c_.num_biases; ++b) {
+    std::vector<uint16_t> bias(size_t(T) * H);
+    for (int t = 0; t < T; ++t) fill_bf16_row(mix(seed, kBiasSalt + b), rank_, t, H, bias.data() + size_t(t) * H);
+    (b == 0 ? bias0_ : bias1_).upload(bias, stream_);
+  }
+  expert_out_.resize(std::max<size_t>(rows, size_t(worst_tokens())) * H);
+  cuda_check(cudaStreamSynchronize(stream_), "set_combine_inputs");
+}
+
+void IntranodeSession::combine() {
+  CombineArgs a{};
+  a.x = expert_out_.get();
+  a.num_rows = worst_tokens() > 0 ? worst_tokens() : int(expected_rows_.size());
+  a.hidden = c_.hidden;
+  a.topk_weights = c_.combine_weights ? expert_weights_.get() : nullptr;
+  a.num_topk = c_.routing.num_topk;
+  a.bias0 = c_.num_biases >= 1 ? bias0_.get() : nullptr;
+  a.bias1 = c_.num_biases >= 2 ? bias1_.get() : nullptr;
+  CombineOutputs o{combined_x_.get(), c_.combine_weights ? combined_weights_.get() : nullptr};
+  buffer_.combine(a, combine_config_, handle_, o, stream_);
+}
+
+std::string IntranodeSession::check_layout() const {
+  const ref::Layout& want = layouts_[rank_];
+  Mismatches m("layout");
+  const auto per_rank = num_tokens_per_rank_.download(num_ranks_, stream_);
+  const auto per_expert = num_tokens_per_expert_.download(c_.routing.num_experts, stream_);
+  const auto in_rank = is_token_in_rank_.download(size_t(num_tokens_) * num_ranks_, stream_);
+  for (int r = 0; r < num_ranks_; ++r) m.expect_eq(per_rank[r], want.num_tokens_per_rank[r], "num_tokens_per_rank" + at(r));
+  for (int e = 0; e < c_.routing.num_experts; ++e)
+    m.expect_eq(per_expert[e], want.num_tokens_per_expert[e], "num_tokens_per_expert" + at(e));
+  for (size_t i = 0; i < in_rank.size(); ++i)
+    m.expect_eq(int(in_rank[i] != 0), int(want.is_token_in_rank[i]), "is_token_in_rank" + at(int(i / num_ranks_), int(i % num_ranks_)));
+  return m.str();
+}
+
+std::string IntranodeSession::check_dispatch() const {
+  const int R = num_ranks_, K = c_.routing.num_topk, S = num_scales();
+  const int N = int(expected_rows_.size());
+  Mismatches m("dispatch");
+  if (!c_.worst_case) {
+    m.expect_eq(counts_.num_recv_tokens, N, "num_recv_tokens");
+    const ref::RecvMeta full = ref::dispatch_meta(routing_, rank_, K, c_.routing.num_experts, c_.expert_alignment);
+    m.expect_eq(counts_.num_recv_tokens_per_expert.size(), full.num_recv_tokens_per_expert.size(), "experts");
+    for (size_t i = 0; i < counts_.num_recv_tokens_per_expert.size() && i < full.num_recv_tokens_per_expert.size(); ++i)
+      m.expect_eq(counts_.num_recv_tokens_per_expert[i], full.num_recv_tokens_per_expert[i],
+                  "num_recv_tokens_per_expert" + at(int(i)));
+  }
+  const auto prefix = rank_prefix_.download(size_t(R) * R, stream_);
+  const auto want_prefix = ref::rank_prefix_matrix(sources_);
+  for (int i = 0; i < R * R; ++i) m.expect_eq(prefix[i], want_prefix[i], "rank_prefix_matrix" + at(i / R, i % R));
+
+  const int rows = c_.worst_case ? worst_tokens() : N;
+  const auto recv_x = recv_x_.download(size_t(rows) * row_bytes(), stream_);
+  const auto src_idx = recv_src_idx_.download(rows, stream_);
+  const ref::RecvMeta meta = ref::dispatch_meta(sources_, rank_, K, c_.routing.num_experts, c_.expert_alignment);
+  std::vector<uint8_t> want_row;
+  for (int n = 0; n < N; ++n) {
+    const ref::RecvRow& r = expected_rows_[n];
+    expected_x_row(r.src_rank, r.src_token, want_row);
+    const uint8_t* got = recv_x.data() + size_t(n) * row_bytes();
+    if (std::memcmp(got, want_row.data(), want_row.size()) != 0) {
+      size_t b = 0;
+      while (got[b] == want_row[b]) ++b;
+      m.fail("recv_x" + at(n) + " (from rank " + std::to_string(r.src_rank) + " token " +
+             std::to_string(r.src_token) + ") differs at byte " + std::to_string(b));
+    }
+    m.expect_eq(src_idx[n], meta.recv_src_idx[n], "recv_src_idx" + at(n));
+  }
+  if (S > 0) {
+    const auto scales = recv_scales_.download(size_t(rows) * S, stream_);
+    std::vector<float> want(S);
+    for (int n = 0; n < N; ++n) {
+      fill_scales(x_seed_, expected_rows_[n].src_rank, expected_rows_[n].src_token, S, want.data());
+      for (int i = 0; i < S; ++i) m.expect_eq(bits(scales[size_t(n) * S + i]), bits(want[i]), "recv_x_scales" + at(n, i));
+    }
+  }
+  if (c_.with_topk) {
+    const auto idx = recv_topk_idx_.download(size_t(rows) * K, stream_);
+    for (int i = 0; i < N * K; ++i) m.expect_eq(idx[i], meta.recv_topk_idx[i], "recv_topk_idx" + at(i / K, i % K));
+    for (int i = N * K; i < rows * K; ++i) m.expect_eq(idx[i], int64_t(-1), "padding recv_topk_idx" + at(i / K, i % K));
+    if (c_.with_weights) {
+      const auto w = recv_topk_weights_.download(size_t(rows) * K, stream_);
+      for (int i = 0; i < N * K; ++i)
+        m.expect_eq(bits(w[i]), bits(meta.recv_topk_weights[i]), "recv_topk_weights" + at(i / K, i % K));
+      for (int i = N * K; i < rows * K; ++i) m.expect_eq(bits(w[i]), bits(0.f), "padding recv_topk_weights" + at(i / K, i % K));
+    }
+  }
+  for (int n = N; n < rows; ++n) m.expect_eq(src_idx[n], -1, "padding recv_src_idx" + at(n));
+  return m.str();
+}
+
+std::string IntranodeSession::check_combine() const {
+  const int H = c_.hidden, K = c_.routing.num_topk, T = num_tokens_;
+  std::vector<std::vector<uint16_t>> rows(num_ranks_, std::vector<uint16_t>(H));
+  std::vector<std::vector<float>> ws(num_ranks_, std::vector<float>(K));
+  const uint64_t seed = combine_seed_;
+  const int me = rank_;
+  auto row = [&](int j, int t) -> const uint16_t* {
+    fill_bf16_row(mix(seed, kExpertOutSalt, j), me, t, H, rows[j].data());
+    return rows[j].data();
+  };
+  auto weights = [&](int j, int t) -> const float* {
+    for (int k = 0; k < K; ++k) ws[j][k] = weight_value(mix(seed, j), me, t, k);
+    return ws[j].data();
+  };
+  std::vector<uint16_t> b0, b1;
+  if (c_.num_biases >= 1) b0 = bias0_.download(size_t(T) * H, stream_);
+  if (c_.num_biases >= 2) b1 = bias1_.download(size_t(T) * H, stream_);
+  const ref::Combined want =
+      ref::combine(sources_[me], num_ranks_, H, K, row, c_.combine_weights ? ref::ContributionWeights(weights) : nullptr,
+                   b0.empty() ? nullptr : b0.data(), b1.empty() ? nullptr : b1.data());
+  Mismatches m("combine");
+  const auto got = combined_x_.download(size_t(T) * H, stream_);
+  for (size_t i = 0; i < got.size(); ++i)
+    m.expect_eq(got[i], want.x[i], "combined_x" + at(int(i / H), int(i % H)));
+  if (c_.combine_weights) {
+    const auto w = combined_weights_.download(size_t(T) * K, stream_);
+    for (size_t i = 0; i < w.size(); ++i)
+      m.expect_eq(bits(w[i]), bits(want.weights[i]), "combined_topk_weights" + at(int(i / K), int(i % K)));
+  }
+  return m.str();
+}
+
+double IntranodeSession::recv_bytes() const {
+  return double(expected_rows_.size()) * double(row_bytes() + int64_t(num_scales()) * 4);
+}
+
+double IntranodeSession::combine_bytes() const { return double(expected_rows_.size()) * c_.hidden * 2.0; }
+
+}  // namespace epx::harness

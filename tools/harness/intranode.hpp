@@ -1,0 +1,98 @@
+// One rank's side of an intranode scenario: generates its inputs, runs layout / dispatch / combine on a Buffer,
+// and checks every output against the reference model. Shared by the GPU tests and epx-bench.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "device_array.hpp"
+#include "epx/epx.hpp"
+#include "epx/reference.hpp"
+#include "gen.hpp"
+
+namespace epx::harness {
+
+struct IntranodeCase {
+  std::string name;
+  std::vector<int> tokens{4096};  // per rank; one value means the same on every rank
+  int hidden = 7168;
+  epx_dtype dtype = EPX_BF16;
+  bool with_topk = true;     // pass topk_idx to dispatch
+  bool with_weights = true;  // pass topk_weights to dispatch
+  RoutingSpec routing;
+  int expert_alignment = 1;
+  bool worst_case = false;   // num_worst_tokens = the sum of all ranks' tokens (no host wait)
+  int worst_tokens_override = 0;  // > 0: use this num_worst_tokens instead (to provoke the overflow error)
+  int num_biases = 0;        // 0, 1 or 2 bias tensors in combine
+  bool combine_weights = true;
+  uint64_t seed = 1;
+  int tokens_of(int rank) const { return tokens.size() == 1 ? tokens[0] : tokens.at(rank); }
+};
+
+class IntranodeSession {
+ public:
+  IntranodeSession(Buffer& buffer, const IntranodeCase& c, const Config& dispatch_config,
+                   const Config& combine_config, cudaStream_t stream);
+
+  void layout();
+  void dispatch();                         // notify (+ bounded host wait unless worst-case) + data
+  void dispatch_cached();                  // same routing, current x, no count exchange
+  void combine();
+  void set_x(uint64_t seed);               // regenerates and uploads this rank's x (and scales)
+  void set_combine_inputs(uint64_t seed);  // expert outputs, weights and biases for the next combine
+
+  // "" when equal to the reference model, else the first mismatches.
+  std::string check_layout() const;
+  std::string check_dispatch() const;
+  std::string check_combine() const;
+
+  int num_recv_tokens() const { return int(expected_rows_.size()); }
+  double recv_bytes() const;     // dispatch: rows received here (own included) x (row + scale bytes)
+  double combine_bytes() const;  // combine: the same rows as bf16
+  const DispatchHandle& handle() const { return handle_; }
+
+ private:
+  DispatchArgs dispatch_args() const;
+  DispatchOutputs dispatch_outputs() const;
+  int64_t row_bytes() const { return int64_t(c_.hidden) * (c_.dtype == EPX_FP8_E4M3 ? 1 : 2); }
+  int num_scales() const { return c_.dtype == EPX_FP8_E4M3 ? c_.hidden / 128 : 0; }
+  int worst_tokens() const;
+  void expected_x_row(int src_rank, int token, std::vector<uint8_t>& row) const;
+
+  Buffer& buffer_;
+  IntranodeCase c_;
+  Config dispatch_config_, combine_config_;
+  cudaStream_t stream_;
+  int rank_, num_ranks_, num_tokens_, max_rows_;
+  uint64_t x_seed_, combine_seed_ = 0;
+
+  // Reference view of every rank's routing.
+  std::vector<std::vector<int64_t>> topk_;
+  std::vector<std::vector<float>> weights_;
+  std::vector<ref::Layout> layouts_;
+  std::vector<ref::Source> sources_;     // as dispatch sees them (top-k only if passed)
+  std::vector<ref::Source> routing_;     // always with top-k (per-expert counts)
+  std::vector<ref::RecvRow> expected_rows_;
+
+  // Device data of this rank.
+  DeviceArray<int64_t> topk_idx_;
+  DeviceArray<float> topk_weights_;
+  DeviceArray<uint8_t> x_;
+  DeviceArray<float> x_scales_;
+  DeviceArray<int> num_tokens_per_rank_, num_tokens_per_expert_;
+  DeviceArray<uint8_t> is_token_in_rank_;
+  DeviceArray<int> rank_prefix_, channel_prefix_, recv_channel_prefix_, send_head_, recv_src_idx_;
+  DeviceArray<uint8_t> recv_x_;
+  DeviceArray<float> recv_scales_;
+  DeviceArray<int64_t> recv_topk_idx_;
+  DeviceArray<float> recv_topk_weights_;
+  DeviceArray<uint16_t> expert_out_, bias0_, bias1_, combined_x_;
+  DeviceArray<float> expert_weights_, combined_weights_;
+
+  DispatchHandle handle_{};
+  DispatchCounts counts_;
+};
+
+}  // namespace epx::harness
