@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs every test this machine can run: the CPU tests always; the GPU suite on all local
+# GPUs when there are at least two; the Python binding tests when python3 is there.
+#   scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+BUILD_DIR=${EPX_BUILD_DIR:-build}
+scripts/setup.sh "$BUILD_DIR"
+
+echo "== CPU tests"
+"$BUILD_DIR/tests/epx_cpu_tests" --gtest_brief=1
+
+if [ -f python/tests/run.sh ]; then
+  echo "== Python tests"
+  EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" bash python/tests/run.sh
+fi
+
+echo "== GPU tests"
+"$BUILD_DIR/tests/epx_gpu_tests"
