@@ -85,9 +85,10 @@ typedef struct epx_dispatch_args {
   int hidden;
   const float* x_scales; /* FP8 only: [num_tokens, num_scales] (32-bit words, copied verbatim) */
   int num_scales;
-  const int64_t* topk_idx;     /* optional [num_tokens, num_topk] */
-  const float* topk_weights;   /* optional [num_tokens, num_topk]; needs topk_idx */
-  int num_topk;
+  const int64_t* topk_idx;     /* [num_tokens, num_topk] when num_topk > 0 */
+  const float* topk_weights;   /* optional [num_tokens, num_topk] (zeros are sent without it) */
+  int num_topk;                /* 0: no top-k. Must be the same on every rank (it shapes the ring records);
+                                  a rank without tokens may pass null pointers */
   int num_experts;             /* needed with topk_idx or num_tokens_per_expert */
   const int* num_tokens_per_rank;     /* [R] from get_dispatch_layout (not needed for cached dispatch) */
   const int* num_tokens_per_expert;   /* optional [E] */
@@ -114,8 +115,8 @@ typedef struct epx_dispatch_handle {
 typedef struct epx_dispatch_outputs {
   void* recv_x;              /* [rows, hidden] of dtype */
   float* recv_x_scales;      /* [rows, num_scales] when FP8 */
-  int64_t* recv_topk_idx;    /* [rows, num_topk] when topk_idx is given */
-  float* recv_topk_weights;  /* [rows, num_topk] when topk_weights is given */
+  int64_t* recv_topk_idx;    /* optional [rows, num_topk] (num_topk > 0) */
+  float* recv_topk_weights;  /* optional [rows, num_topk] (num_topk > 0) */
   int num_rows;              /* rows allocated: num_recv_tokens, or num_worst_tokens */
 } epx_dispatch_outputs;
 
@@ -129,16 +130,62 @@ typedef struct epx_combine_args {
   const void* x;             /* bf16 [num_rows, hidden], rows aligned with the dispatch's recv_x */
   int num_rows;
   int hidden;
-  const float* topk_weights; /* optional [num_rows, num_topk] */
-  int num_topk;
+  const float* topk_weights; /* [num_rows, num_topk] when num_topk > 0 */
+  int num_topk;              /* 0: no weights; the same on every rank */
   const void* bias0;         /* optional bf16 [num_tokens, hidden] */
   const void* bias1;         /* optional bf16 [num_tokens, hidden] */
 } epx_combine_args;
 
 typedef struct epx_combine_outputs {
   void* combined_x;              /* bf16 [num_tokens, hidden] */
-  float* combined_topk_weights;  /* [num_tokens, num_topk] when topk_weights is given */
+  float* combined_topk_weights;  /* [num_tokens, num_topk] when num_topk > 0 */
 } epx_combine_outputs;
+
+/* ---- low-latency mode (SPEC sections 4 and 5) ---- */
+#define EPX_LL_SEND 1 /* phases: send only (the receive is a second call: the "hook") */
+#define EPX_LL_RECV 2 /* receive only */
+#define EPX_LL_BOTH 3
+
+typedef struct epx_ll_dispatch_args {
+  const void* x; /* bf16 [num_tokens, hidden] */
+  int num_tokens; /* <= num_max_dispatch_tokens_per_rank */
+  int hidden;
+  const int64_t* topk_idx; /* [num_tokens, num_topk], -1 = no expert */
+  int num_topk;
+  int num_experts;
+  int num_max_dispatch_tokens_per_rank; /* M: the same on every rank */
+  int use_fp8;
+  int round_scale; /* scales rounded up to a power of two */
+  int use_ue8m0;   /* scales as packed 8-bit exponents (needs round_scale) */
+  int* cumulative_local_expert_recv_stats; /* optional [num_local_experts], added to */
+} epx_ll_dispatch_args;
+
+typedef struct epx_ll_dispatch_outputs {
+  void* packed_recv_x;        /* [L, R*M, hidden] bf16, or e4m3 with use_fp8 */
+  void* packed_recv_x_scales; /* fp8: float [L, hidden/128, R*M] (token-minor), or int32 [L, hidden/512, R*M] */
+  int* packed_recv_count;     /* [L] */
+  int* recv_src_info;         /* [L, R*M] */
+  int64_t* recv_layout_range; /* [L, R]: (begin << 32) | count */
+} epx_ll_dispatch_outputs;
+
+/* What the receive call and combine need from a low-latency dispatch. */
+typedef struct epx_ll_handle {
+  int buffer_set;
+  int num_tokens;
+  int hidden;
+  int num_topk;
+  int num_experts;
+  int num_max_dispatch_tokens_per_rank;
+  const int* recv_src_info;
+  const int64_t* recv_layout_range;
+} epx_ll_handle;
+
+typedef struct epx_ll_combine_args {
+  const void* x;             /* bf16 [L, R*M, hidden] expert outputs; ignored with zero_copy */
+  int zero_copy;             /* x was written into epx_ll_next_combine_buffer() */
+  const int64_t* topk_idx;   /* [num_tokens, num_topk] of the dispatch */
+  const float* topk_weights; /* [num_tokens, num_topk] */
+} epx_ll_combine_args;
 
 typedef struct epx_buffer epx_buffer;
 
@@ -178,6 +225,21 @@ epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_dispatch_args* args
                                void* stream);
 epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
                        const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream);
+
+/* num_rdma_bytes a low-latency buffer needs (both buffer sets). */
+epx_status epx_ll_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts,
+                            int64_t* bytes);
+/* Collective: zeroes this rank's low-latency signals, then a barrier. */
+epx_status epx_ll_clean(epx_buffer* buffer, void* stream);
+/* phases EPX_LL_SEND or EPX_LL_BOTH: fills *handle; EPX_LL_RECV: completes the dispatch described by *handle
+ * with the same args and outputs. No host synchronization; capturable in a CUDA graph. */
+epx_status epx_ll_dispatch(epx_buffer* buffer, const epx_ll_dispatch_args* args,
+                           const epx_ll_dispatch_outputs* outputs, int phases, epx_ll_handle* handle, void* stream);
+/* *buffer_set: on EPX_LL_SEND / EPX_LL_BOTH it receives the set used; EPX_LL_RECV passes it back. */
+epx_status epx_ll_combine(epx_buffer* buffer, const epx_ll_combine_args* args, const epx_ll_handle* handle,
+                          void* combined_x, int phases, int* buffer_set, void* stream);
+/* The bf16 [L, R*M, hidden] area the next low-latency call reads zero-copy combine inputs from. */
+epx_status epx_ll_next_combine_buffer(epx_buffer* buffer, const epx_ll_handle* handle, void** ptr);
 
 #ifdef __cplusplus
 }

@@ -69,6 +69,13 @@ using DispatchHandle = epx_dispatch_handle;
 using DispatchOutputs = epx_dispatch_outputs;
 using CombineArgs = epx_combine_args;
 using CombineOutputs = epx_combine_outputs;
+using LowLatencyDispatchArgs = epx_ll_dispatch_args;
+using LowLatencyDispatchOutputs = epx_ll_dispatch_outputs;
+using LowLatencyHandle = epx_ll_handle;
+using LowLatencyCombineArgs = epx_ll_combine_args;
+constexpr int kLowLatencySendPhase = EPX_LL_SEND;
+constexpr int kLowLatencyRecvPhase = EPX_LL_RECV;
+constexpr int kLowLatencyBothPhases = EPX_LL_BOTH;
 
 Config default_dispatch_config(int num_ranks);
 Config default_combine_config(int num_ranks);
@@ -76,6 +83,8 @@ void validate_config(const Config& config, int num_ranks);
 // num_nvl_bytes a config needs for rows of hidden_bytes, assuming the largest scales and top-k we accept.
 int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks);
 BufferOptions default_buffer_options();
+// num_rdma_bytes for low-latency calls of up to M tokens per rank (both buffer sets).
+int64_t low_latency_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts);
 
 struct DispatchCounts {
   int num_recv_tokens = -1;  // -1 in worst-case mode (not waited for)
@@ -119,6 +128,19 @@ class Buffer {
                        const DispatchOutputs& outputs, cudaStream_t stream);
   void combine(const CombineArgs& args, const Config& config, const DispatchHandle& handle,
                const CombineOutputs& outputs, cudaStream_t stream);
+
+  // ---- low-latency mode: no host synchronization, fixed-size outputs, CUDA-graph capturable ----
+  // Collective: zeroes the signalling areas of both buffer sets, then a barrier.
+  void clean_low_latency_buffer(cudaStream_t stream);
+  // phases kLowLatencySendPhase or kLowLatencyBothPhases fill `handle`; kLowLatencyRecvPhase completes the
+  // dispatch that `handle` describes (same args and outputs).
+  void low_latency_dispatch(const LowLatencyDispatchArgs& args, const LowLatencyDispatchOutputs& outputs, int phases,
+                            LowLatencyHandle& handle, cudaStream_t stream);
+  // Returns the buffer set used (pass it back with kLowLatencyRecvPhase).
+  int low_latency_combine(const LowLatencyCombineArgs& args, const LowLatencyHandle& handle, void* combined_x,
+                          int phases, int buffer_set, cudaStream_t stream);
+  // Where the next low-latency call reads zero-copy combine inputs: bf16 [L, R*M, hidden].
+  void* next_low_latency_combine_buffer(const LowLatencyHandle& handle);
 
   struct Impl;
   Impl* impl() { return impl_.get(); }

@@ -12,7 +12,8 @@ namespace epx {
 
 struct LaunchResult {
   int num_failed = 0;
-  std::vector<int> exit_codes;  // per rank: the body's return value, 128 + signal, or -1 if killed on timeout
+  std::vector<int> exit_codes;  // per rank: the body's return value, 128 + signal, or -1 if the launcher killed it
+                                // (timeout_s, or grace_s after another rank failed)
   std::string summary;          // one line per failed rank
 };
 

@@ -54,9 +54,11 @@ struct RecvMeta {
   std::vector<float> recv_topk_weights;         // [N, K] (empty without weights)
   std::vector<int> num_recv_tokens_per_expert;  // [L], rounded up to expert_alignment (empty without top-k)
 };
-// Everything except the row payloads (which are copies of the source rows, bit for bit).
+// Everything except the row payloads (which are copies of the source rows, bit for bit). with_topk /
+// with_weights say whether dispatch was given topk_idx / topk_weights (a source with no tokens may have null
+// pointers, so they are not inferred).
 RecvMeta dispatch_meta(const std::vector<Source>& sources, int rank, int num_topk, int num_experts,
-                       int expert_alignment);
+                       int expert_alignment, bool with_topk, bool with_weights);
 
 // ---- SPEC section 3: normal combine -----------------------------------------------------------------------------
 // Row of token `token` of rank `rank` as it comes back from rank j: bf16 [hidden], and top-k weights [K] (or null).

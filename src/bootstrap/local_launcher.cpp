@@ -136,13 +136,18 @@ LaunchResult launch_local(int num_ranks, const std::function<int(Bootstrap&)>& b
   const auto start = std::chrono::steady_clock::now();
   auto first_failure = start;
   bool failure_seen = false, terminated = false;
+  std::vector<char> killed(num_ranks, 0);
+  std::string kill_reason;
   while (running > 0) {
     int status = 0;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid > 0) {
       for (int r = 0; r < num_ranks; ++r) {
         if (pids[r] != pid) continue;
-        const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        // A rank this launcher killed reports -1 (the documented "killed on timeout"), not 128 + SIGKILL; one that
+        // exited by itself just before the kill keeps its own status.
+        const bool our_kill = killed[r] && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+        const int code = our_kill ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
         result.exit_codes[r] = code;
         pids[r] = -1;
         --running;
@@ -160,16 +165,19 @@ LaunchResult launch_local(int num_ranks, const std::function<int(Bootstrap&)>& b
     if ((too_long || grace_over) && !terminated) {
       terminated = true;
       header->abort.store(1);
-      for (pid_t p : pids)
-        if (p > 0) kill(p, SIGKILL);
+      kill_reason = too_long ? cat("killed after the launch timeout of ", timeout_s, " s")
+                             : cat("killed ", grace_s, " s after another rank failed");
+      for (int r = 0; r < num_ranks; ++r)
+        if (pids[r] > 0 && kill(pids[r], SIGKILL) == 0) killed[r] = 1;
     }
   }
   for (int r = 0; r < num_ranks; ++r) {
     if (result.exit_codes[r] == 0) continue;
     ++result.num_failed;
+    const int code = result.exit_codes[r];
     result.summary += cat("rank ", r, ": ",
-                          result.exit_codes[r] >= 128 ? cat("killed by signal ", result.exit_codes[r] - 128)
-                                                      : cat("exit code ", result.exit_codes[r]),
+                          code == -1 ? kill_reason
+                                     : code >= 128 ? cat("killed by signal ", code - 128) : cat("exit code ", code),
                           "\n");
   }
   munmap(mem, bytes);

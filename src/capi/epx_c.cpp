@@ -179,4 +179,44 @@ epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const e
   });
 }
 
+epx_status epx_ll_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts,
+                            int64_t* bytes) {
+  return guarded([&] {
+    require_non_null(bytes, "bytes");
+    *bytes = epx::low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+  });
+}
+
+epx_status epx_ll_clean(epx_buffer* buffer, void* stream) {
+  return guarded([&] { live(buffer).clean_low_latency_buffer(as_stream(stream)); });
+}
+
+epx_status epx_ll_dispatch(epx_buffer* buffer, const epx_ll_dispatch_args* args, const epx_ll_dispatch_outputs* outputs,
+                           int phases, epx_ll_handle* handle, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(outputs, "outputs");
+    require_non_null(handle, "handle");
+    live(buffer).low_latency_dispatch(*args, *outputs, phases, *handle, as_stream(stream));
+  });
+}
+
+epx_status epx_ll_combine(epx_buffer* buffer, const epx_ll_combine_args* args, const epx_ll_handle* handle,
+                          void* combined_x, int phases, int* buffer_set, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(handle, "handle");
+    require_non_null(buffer_set, "buffer_set");
+    *buffer_set = live(buffer).low_latency_combine(*args, *handle, combined_x, phases, *buffer_set, as_stream(stream));
+  });
+}
+
+epx_status epx_ll_next_combine_buffer(epx_buffer* buffer, const epx_ll_handle* handle, void** ptr) {
+  return guarded([&] {
+    require_non_null(handle, "handle");
+    require_non_null(ptr, "ptr");
+    *ptr = live(buffer).next_low_latency_combine_buffer(*handle);
+  });
+}
+
 }  // extern "C"

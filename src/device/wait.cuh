@@ -59,6 +59,20 @@ __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* p, uint64_t ta
   }
 }
 
+// Waits until *p >= target (acquire), for 32-bit counters.
+__device__ __forceinline__ int32_t wait_at_least_i32(const int32_t* p, int32_t target, const FailEnv& env,
+                                                     const WaitSite& site) {
+  int32_t v = ld_acquire_sys(p);
+  if (v >= target) return v;
+  const uint64_t start = globaltimer_ns();
+  while (true) {
+    v = ld_acquire_sys(p);
+    if (v >= target) return v;
+    check_abort(env, site);
+    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, v, target);
+  }
+}
+
 // Waits until *p == target (acquire), for epoch flags.
 __device__ __forceinline__ void wait_equal(const uint32_t* p, uint32_t target, const FailEnv& env,
                                            const WaitSite& site) {

@@ -55,7 +55,7 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
       uint8_t* slot = p.ring.slot(dst, channel, me, tail + i);
       warp_copy<kCopyUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row + i) * p.x_int4, p.x_int4, lane,
                              LoadNc{}, StoreNa{});
-      if (p.topk_weights != nullptr && lane < p.num_topk)
+      if (lane < p.num_topk)  // rows exist here, so topk_weights is not null
         reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] =
             p.topk_weights[int64_t(row + i) * p.num_topk + lane];
     }

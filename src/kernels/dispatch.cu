@@ -32,7 +32,7 @@ __device__ __forceinline__ void write_record(const DispatchParams& p, int t, int
   }
   int32_t* meta = reinterpret_cast<int32_t*>(slot + p.record.meta_offset);
   if (lane == 0) meta[0] = t;
-  if (p.topk_idx != nullptr && lane < p.num_topk) {
+  if (lane < p.num_topk) {  // tokens exist here, so topk_idx is not null
     const int64_t e = p.topk_idx[int64_t(t) * p.num_topk + lane];
     const int64_t first = int64_t(dest) * p.experts_per_rank;
     const int local = (e >= first && e < first + p.experts_per_rank) ? int(e - first) : -1;

@@ -46,6 +46,7 @@ __device__ int message_field(const NotifyParams& p, int j, int field, int error,
   if (field == NotifyMsg::kErrorCode) return error;
   if (field == NotifyMsg::kErrorRank) return error ? error_rank : -1;
   if (field == NotifyMsg::kNumTokens) return p.num_tokens;
+  if (field == NotifyMsg::kSignature) return p.signature;
   if (field < NotifyMsg::kHeader) return 0;
   if (field < NotifyMsg::tokens_per_rank(R)) return p.num_tokens_per_rank[field - NotifyMsg::tokens_per_rank(0)];
   if (field < NotifyMsg::expert(kMaxLocalExperts)) {
@@ -127,6 +128,20 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
     for (int s = 0; s < R && code == 0; ++s) {
       code = msg(s, NotifyMsg::kErrorCode);
       rank = msg(s, NotifyMsg::kErrorRank);
+    }
+    for (int s = 0; s < R && code == 0; ++s) {
+      const int theirs = msg(s, NotifyMsg::kSignature);
+      if (theirs == p.signature) continue;
+      code = kErrShapeMismatch;
+      rank = s;
+      volatile DeviceDiag* d = &p.env.host->input;
+      d->rank = me;
+      d->role = kRoleNotify;
+      d->a = s;
+      d->b = theirs;
+      d->c = p.signature;
+      __threadfence_system();
+      d->code = kErrShapeMismatch;
     }
     s_error = code;
     s_error_rank = rank;

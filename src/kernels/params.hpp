@@ -57,6 +57,7 @@ struct NotifyParams {
   int* channel_prefix_matrix;        // [R, C] inclusive over channels, of what this rank sends
   int* recv_channel_prefix_matrix;   // [R, C] first recv row of (source, channel)
   int host_seq;                      // > 0: publish counts to the host under this sequence number
+  int signature;                     // shape of the operation (op kind, record layout, channels, ring); all equal
 };
 
 struct DispatchParams {

@@ -123,17 +123,16 @@ std::vector<RecvRow> recv_rows(const std::vector<Source>& sources, int rank) {
 }
 
 RecvMeta dispatch_meta(const std::vector<Source>& sources, int rank, int num_topk, int num_experts,
-                       int expert_alignment) {
+                       int expert_alignment, bool with_topk, bool with_weights) {
   const int R = int(sources.size());
   const std::vector<RecvRow> rows = recv_rows(sources, rank);
   RecvMeta meta;
   meta.recv_src_idx.reserve(rows.size());
   for (const RecvRow& row : rows) meta.recv_src_idx.push_back(row.src_token);
-  const bool topk = !sources.empty() && sources[0].topk_idx != nullptr;
-  if (!topk) return meta;
+  if (!with_topk) return meta;
   require(num_experts > 0 && num_experts % R == 0 && expert_alignment >= 1, "dispatch_meta: bad sizes");
   const int L = num_experts / R;
-  const bool weights = sources[0].topk_weights != nullptr;
+  const bool weights = with_weights;
   meta.recv_topk_idx.assign(rows.size() * num_topk, -1);
   if (weights) meta.recv_topk_weights.assign(rows.size() * num_topk, 0.f);
   meta.num_recv_tokens_per_expert.assign(L, 0);

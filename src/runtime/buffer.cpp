@@ -1,6 +1,7 @@
 // Buffer creation and teardown (CUDA IPC mapping of every peer's NVLink buffer), failure reporting.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/diagnostics.hpp"
+#include "runtime/ll_layout.hpp"
 
 namespace epx {
 namespace {
@@ -98,7 +100,7 @@ void Buffer::Impl::raise_if_input_error(const char* op, cudaStream_t stream) {
   const int who = h->op_error_rank;
   std::string msg;
   Status status;
-  if (who == nvl_rank || code == kErrWorstTokensExceeded) {
+  if (who == nvl_rank || code == kErrWorstTokensExceeded || code == kErrShapeMismatch) {
     const DeviceDiag diag = read_diag(&host->input);
     msg = describe_input(code, diag, who);
     status = Status::kInvalidArgument;
@@ -150,8 +152,6 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
     raise(Status::kNotSupported, "ranks spanning several NVLink domains (internode mode) are not implemented yet: ",
           num_ranks, " ranks with num_nvl_ranks = ", num_nvl_ranks);
   EPX_REQUIRE(opts.num_nvl_bytes >= 0 && opts.num_rdma_bytes >= 0, "buffer sizes must be >= 0");
-  if (opts.low_latency_mode || opts.num_rdma_bytes > 0)
-    raise(Status::kNotSupported, "low-latency mode is not implemented yet");
   nvl_rank = rank % num_nvl_ranks;
 
   int device_count = 0;
@@ -167,9 +167,14 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_device_sms = prop.multiProcessorCount;
 
-  alloc_bytes = RingLayout::data_offset() + align_up(opts.num_nvl_bytes, kAlign);
+  ll_offset = RingLayout::data_offset() + align_up(opts.num_nvl_bytes, kAlign);
+  ll_set_bytes = align_up(opts.num_rdma_bytes, 2 * kAlign) / 2;
+  alloc_bytes = ll_offset + 2 * ll_set_bytes;
   EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));
   EPX_CUDA_CHECK(cudaMemset(local, 0, RingLayout::data_offset()));
+  for (int set = 0; set < 2 && ll_set_bytes > 0; ++set)
+    EPX_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(local) + ll_offset + set * ll_set_bytes, 0,
+                              std::min<int64_t>(LowLatencyLayout::kSignalsBytes, ll_set_bytes)));
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(HostShared), cudaHostAllocMapped));
   std::memset(host, 0, sizeof(HostShared));
   EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));

@@ -31,6 +31,12 @@ struct Buffer::Impl {
   HostShared* host_dev = nullptr;  // device view
   int host_seq = 0;                // sequence numbers of notify calls waited for by the host
 
+  // Low-latency region (after the ring region): two buffer sets of ll_set_bytes each.
+  int64_t ll_offset = 0;
+  int64_t ll_set_bytes = 0;
+  int ll_next_set = 0;             // alternates on every low-latency call (dispatch or combine)
+  void* ll_region(int nvl) const { return static_cast<uint8_t*>(peers[nvl]) + ll_offset; }
+
   bool alive = false;
   bool failed = false;
   std::string failure;

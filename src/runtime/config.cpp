@@ -16,13 +16,21 @@ int default_chunk(int num_ranks) {
   return 2 * (kDataWarps / r);
 }
 
+// The defaults must pass validate_config: a rank count the kernels cannot run is an error here, not a config.
+void require_default_ranks(int num_ranks) {
+  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxNvlRanks, "default configs are for 1..", kMaxNvlRanks,
+              " ranks of one NVLink domain, got num_ranks = ", num_ranks);
+}
+
 }  // namespace
 
 Config default_dispatch_config(int num_ranks) {
+  require_default_ranks(num_ranks);
   return Config{kDefaultNumSms, default_chunk(num_ranks), kDefaultRingTokens};
 }
 
 Config default_combine_config(int num_ranks) {
+  require_default_ranks(num_ranks);
   return Config{kDefaultNumSms, default_chunk(num_ranks), kDefaultRingTokens};
 }
 
@@ -36,7 +44,7 @@ void validate_config(const Config& c, int num_ranks) {
   EPX_REQUIRE(c.num_max_recv_tokens <= (1 << 20), "config.num_max_recv_tokens is unreasonably large: ",
               c.num_max_recv_tokens);
   EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxNvlRanks, "high-throughput kernels run on 1..", kMaxNvlRanks,
-              " ranks of one NVLink domain, got ", num_ranks);
+              " ranks of one NVLink domain, got num_ranks = ", num_ranks);
 }
 
 int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks) {

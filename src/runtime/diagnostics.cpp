@@ -25,6 +25,7 @@ const char* error_name(int code) {
     case kErrWorstTokensExceeded: return "num_worst_tokens too small";
     case kErrTimeout: return "timeout";
     case kErrAbortedByPeer: return "aborted by a peer";
+    case kErrShapeMismatch: return "ranks disagree on the operation";
   }
   return "unknown error";
 }
@@ -87,6 +88,10 @@ std::string describe_input(int code, const DeviceDiag& d, int reporting_rank) {
                  d.c, " tokens for rank ", d.a, ": pass the layout of the same topk_idx");
     case kErrWorstTokensExceeded:
       return cat("num_worst_tokens = ", d.c, " is too small: rank ", d.a, " would receive ", d.b, " rows");
+    case kErrShapeMismatch:
+      return cat("ranks disagree on this operation: rank ", d.a, " called it with a different shape than rank ",
+                 d.rank, " (operation, hidden size, dtype, number of scales, num_topk, num_sms or ring size;"
+                 " signatures ", d.b, " vs ", d.c, "); every rank must pass the same");
   }
   return cat(error_name(code), " (rank ", reporting_rank, ")");
 }

@@ -17,6 +17,7 @@ enum DeviceError : int32_t {
   kErrWorstTokensExceeded = 3,// a = receiving rank, b = rows it would receive, c = num_worst_tokens
   kErrTimeout = 4,            // a = value seen, b = value awaited, c = role-specific (see the role)
   kErrAbortedByPeer = 5,      // a = rank whose wait failed first
+  kErrShapeMismatch = 6,      // a = first rank whose operation signature differs, b = its signature, c = ours
 };
 
 enum DeviceRole : int32_t {

@@ -20,6 +20,15 @@ RingLayout ring_for(const Buffer::Impl& b, const Config& c, int64_t record_bytes
   return ring;
 }
 
+// What every rank of one collective operation must agree on (see NotifyMsg::kSignature).
+int op_signature(int op_kind, int64_t record_bytes, const Config& c) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint64_t v : {uint64_t(op_kind), uint64_t(record_bytes), uint64_t(c.num_sms), uint64_t(c.num_max_recv_tokens)})
+    h = (h ^ v) * 1099511628211ull;
+  return int(h ^ (h >> 32));
+}
+constexpr int kOpDispatch = 1, kOpCombine = 2;
+
 void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Config& c, int num_tokens, const char* op) {
   EPX_REQUIRE(h.num_ranks == b.num_ranks, op, ": the handle is for ", h.num_ranks, " ranks, the buffer has ",
               b.num_ranks);
@@ -103,6 +112,7 @@ DispatchCounts Buffer::notify_dispatch(const DispatchArgs& a, const Config& c, D
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
   const bool wait = a.num_worst_tokens == 0;
   p.host_seq = wait ? ++b.host_seq : 0;
+  p.signature = op_signature(kOpDispatch, dispatch_record(a).bytes, c);
   if (b.host_seq == (1 << 30)) b.host_seq = 0;
   launch_notify(p, stream);
   b.check_launch(cudaGetLastError(), op);
@@ -134,9 +144,6 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
     EPX_REQUIRE(o.recv_x != nullptr && aligned16(o.recv_x), op, ": recv_x must be a 16-byte aligned device pointer");
     EPX_REQUIRE(h.recv_src_idx != nullptr, op, ": handle.recv_src_idx [rows] must be allocated");
     EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
-    EPX_REQUIRE(a.topk_idx == nullptr || o.recv_topk_idx != nullptr, op, ": top-k dispatch needs recv_topk_idx");
-    EPX_REQUIRE(a.topk_weights == nullptr || o.recv_topk_weights != nullptr, op,
-                ": dispatch with topk_weights needs recv_topk_weights");
   }
   DispatchParams p{};
   p.env = b.fail_env();
@@ -148,8 +155,8 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   p.num_send_chunk = c.num_max_send_tokens;
   p.x_int4 = int(record.x_bytes / 16);
   p.num_scales = a.dtype == EPX_FP8_E4M3 ? a.num_scales : 0;
-  p.num_topk = a.topk_idx != nullptr ? a.num_topk : 0;
-  p.experts_per_rank = a.topk_idx != nullptr ? a.num_experts / b.num_ranks : 0;
+  p.num_topk = a.num_topk;
+  p.experts_per_rank = a.num_topk > 0 ? a.num_experts / b.num_ranks : 0;
   p.x = static_cast<const int4*>(a.x);
   p.x_scales = a.x_scales;
   p.topk_idx = a.topk_idx;
@@ -168,11 +175,12 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   b.check_launch(cudaGetLastError(), op);
 }
 
-void launch_barrier(Buffer::Impl& b, cudaStream_t stream, const char* op) {
+void launch_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, const char* op) {
   NotifyParams p{};
   p.env = b.fail_env();
   p.num_ranks = b.num_ranks;
   p.barrier_only = 1;
+  p.signature = signature;
   launch_notify(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }
@@ -199,7 +207,7 @@ void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const Dispa
   validate_dispatch_args(a, b.num_ranks, true, op);
   validate_handle(h, b, c, a.num_tokens, op);
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
-  launch_barrier(b, stream, op);
+  launch_barrier(b, op_signature(kOpDispatch, dispatch_record(a).bytes, c), stream, op);
   launch_dispatch_data(b, a, c, h, o, stream, op);
 }
 
@@ -212,7 +220,7 @@ void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
   validate_handle(h, b, c, h.num_tokens, op);
   validate_combine_args(a, o, h.num_tokens, h.num_recv_tokens, op);
-  const CombineRecord record = CombineRecord::make(a.hidden, a.topk_weights != nullptr ? a.num_topk : 0);
+  const CombineRecord record = CombineRecord::make(a.hidden, a.num_topk);
   const RingLayout ring = ring_for(b, c, record.bytes, op);
 
   CombineParams p{};
@@ -224,7 +232,7 @@ void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle
   p.num_tokens = h.num_tokens;
   p.num_send_chunk = c.num_max_send_tokens;
   p.x_int4 = int(record.x_bytes / 16);
-  p.num_topk = a.topk_weights != nullptr ? a.num_topk : 0;
+  p.num_topk = a.num_topk;
   p.x = static_cast<const int4*>(a.x);
   p.topk_weights = a.topk_weights;
   p.rank_prefix_matrix = h.rank_prefix_matrix;
@@ -235,7 +243,7 @@ void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle
   p.bias1 = static_cast<const int4*>(a.bias1);
   p.combined_x = static_cast<int4*>(o.combined_x);
   p.combined_topk_weights = o.combined_topk_weights;
-  launch_barrier(b, stream, op);
+  launch_barrier(b, op_signature(kOpCombine, record.bytes, c), stream, op);
   launch_combine(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }

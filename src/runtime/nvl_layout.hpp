@@ -18,6 +18,7 @@ struct NotifyMsg {
   static constexpr int kErrorCode = 0;  // first input error the sender saw (ErrorCode), 0 if none
   static constexpr int kErrorRank = 1;  // rank that saw it
   static constexpr int kNumTokens = 2;  // sender's token count (diagnostics)
+  static constexpr int kSignature = 3;  // hash of the operation's shape: every rank must send the same
   static constexpr int kHeader = 4;
   EPX_HD static constexpr int tokens_per_rank(int j) { return kHeader + j; }                  // sender's row
   EPX_HD static constexpr int expert(int i) { return kHeader + kMaxNvlRanks + i; }            // receiver's expert i
@@ -36,6 +37,9 @@ struct NvlControl {
   int32_t abort;
   int32_t fatal_claimed;  // first failing thread of this rank claims the host diagnostic slot (atomicCAS)
   int32_t pad0;
+  // Grid barrier of the low-latency kernels of this rank: blocks add 1, a launch of G blocks waits for the
+  // next multiple of G (every low-latency launch uses the same G).
+  uint64_t grid_barrier;
   // notify_flag[s] = epoch of the last notify message rank s wrote here (release; read with acquire).
   uint32_t notify_flag[kMaxNvlRanks];
   // Messages double-buffered by epoch parity: no rank can run two operations ahead of another.

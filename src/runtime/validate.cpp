@@ -26,16 +26,22 @@ void validate_dispatch_args(const DispatchArgs& a, int num_ranks, bool cached, c
   } else {
     EPX_REQUIRE(a.x_scales == nullptr && a.num_scales == 0, op, ": x_scales are only for FP8 x");
   }
-  EPX_REQUIRE(a.topk_weights == nullptr || a.topk_idx != nullptr, op, ": topk_weights need topk_idx");
-  if (a.topk_idx != nullptr || a.num_tokens_per_expert != nullptr) {
+  // Top-k presence is num_topk > 0 on every rank (it shapes the ring records, which all ranks must agree on);
+  // a rank without tokens may pass null pointers.
+  if (a.num_topk != 0) {
+    EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be 0 (no top-k) or in [1, ", kMaxTopk,
+                "], got ", a.num_topk);
+    EPX_REQUIRE(!has_tokens || a.topk_idx != nullptr, op, ": num_topk = ", a.num_topk, " but topk_idx is null");
+  } else {
+    EPX_REQUIRE(a.topk_idx == nullptr && a.topk_weights == nullptr, op,
+                ": topk_idx / topk_weights given with num_topk = 0");
+  }
+  if (a.num_topk != 0 || a.num_tokens_per_expert != nullptr) {
     EPX_REQUIRE(a.num_experts > 0 && a.num_experts % num_ranks == 0, op, ": num_experts (", a.num_experts,
                 ") must be a positive multiple of the number of ranks (", num_ranks, ")");
     EPX_REQUIRE(a.num_experts / num_ranks <= kMaxLocalExperts, op, ": at most ", kMaxLocalExperts,
                 " experts per rank, got ", a.num_experts / num_ranks);
   }
-  if (a.topk_idx != nullptr)
-    EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be in [1, ", kMaxTopk, "], got ",
-                a.num_topk);
   EPX_REQUIRE(!has_tokens || a.is_token_in_rank != nullptr, op, ": is_token_in_rank is null");
   if (!cached) EPX_REQUIRE(a.num_tokens_per_rank != nullptr, op, ": num_tokens_per_rank is null");
   EPX_REQUIRE(a.expert_alignment >= 0, op, ": expert_alignment must be >= 1, got ", a.expert_alignment);
@@ -43,8 +49,7 @@ void validate_dispatch_args(const DispatchArgs& a, int num_ranks, bool cached, c
 }
 
 DispatchRecord dispatch_record(const DispatchArgs& a) {
-  return DispatchRecord::make(row_bytes(a.dtype, a.hidden), a.dtype == EPX_FP8_E4M3 ? a.num_scales : 0,
-                              a.topk_idx != nullptr ? a.num_topk : 0);
+  return DispatchRecord::make(row_bytes(a.dtype, a.hidden), a.dtype == EPX_FP8_E4M3 ? a.num_scales : 0, a.num_topk);
 }
 
 void validate_combine_args(const CombineArgs& a, const CombineOutputs& o, int num_tokens, int num_recv_tokens,
@@ -55,11 +60,18 @@ void validate_combine_args(const CombineArgs& a, const CombineOutputs& o, int nu
   EPX_REQUIRE(num_recv_tokens < 0 || a.num_rows >= num_recv_tokens, op, ": x has ", a.num_rows,
               " rows but the dispatch delivered ", num_recv_tokens);
   EPX_REQUIRE(a.num_rows == 0 || (a.x != nullptr && aligned16(a.x)), op, ": x must be a 16-byte aligned device pointer");
-  if (a.topk_weights != nullptr)
-    EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be in [1, ", kMaxTopk, "], got ",
-                a.num_topk);
-  EPX_REQUIRE((a.topk_weights == nullptr) == (o.combined_topk_weights == nullptr) || num_tokens == 0, op,
-              ": combined_topk_weights is needed exactly when topk_weights is given");
+  // As in dispatch, num_topk > 0 (on every rank) says that weights are combined.
+  if (a.num_topk != 0) {
+    EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be 0 (no weights) or in [1, ",
+                kMaxTopk, "], got ", a.num_topk);
+    EPX_REQUIRE(a.num_rows == 0 || a.topk_weights != nullptr, op, ": num_topk = ", a.num_topk,
+                " but topk_weights is null");
+    EPX_REQUIRE(num_tokens == 0 || o.combined_topk_weights != nullptr, op, ": num_topk = ", a.num_topk,
+                " but combined_topk_weights is null");
+  } else {
+    EPX_REQUIRE(a.topk_weights == nullptr && o.combined_topk_weights == nullptr, op,
+                ": topk weights given with num_topk = 0");
+  }
   EPX_REQUIRE(num_tokens == 0 || (o.combined_x != nullptr && aligned16(o.combined_x)), op,
               ": combined_x must be a 16-byte aligned device pointer");
   EPX_REQUIRE(aligned16(a.bias0) && aligned16(a.bias1), op, ": biases must be 16-byte aligned");

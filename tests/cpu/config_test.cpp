@@ -1,1 +1,128 @@
+// Configs of the high-throughput kernels: the defaults must be valid, validation must name the bad field, and
+// nvl_size_hint must leave room for the largest ring records the kernels can write.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <string>
+
+#include "epx/epx.hpp"
+#include "runtime/limits.hpp"
+#include "runtime/nvl_layout.hpp"
+
+using ::testing::HasSubstr;
+
+namespace {
+
+// Runs f, which must throw epx::Error with kInvalidArgument; returns the message ("" when it did not throw).
+std::string invalid_argument_message(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const epx::Error& e) {
+    EXPECT_EQ(e.status(), epx::Status::kInvalidArgument) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected epx::Error(kInvalidArgument), nothing was thrown";
+  return "";
+}
+
+epx::Config valid_config() { return epx::Config{24, 6, 256}; }
+
+}  // namespace
+
+TEST(Config, DefaultsAreValidForOneToEightRanks) {
+  for (int r = 1; r <= epx::kMaxNvlRanks; ++r) {
+    for (const epx::Config& c : {epx::default_dispatch_config(r), epx::default_combine_config(r)}) {
+      EXPECT_NO_THROW(epx::validate_config(c, r)) << r << " ranks";
+      EXPECT_GE(c.num_max_recv_tokens, c.num_max_send_tokens) << r << " ranks";
+    }
+  }
+}
+
+TEST(Config, DefaultsRejectRankCountsTheKernelsCannotRun) {
+  for (int r : {0, -1, epx::kMaxNvlRanks + 1}) {
+    EXPECT_THAT(invalid_argument_message([&] { epx::default_dispatch_config(r); }), HasSubstr("num_ranks")) << r;
+    EXPECT_THAT(invalid_argument_message([&] { epx::default_combine_config(r); }), HasSubstr("num_ranks")) << r;
+  }
+}
+
+TEST(Config, RejectsBadNumSms) {
+  for (int sms : {0, -2, 1, 23}) {
+    epx::Config c = valid_config();
+    c.num_sms = sms;
+    EXPECT_THAT(invalid_argument_message([&] { epx::validate_config(c, 4); }), HasSubstr("num_sms")) << sms;
+  }
+  epx::Config c = valid_config();
+  c.num_sms = 2 * epx::kMaxChannels;  // 128: the largest accepted
+  EXPECT_NO_THROW(epx::validate_config(c, 4));
+  c.num_sms = 2 * epx::kMaxChannels + 2;
+  const std::string msg = invalid_argument_message([&] { epx::validate_config(c, 4); });
+  EXPECT_THAT(msg, HasSubstr("num_sms"));
+  EXPECT_THAT(msg, HasSubstr("128"));  // says the limit
+}
+
+TEST(Config, RejectsBadChunkAndRing) {
+  epx::Config c = valid_config();
+  c.num_max_send_tokens = 0;
+  EXPECT_THAT(invalid_argument_message([&] { epx::validate_config(c, 4); }), HasSubstr("num_max_send_tokens"));
+  c = valid_config();
+  c.num_max_send_tokens = -3;
+  EXPECT_THAT(invalid_argument_message([&] { epx::validate_config(c, 4); }), HasSubstr("num_max_send_tokens"));
+  c = valid_config();
+  c.num_max_recv_tokens = c.num_max_send_tokens - 1;  // a ring smaller than one chunk can never be filled
+  EXPECT_THAT(invalid_argument_message([&] { epx::validate_config(c, 4); }), HasSubstr("num_max_recv_tokens"));
+  c.num_max_recv_tokens = c.num_max_send_tokens;  // exactly one chunk is enough
+  EXPECT_NO_THROW(epx::validate_config(c, 4));
+}
+
+TEST(Config, RejectsRankCountsOutsideOneDomain) {
+  for (int r : {0, -1, epx::kMaxNvlRanks + 1, 64})
+    EXPECT_THAT(invalid_argument_message([&] { epx::validate_config(valid_config(), r); }), HasSubstr("ranks"))
+        << r;
+}
+
+// The ring of one (channel, peer) holds num_max_recv_tokens records; the biggest record any call can need with
+// rows of hidden_bytes (bf16 row, or an FP8 row of the same hidden with per-128 scales, at the largest top-k;
+// combine rows with weights) must fit for every channel and peer.
+int64_t largest_ring_bytes(const epx::Config& c, int64_t hidden_bytes, int num_ranks) {
+  const int hidden = int(hidden_bytes / 2);
+  const int fp8_scales = (hidden + epx::kFp8GroupSize - 1) / epx::kFp8GroupSize;
+  const int64_t record =
+      std::max({epx::DispatchRecord::make(hidden_bytes, 0, epx::kMaxTopk).bytes,
+                epx::DispatchRecord::make(hidden, fp8_scales, epx::kMaxTopk).bytes,
+                epx::CombineRecord::make(hidden, epx::kMaxTopk).bytes});
+  return int64_t(c.num_sms / 2) * num_ranks * c.num_max_recv_tokens * record;
+}
+
+TEST(Config, NvlSizeHintCoversTheLargestRecords) {
+  for (int64_t hidden : {128, 2048, 4096, 7168}) {
+    for (int r : {1, 2, 4, 8}) {
+      const epx::Config c = epx::default_dispatch_config(r);
+      const int64_t hint = epx::nvl_size_hint(c, hidden * 2, r);
+      EXPECT_GE(hint, largest_ring_bytes(c, hidden * 2, r)) << "hidden " << hidden << ", " << r << " ranks";
+      EXPECT_EQ(hint % epx::kAlign, 0) << "hidden " << hidden << ", " << r << " ranks";
+    }
+  }
+}
+
+TEST(Config, NvlSizeHintGrowsWithRanksAndHidden) {
+  const epx::Config c = valid_config();
+  for (int r = 1; r < epx::kMaxNvlRanks; ++r)
+    EXPECT_GT(epx::nvl_size_hint(c, 4096 * 2, r + 1), epx::nvl_size_hint(c, 4096 * 2, r)) << r;
+  EXPECT_GT(epx::nvl_size_hint(c, 7168 * 2, 4), epx::nvl_size_hint(c, 4096 * 2, 4));
+  epx::Config bigger_ring = c;
+  bigger_ring.num_max_recv_tokens *= 2;
+  EXPECT_GT(epx::nvl_size_hint(bigger_ring, 4096 * 2, 4), epx::nvl_size_hint(c, 4096 * 2, 4));
+}
+
+TEST(Config, NvlSizeHintRejectsBadInput) {
+  for (int64_t bytes : {int64_t(0), int64_t(-16), int64_t(8), int64_t(24), int64_t(4097)})
+    EXPECT_THAT(invalid_argument_message([&] { epx::nvl_size_hint(valid_config(), bytes, 4); }),
+                HasSubstr("hidden_bytes"))
+        << bytes;
+  epx::Config bad = valid_config();
+  bad.num_sms = 3;  // the config is validated too
+  EXPECT_THAT(invalid_argument_message([&] { epx::nvl_size_hint(bad, 8192, 4); }), HasSubstr("num_sms"));
+  EXPECT_THAT(invalid_argument_message([&] { epx::nvl_size_hint(valid_config(), 8192, 9); }), HasSubstr("ranks"));
+}

@@ -241,6 +241,30 @@ std::vector<Case> intranode_cases() {
     return err + s.check_combine();
   }});
 
+  cases.push_back(Case{"ranks that disagree on hidden fail together, buffer stays usable", [](Context& ctx) {
+    auto c = base_case({64}, ctx.rank == ctx.num_ranks - 1 ? 4096 : 2048, 36);
+    std::string err;
+    {
+      IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+      s.layout();
+      try {
+        s.dispatch();
+        err = ctx.num_ranks > 1 ? "expected an error, dispatch succeeded\n" : "";
+      } catch (const Error& e) {
+        if (e.status() != Status::kInvalidArgument || std::string(e.what()).find("disagree") == std::string::npos)
+          err = std::string("wrong error: ") + e.what() + "\n";
+      }
+    }
+    c.hidden = 2048;
+    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+    s.layout();
+    s.dispatch();
+    err += s.check_dispatch();
+    s.set_combine_inputs(4);
+    s.combine();
+    return err + s.check_combine();
+  }});
+
   cases.push_back(Case{"buffer too small is reported before any launch", [](Context& ctx) {
     auto c = base_case({64}, 7168, 34);
     Config big{ctx.dispatch_config.num_sms, ctx.dispatch_config.num_max_send_tokens, 1 << 20};

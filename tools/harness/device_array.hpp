@@ -22,7 +22,7 @@ class DeviceArray {
   ~DeviceArray() { release(); }
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
-  DeviceArray(DeviceArray&& o) noexcept : ptr_(o.ptr_), n_(o.n_) { o.ptr_ = nullptr, o.n_ = 0; }
+  DeviceArray(DeviceArray&& o) noexcept : ptr_(o.ptr_), n_(o.n_), cap_(o.cap_) { o.ptr_ = nullptr, o.n_ = o.cap_ = 0; }
 
   void resize(size_t n) {  // contents are not kept
     if (n <= cap_) {

@@ -103,6 +103,16 @@ IntranodeSession::IntranodeSession(Buffer& buffer, const IntranodeCase& c, const
   set_x(x_seed_);
 }
 
+void IntranodeSession::set_configs(const Config& dispatch_config, const Config& combine_config) {
+  dispatch_config_ = dispatch_config;
+  combine_config_ = combine_config;
+  // The per-channel handle arrays are [R, C] with C = num_sms / 2 of the dispatch config.
+  const size_t rc = size_t(num_ranks_) * (dispatch_config.num_sms / 2);
+  channel_prefix_.resize(rc);
+  recv_channel_prefix_.resize(rc);
+  handle_ = DispatchHandle{};  // its arrays may have moved, and its channel count no longer matches
+}
+
 int IntranodeSession::worst_tokens() const {
   if (!c_.worst_case) return 0;
   return c_.worst_tokens_override > 0 ? c_.worst_tokens_override : max_rows_;
@@ -152,7 +162,7 @@ DispatchArgs IntranodeSession::dispatch_args() const {
   a.num_scales = num_scales();
   a.topk_idx = c_.with_topk ? topk_idx_.get() : nullptr;
   a.topk_weights = c_.with_topk && c_.with_weights ? topk_weights_.get() : nullptr;
-  a.num_topk = c_.routing.num_topk;
+  a.num_topk = c_.with_topk ? c_.routing.num_topk : 0;
   a.num_experts = c_.routing.num_experts;
   a.num_tokens_per_rank = num_tokens_per_rank_.get();
   a.num_tokens_per_expert = num_tokens_per_expert_.get();
@@ -216,7 +226,7 @@ void IntranodeSession::combine() {
   a.num_rows = worst_tokens() > 0 ? worst_tokens() : int(expected_rows_.size());
   a.hidden = c_.hidden;
   a.topk_weights = c_.combine_weights ? expert_weights_.get() : nullptr;
-  a.num_topk = c_.routing.num_topk;
+  a.num_topk = c_.combine_weights ? c_.routing.num_topk : 0;
   a.bias0 = c_.num_biases >= 1 ? bias0_.get() : nullptr;
   a.bias1 = c_.num_biases >= 2 ? bias1_.get() : nullptr;
   CombineOutputs o{combined_x_.get(), c_.combine_weights ? combined_weights_.get() : nullptr};
@@ -243,7 +253,7 @@ std::string IntranodeSession::check_dispatch() const {
   Mismatches m("dispatch");
   if (!c_.worst_case) {
     m.expect_eq(counts_.num_recv_tokens, N, "num_recv_tokens");
-    const ref::RecvMeta full = ref::dispatch_meta(routing_, rank_, K, c_.routing.num_experts, c_.expert_alignment);
+    const ref::RecvMeta full = ref::dispatch_meta(routing_, rank_, K, c_.routing.num_experts, c_.expert_alignment, true, true);
     m.expect_eq(counts_.num_recv_tokens_per_expert.size(), full.num_recv_tokens_per_expert.size(), "experts");
     for (size_t i = 0; i < counts_.num_recv_tokens_per_expert.size() && i < full.num_recv_tokens_per_expert.size(); ++i)
       m.expect_eq(counts_.num_recv_tokens_per_expert[i], full.num_recv_tokens_per_expert[i],
@@ -256,7 +266,8 @@ std::string IntranodeSession::check_dispatch() const {
   const int rows = c_.worst_case ? worst_tokens() : N;
   const auto recv_x = recv_x_.download(size_t(rows) * row_bytes(), stream_);
   const auto src_idx = recv_src_idx_.download(rows, stream_);
-  const ref::RecvMeta meta = ref::dispatch_meta(sources_, rank_, K, c_.routing.num_experts, c_.expert_alignment);
+  const ref::RecvMeta meta = ref::dispatch_meta(sources_, rank_, K, c_.routing.num_experts, c_.expert_alignment, c_.with_topk,
+                                              c_.with_topk && c_.with_weights);
   std::vector<uint8_t> want_row;
   for (int n = 0; n < N; ++n) {
     const ref::RecvRow& r = expected_rows_[n];

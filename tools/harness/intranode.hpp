@@ -42,6 +42,9 @@ class IntranodeSession {
   void combine();
   void set_x(uint64_t seed);               // regenerates and uploads this rank's x (and scales)
   void set_combine_inputs(uint64_t seed);  // expert outputs, weights and biases for the next combine
+  // Switches to other configs without regenerating data (benchmark sweeps). Drops the handle: call dispatch()
+  // before dispatch_cached() or combine().
+  void set_configs(const Config& dispatch_config, const Config& combine_config);
 
   // "" when equal to the reference model, else the first mismatches.
   std::string check_layout() const;
@@ -49,6 +52,8 @@ class IntranodeSession {
   std::string check_combine() const;
 
   int num_recv_tokens() const { return int(expected_rows_.size()); }
+  // Tokens rank src sends to rank dst under this routing (the reference layout), e.g. for an all-to-all baseline.
+  int num_tokens_routed(int src, int dst) const { return layouts_.at(src).num_tokens_per_rank.at(dst); }
   double recv_bytes() const;     // dispatch: rows received here (own included) x (row + scale bytes)
   double combine_bytes() const;  // combine: the same rows as bf16
   const DispatchHandle& handle() const { return handle_; }

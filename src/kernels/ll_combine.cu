@@ -1,0 +1,101 @@
+// Low-latency combine (SPEC section 5).
+//
+// Send phase: one warp per (local expert i, source rank s) writes the expert outputs of the rows that came
+// from s back into s's receive area at [global expert][source token], then raises s's flag for the expert.
+// Receive phase: warps wait for every expert's flag (and reset it), a grid barrier, then block b reduces
+// tokens b, b+G, ...: out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32, one rounding.
+#include <cuda_runtime.h>
+
+#include "device/bf16.cuh"
+#include "device/grid_barrier.cuh"
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "device/warp_copy.cuh"
+#include "kernels/ll_params.hpp"
+
+namespace epx {
+namespace {
+
+using namespace dev;
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+
+__device__ void send_phase(const LowLatencyCombineParams& p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
+  const int L = p.num_experts / R;
+  const int row_int4 = p.hidden / 8;
+  const int64_t rows_per_expert = int64_t(R) * M;
+  for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += gridDim.x * kWarps) {
+    const int i = pair / R, s = pair % R;
+    const int64_t range = p.recv_layout_range[int64_t(i) * R + s];
+    const int begin = int(range >> 32), count = int(range & 0xffffffff);
+    const int e = me * L + i;
+    uint8_t* recv = p.layout.receive(p.regions[s], p.set);
+    for (int n = begin; n < begin + count; ++n) {
+      const int t = p.recv_src_info[int64_t(i) * rows_per_expert + n];
+      int4* dst = reinterpret_cast<int4*>(recv) + (int64_t(e) * M + t) * row_int4;
+      warp_copy<4>(dst, p.x + (int64_t(i) * rows_per_expert + n) * row_int4, row_int4, lane, LoadNc{}, StoreNa{});
+    }
+    __threadfence_system();  // every lane's rows are visible before the flag
+    __syncwarp();
+    if (lane == 0) st_release_sys(p.layout.combine_flag(p.regions[s], p.set) + e, 1);  // pairs with wait_nonzero
+  }
+}
+
+__device__ void receive_phase(const LowLatencyCombineParams& p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int M = p.max_tokens, K = p.num_topk, me = p.env.rank;
+  int32_t* flags = p.layout.combine_flag(p.regions[me], p.set);
+  for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
+    if (lane == 0) {
+      wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, e / (p.num_experts / p.num_ranks), e});
+      flags[e] = 0;  // single reader; the next use of this set is two calls away
+    }
+  }
+  grid_barrier(&p.env.self->grid_barrier, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, -1, -1});
+
+  const int row_int4 = p.hidden / 8;
+  const uint8_t* recv = p.layout.receive(p.regions[me], p.set);
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    for (int h = threadIdx.x; h < row_int4; h += kThreads) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = p.topk_idx[int64_t(t) * K + k];
+        if (e < 0) continue;
+        const float w = p.topk_weights[int64_t(t) * K + k];
+        const int4 v = ld_cg(reinterpret_cast<const int4*>(recv) + (e * M + t) * row_int4 + h);
+        const uint32_t words[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
+          acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
+          acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
+        }
+      }
+      st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(LowLatencyCombineParams p) {
+  if (p.phases & kLowLatencySend) send_phase(p);
+  if (p.phases & kLowLatencyRecv) receive_phase(p);
+}
+
+}  // namespace
+
+void launch_low_latency_combine(const LowLatencyCombineParams& p, int grid, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // the receive phase has a grid barrier
+  attr[0].val.cooperative = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, low_latency_combine_kernel, p);
+}
+
+}  // namespace epx

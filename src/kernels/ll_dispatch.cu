@@ -1,0 +1,211 @@
+// Low-latency dispatch (SPEC section 4): no count exchange before the data, fixed-size receive areas.
+//
+// Send phase: block b stages tokens b, b+G, ... in shared memory (quantized to FP8 if asked), then warp k
+// writes the token into the receive area of the rank that holds expert topk[t][k], at slot
+// (local expert, this rank, position of (t, k) among this rank's selections of that expert in (t, k) order):
+// rows arrive in token order with no atomics. Each write bumps a local per-expert counter; the warp that
+// owns expert e waits for the counter to reach e's selection count, then sends count + 1 to e's rank.
+// Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
+// rank ascending and copies them into the packed outputs (FP8 scales token-minor).
+#include <cuda_runtime.h>
+
+#include "device/fp8.cuh"
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "device/warp_copy.cuh"
+#include "kernels/ll_params.hpp"
+
+namespace epx {
+namespace {
+
+using namespace dev;
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr uint32_t kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+// Selections of expert e before slot (t, k), in (token, slot) order: the row's position in its block.
+__device__ int position_of(const LowLatencyDispatchParams& p, int t, int k, int64_t e, int lane) {
+  const int K = p.num_topk;
+  int n = 0;
+  for (int i = lane; i < t * K + k; i += 32) n += p.topk_idx[i] == e ? 1 : 0;
+  return warp_sum(n);
+}
+
+__device__ int selections_of(const LowLatencyDispatchParams& p, int64_t e, int lane) {
+  int n = 0;
+  for (int i = lane; i < p.num_tokens * p.num_topk; i += 32) n += p.topk_idx[i] == e ? 1 : 0;
+  return warp_sum(n);
+}
+
+// Stages token t as a record in shared memory: BF16 row, or e4m3 row + per-128 scales; then the source index.
+__device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyRecord& rec, int t, uint8_t* s_rec) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int4* src = p.x + int64_t(t) * (p.hidden / 8);
+  if (!p.fp8) {
+    for (int i = threadIdx.x; i < p.hidden / 8; i += kThreads) reinterpret_cast<int4*>(s_rec)[i] = ld_nc(src + i);
+  } else {
+    // One warp per 128-element group: 4 values per lane.
+    const int groups = p.hidden / kFp8GroupSize;
+    float* s_scales = reinterpret_cast<float*>(s_rec + rec.scale_offset);
+    for (int g = warp; g < groups; g += kWarps) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(src) + g * kFp8GroupSize + lane * 4);
+      const float v[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
+                          __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u)};
+      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+      amax = warp_max(amax);
+      const float scale = fp8_scale(amax, p.round_scale != 0);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) packed |= uint32_t(to_e4m3(__fdiv_rn(v[j], scale))) << (8 * j);
+      reinterpret_cast<uint32_t*>(s_rec)[g * 32 + lane] = packed;
+      if (lane == 0) s_scales[g] = scale;
+    }
+  }
+  if (threadIdx.x == 0) *reinterpret_cast<int32_t*>(s_rec + rec.meta_offset) = t;
+}
+
+__device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk, me = p.env.rank;
+  const int L = p.num_experts / R;
+  const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
+  int32_t* sent = p.layout.sent(p.regions[me], p.set);
+
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    stage_token(p, rec, t, s_rec);
+    __syncthreads();
+    if (warp < K) {
+      const int64_t e = p.topk_idx[int64_t(t) * K + warp];
+      if (e >= 0) {
+        const int slot = position_of(p, t, warp, e, lane);
+        const int dest = int(e / L), local = int(e % L);
+        uint8_t* dst = p.layout.receive(p.regions[dest], p.set) + ((int64_t(local) * R + me) * M + slot) * rec.bytes;
+        warp_copy<2>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(s_rec), int(rec.bytes / 16), lane,
+                     [](const int4* q) { return *q; }, StoreNa{});
+        __threadfence_system();  // this lane's part of the record is visible before the count below
+        __syncwarp();
+        if (lane == 0) atomicAdd(&sent[e], 1);  // read with acquire by e's count sender
+      }
+    }
+    __syncthreads();  // the staged record is free again
+  }
+
+  // Count senders: warp (block b, warp w) owns experts b * kWarps + w, stride G * kWarps.
+  for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
+    const int expected = selections_of(p, e, lane);
+    if (lane == 0) {
+      if (expected > 0)
+        wait_at_least_i32(&sent[e], expected, p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
+      sent[e] = 0;  // only this warp reads it; the next use of this set is two calls away
+      int32_t* count = p.layout.dispatch_count(p.regions[e / L], p.set) + (e % L) * R + me;
+      st_release_sys(count, expected + 1);  // pairs with the receiver's acquire
+    }
+  }
+}
+
+__device__ void receive_phase(const LowLatencyDispatchParams& p) {
+  __shared__ int s_begin[kMaxNvlRanks + 1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
+  const int L = p.num_experts / R;
+  const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
+  const int groups = p.hidden / kFp8GroupSize;
+  const int64_t rows_per_expert = int64_t(R) * M;
+
+  for (int i = blockIdx.x; i < L; i += gridDim.x) {
+    if (warp == 0) {
+      int count = 0;
+      if (lane < R) {
+        int32_t* c = p.layout.dispatch_count(p.regions[me], p.set) + i * R + lane;
+        count = wait_nonzero(c, p.env, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;  // pairs with the sender
+        *c = 0;  // single reader; the next use of this set is two calls away
+      }
+      int incl = count;  // inclusive scan over source ranks
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(kFullMask, incl, o);
+        if (lane >= o) incl += v;
+      }
+      if (lane < R) {
+        s_begin[lane] = incl - count;
+        p.recv_layout_range[int64_t(i) * R + lane] = (int64_t(incl - count) << 32) | int64_t(count);
+      }
+      const int total = __shfl_sync(kFullMask, incl, R - 1);
+      if (lane == 0) {
+        s_begin[R] = total;
+        p.packed_recv_count[i] = total;
+        if (p.cumulative_stats != nullptr) p.cumulative_stats[i] += total;
+      }
+    }
+    __syncthreads();
+    const int total = s_begin[R];
+    for (int n = warp; n < total; n += kWarps) {
+      int s = 0;
+      while (n >= s_begin[s + 1]) ++s;
+      const int slot = n - s_begin[s];
+      const uint8_t* src = p.layout.receive(p.regions[me], p.set) + ((int64_t(i) * R + s) * M + slot) * rec.bytes;
+      const int64_t row = int64_t(i) * rows_per_expert + n;
+      warp_copy<4>(static_cast<int4*>(p.packed_recv_x) + row * (rec.row_bytes / 16), reinterpret_cast<const int4*>(src),
+                   int(rec.row_bytes / 16), lane, LoadCg{}, StoreNa{});
+      if (p.fp8) {
+        const float* scales = reinterpret_cast<const float*>(src + rec.scale_offset);
+        if (p.ue8m0) {  // 4 exponent bytes per int32, token-minor: [L][H/512][R*M]
+          for (int q = lane; q < groups / 4; q += 32) {
+            uint32_t packed = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              packed |= uint32_t(ue8m0_of(__int_as_float(ld_cg(reinterpret_cast<const int32_t*>(scales) + 4 * q + j))))
+                        << (8 * j);
+            static_cast<uint32_t*>(p.packed_recv_scales)[(int64_t(i) * (groups / 4) + q) * rows_per_expert + n] = packed;
+          }
+        } else {  // token-minor: [L][H/128][R*M]
+          for (int g = lane; g < groups; g += 32)
+            static_cast<float*>(p.packed_recv_scales)[(int64_t(i) * groups + g) * rows_per_expert + n] =
+                __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(scales) + g));
+        }
+      }
+      if (lane == 0) p.recv_src_info[row] = ld_cg(reinterpret_cast<const int32_t*>(src + rec.meta_offset));
+    }
+    __syncthreads();  // s_begin is reused for the next expert
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(LowLatencyDispatchParams p) {
+  extern __shared__ __align__(16) uint8_t s_rec[];
+  if (p.phases & kLowLatencySend) send_phase(p, s_rec);
+  if (p.phases & kLowLatencyRecv) receive_phase(p);
+}
+
+}  // namespace
+
+int low_latency_grid(int num_device_sms) { return num_device_sms; }
+
+void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream) {
+  const size_t smem = size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
+  cudaFuncSetAttribute(low_latency_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // waits across blocks: every block must be resident
+  attr[0].val.cooperative = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, low_latency_dispatch_kernel, p);
+}
+
+}  // namespace epx

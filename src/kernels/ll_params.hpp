@@ -1,0 +1,56 @@
+// Parameters of the low-latency kernels (SPEC sections 4 and 5).
+#pragma once
+
+#include <vector_types.h>
+
+#include <cstdint>
+
+#include "runtime/fail_env.hpp"
+#include "runtime/ll_layout.hpp"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace epx {
+
+constexpr int kLowLatencySend = 1;
+constexpr int kLowLatencyRecv = 2;
+
+struct LowLatencyDispatchParams {
+  FailEnv env;
+  LowLatencyLayout layout;
+  void* regions[kMaxNvlRanks];  // every rank's low-latency region as mapped here
+  int set;                      // buffer set of this call
+  int phases;                   // kLowLatencySend | kLowLatencyRecv
+  int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
+  int fp8, round_scale, ue8m0;
+  const int4* x;                // bf16 [T, H]
+  const int64_t* topk_idx;      // [T, K]
+  int* cumulative_stats;        // [L] or null
+  void* packed_recv_x;          // [L, R*M, H] bf16 or e4m3
+  void* packed_recv_scales;     // fp8: float [L, H/128, R*M] or (ue8m0) int32 [L, H/512, R*M]
+  int* packed_recv_count;       // [L]
+  int* recv_src_info;           // [L, R*M]
+  int64_t* recv_layout_range;   // [L, R]
+};
+
+struct LowLatencyCombineParams {
+  FailEnv env;
+  LowLatencyLayout layout;
+  void* regions[kMaxNvlRanks];
+  int set;
+  int phases;
+  int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
+  const int4* x;                    // bf16 [L, R*M, H] expert outputs (a user tensor, or the zero-copy area)
+  const int64_t* topk_idx;          // [T, K]
+  const float* topk_weights;        // [T, K]
+  const int* recv_src_info;         // [L, R*M]
+  const int64_t* recv_layout_range; // [L, R]
+  int4* out;                        // bf16 [T, H]
+};
+
+// Grid of every low-latency launch (the grid barrier needs the same G each time).
+int low_latency_grid(int num_device_sms);
+void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream);
+void launch_low_latency_combine(const LowLatencyCombineParams& p, int grid, cudaStream_t stream);
+
+}  // namespace epx

@@ -1,0 +1,95 @@
+// Layout of the low-latency region of a rank's buffer (after the high-throughput ring region, inside the same
+// IPC allocation, so every peer maps it). Two buffer sets alternate between calls (double buffering):
+//
+//   set s: [ signals | receive area | combine send area ]
+//     signals        dispatch_count[E]: at the receiver, index local_expert * R + src_rank; count + 1, reset by
+//                                       the receiver after reading
+//                    combine_flag[E]:   at the token's source rank, index global expert; 1 when that expert's
+//                                       rows have all been written here, reset by the receiver
+//                    sent[E]:           at the sender, tokens already written for expert e (local counter)
+//     receive area   dispatch: [local expert][src rank][M] records (token row, scales, source token index)
+//                    combine:  [global expert][M] bf16 rows (expert outputs for this rank's tokens)
+//     combine send   [local expert][R * M] bf16 rows: where zero-copy combine reads expert outputs from
+//
+// Signals sit at fixed offsets so that calls with other sizes never misread them.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/limits.hpp"
+
+namespace epx {
+
+// Largest expert count of the low-latency signals (fixed offsets).
+constexpr int kLowLatencyMaxExperts = 1024;
+// Largest num_max_dispatch_tokens_per_rank (M).
+constexpr int kLowLatencyMaxTokens = 4096;
+
+struct LowLatencyShape {
+  int num_ranks;
+  int max_tokens;  // M
+  int hidden;
+  int num_experts;
+  int fp8;         // records carry e4m3 rows and float scales instead of bf16 rows
+};
+
+// One dispatch record: [row][scales][src token int32 + padding]
+struct LowLatencyRecord {
+  int64_t row_bytes;
+  int64_t scale_offset;
+  int64_t meta_offset;
+  int64_t bytes;
+  EPX_HD static LowLatencyRecord make(int hidden, bool fp8) {
+    LowLatencyRecord r{};
+    r.row_bytes = int64_t(hidden) * (fp8 ? 1 : 2);
+    r.scale_offset = align_up(r.row_bytes, 16);
+    r.meta_offset = r.scale_offset + (fp8 ? align_up(int64_t(hidden / kFp8GroupSize) * 4, 16) : 0);
+    r.bytes = r.meta_offset + 16;
+    return r;
+  }
+};
+
+struct LowLatencyLayout {
+  static constexpr int64_t kSignalBytes = int64_t(kLowLatencyMaxExperts) * 4;
+  static constexpr int64_t kSignalsBytes = align_up(3 * kSignalBytes, kAlign);
+
+  int64_t set_bytes;           // fixed for the buffer: half of num_rdma_bytes, so set 1 never moves
+  int64_t receive_bytes;       // of this call's shape
+  int64_t combine_send_bytes;  // of this call's shape
+
+  // Bytes one set needs for a shape (BF16 records: larger than FP8 ones).
+  EPX_HD static int64_t required_set_bytes(int max_tokens, int hidden, int num_experts) {
+    const int64_t record = LowLatencyRecord::make(hidden, false).bytes;
+    const int64_t dispatch_recv = int64_t(num_experts) * max_tokens * record;  // [L][R][M] = E * M records
+    const int64_t combine_recv = int64_t(num_experts) * max_tokens * hidden * 2;
+    const int64_t receive = align_up(dispatch_recv > combine_recv ? dispatch_recv : combine_recv, kAlign);
+    const int64_t combine_send = align_up(int64_t(num_experts) * max_tokens * hidden * 2, kAlign);  // [L][R*M]
+    return kSignalsBytes + receive + combine_send;
+  }
+  EPX_HD static LowLatencyLayout make(int64_t set_bytes, int max_tokens, int hidden, int num_experts) {
+    LowLatencyLayout l{};
+    l.set_bytes = set_bytes;
+    const int64_t record = LowLatencyRecord::make(hidden, false).bytes;
+    const int64_t dispatch_recv = int64_t(num_experts) * max_tokens * record;
+    const int64_t combine_recv = int64_t(num_experts) * max_tokens * hidden * 2;
+    l.receive_bytes = align_up(dispatch_recv > combine_recv ? dispatch_recv : combine_recv, kAlign);
+    l.combine_send_bytes = align_up(int64_t(num_experts) * max_tokens * hidden * 2, kAlign);
+    return l;
+  }
+  EPX_HD bool fits() const { return kSignalsBytes + receive_bytes + combine_send_bytes <= set_bytes; }
+
+  EPX_HD uint8_t* set_base(void* region, int set) const { return static_cast<uint8_t*>(region) + set * set_bytes; }
+  EPX_HD int32_t* dispatch_count(void* region, int set) const { return reinterpret_cast<int32_t*>(set_base(region, set)); }
+  EPX_HD int32_t* combine_flag(void* region, int set) const {
+    return reinterpret_cast<int32_t*>(set_base(region, set) + kSignalBytes);
+  }
+  EPX_HD int32_t* sent(void* region, int set) const {
+    return reinterpret_cast<int32_t*>(set_base(region, set) + 2 * kSignalBytes);
+  }
+  EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
+  EPX_HD uint8_t* combine_send(void* region, int set) const {
+    return set_base(region, set) + kSignalsBytes + receive_bytes;
+  }
+};
+
+}  // namespace epx

@@ -1,0 +1,194 @@
+// Host side of the low-latency mode: validation, buffer-set alternation, launches. No host synchronization.
+#include <cstdint>
+
+#include "kernels/ll_params.hpp"
+#include "kernels/params.hpp"
+#include "runtime/buffer_impl.hpp"
+#include "runtime/cuda_check.hpp"
+#include "runtime/validate.hpp"
+
+namespace epx {
+namespace {
+
+constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;  // peers reached through the IPC mapping
+constexpr int kLowLatencyMaxTopk = 32;             // one warp per top-k slot of a token
+
+void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
+                    bool fp8, bool ue8m0, const char* op) {
+  EPX_REQUIRE(b.num_ranks <= kLowLatencyMaxRanks, op, ": low-latency mode over CUDA IPC supports up to ",
+              kLowLatencyMaxRanks, " ranks, got ", b.num_ranks);
+  EPX_REQUIRE(max_tokens >= 1 && max_tokens <= kLowLatencyMaxTokens, op,
+              ": num_max_dispatch_tokens_per_rank must be in [1, ", kLowLatencyMaxTokens, "], got ", max_tokens);
+  EPX_REQUIRE(num_tokens >= 0 && num_tokens <= max_tokens, op, ": num_tokens (", num_tokens,
+              ") must be in [0, num_max_dispatch_tokens_per_rank = ", max_tokens, "]");
+  EPX_REQUIRE(hidden > 0 && hidden <= kMaxHidden && hidden % 8 == 0, op, ": hidden must be a multiple of 8 in [8, ",
+              kMaxHidden, "], got ", hidden);
+  EPX_REQUIRE(!fp8 || hidden % kFp8GroupSize == 0, op, ": FP8 needs hidden % 128 == 0, got ", hidden);
+  EPX_REQUIRE(!ue8m0 || hidden % (4 * kFp8GroupSize) == 0, op, ": UE8M0 scales need hidden % 512 == 0, got ", hidden);
+  EPX_REQUIRE(num_topk >= 1 && num_topk <= kLowLatencyMaxTopk, op, ": num_topk must be in [1, ", kLowLatencyMaxTopk,
+              "], got ", num_topk);
+  EPX_REQUIRE(num_experts > 0 && num_experts % b.num_ranks == 0 && num_experts <= kLowLatencyMaxExperts, op,
+              ": num_experts (", num_experts, ") must be a multiple of the number of ranks (", b.num_ranks,
+              ") and <= ", kLowLatencyMaxExperts);
+  EPX_REQUIRE(b.ll_set_bytes > 0, op, ": the buffer has no low-latency region: create it with num_rdma_bytes from "
+              "low_latency_size_hint");
+  const LowLatencyLayout layout = LowLatencyLayout::make(b.ll_set_bytes, max_tokens, hidden, num_experts);
+  if (!layout.fits())
+    raise(Status::kBufferTooSmall, op, ": num_rdma_bytes is ", 2 * b.ll_set_bytes, " but M = ", max_tokens,
+          ", hidden = ", hidden, ", ", num_experts, " experts need ",
+          2 * LowLatencyLayout::required_set_bytes(max_tokens, hidden, num_experts), " (low_latency_size_hint)");
+}
+
+void fill_regions(const Buffer::Impl& b, void** regions) {
+  for (int r = 0; r < b.num_nvl_ranks; ++r) regions[r] = b.ll_region(r);
+}
+
+}  // namespace
+
+int64_t low_latency_size_hint(int max_tokens, int hidden, int num_ranks, int num_experts) {
+  EPX_REQUIRE(max_tokens >= 1 && max_tokens <= kLowLatencyMaxTokens, "low_latency_size_hint: M must be in [1, ",
+              kLowLatencyMaxTokens, "], got ", max_tokens);
+  EPX_REQUIRE(hidden > 0 && hidden % 8 == 0 && hidden <= kMaxHidden, "low_latency_size_hint: bad hidden ", hidden);
+  EPX_REQUIRE(num_ranks >= 1 && num_experts > 0 && num_experts % num_ranks == 0 && num_experts <= kLowLatencyMaxExperts,
+              "low_latency_size_hint: num_experts (", num_experts, ") must be a multiple of num_ranks (", num_ranks,
+              ") and <= ", kLowLatencyMaxExperts);
+  return 2 * align_up(LowLatencyLayout::required_set_bytes(max_tokens, hidden, num_experts), kAlign);
+}
+
+void Buffer::clean_low_latency_buffer(cudaStream_t stream) {
+  const char* op = "clean_low_latency_buffer";
+  Impl& b = *impl_;
+  b.enter(op);
+  EPX_REQUIRE(b.ll_set_bytes > 0, op, ": the buffer has no low-latency region");
+  for (int set = 0; set < 2; ++set)
+    b.check_launch(cudaMemsetAsync(static_cast<uint8_t*>(b.ll_region(b.nvl_rank)) + set * b.ll_set_bytes, 0,
+                                   LowLatencyLayout::kSignalsBytes, stream),
+                   op);
+  NotifyParams p{};
+  p.env = b.fail_env();
+  p.num_ranks = b.num_ranks;
+  p.barrier_only = 1;
+  p.signature = 0x11c1ea7;
+  launch_notify(p, stream);  // nobody sends into a peer before the peer has cleaned
+  b.check_launch(cudaGetLastError(), op);
+  b.ll_next_set = 0;
+}
+
+void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLatencyDispatchOutputs& o, int phases,
+                                  LowLatencyHandle& h, cudaStream_t stream) {
+  const char* op = "low_latency_dispatch";
+  Impl& b = *impl_;
+  b.enter(op);
+  EPX_REQUIRE(phases == kLowLatencySendPhase || phases == kLowLatencyRecvPhase || phases == kLowLatencyBothPhases, op,
+              ": phases must be send (1), receive (2) or both (3), got ", phases);
+  validate_shape(b, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
+                 a.use_fp8 != 0, a.use_ue8m0 != 0, op);
+  EPX_REQUIRE(!a.use_ue8m0 || (a.use_fp8 && a.round_scale), op, ": use_ue8m0 needs use_fp8 and round_scale");
+  EPX_REQUIRE(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x)), op, ": x must be a 16-byte aligned device pointer");
+  EPX_REQUIRE(a.num_tokens == 0 || a.topk_idx != nullptr, op, ": topk_idx is null");
+  EPX_REQUIRE(o.packed_recv_x && aligned16(o.packed_recv_x) && o.packed_recv_count && o.recv_src_info &&
+                  o.recv_layout_range,
+              op, ": packed_recv_x (16-byte aligned), packed_recv_count, recv_src_info and recv_layout_range are needed");
+  EPX_REQUIRE(!a.use_fp8 || o.packed_recv_x_scales != nullptr, op, ": FP8 dispatch needs packed_recv_x_scales");
+
+  int set;
+  if (phases & kLowLatencySendPhase) {
+    set = b.ll_next_set;
+    b.ll_next_set ^= 1;
+    h = LowLatencyHandle{set, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
+                         o.recv_src_info, o.recv_layout_range};
+  } else {
+    EPX_REQUIRE(h.buffer_set == 0 || h.buffer_set == 1, op, ": the handle has no buffer set (send first)");
+    EPX_REQUIRE(h.num_tokens == a.num_tokens && h.hidden == a.hidden && h.num_experts == a.num_experts &&
+                    h.num_max_dispatch_tokens_per_rank == a.num_max_dispatch_tokens_per_rank,
+                op, ": the receive call must repeat the send call's arguments");
+    set = h.buffer_set;
+  }
+  LowLatencyDispatchParams p{};
+  p.env = b.fail_env();
+  p.layout = LowLatencyLayout::make(b.ll_set_bytes, a.num_max_dispatch_tokens_per_rank, a.hidden, a.num_experts);
+  fill_regions(b, p.regions);
+  p.set = set;
+  p.phases = phases;
+  p.num_ranks = b.num_ranks;
+  p.num_tokens = a.num_tokens;
+  p.max_tokens = a.num_max_dispatch_tokens_per_rank;
+  p.hidden = a.hidden;
+  p.num_topk = a.num_topk;
+  p.num_experts = a.num_experts;
+  p.fp8 = a.use_fp8 != 0;
+  p.round_scale = a.round_scale != 0;
+  p.ue8m0 = a.use_ue8m0 != 0;
+  p.x = static_cast<const int4*>(a.x);
+  p.topk_idx = a.topk_idx;
+  p.cumulative_stats = a.cumulative_local_expert_recv_stats;
+  p.packed_recv_x = o.packed_recv_x;
+  p.packed_recv_scales = o.packed_recv_x_scales;
+  p.packed_recv_count = o.packed_recv_count;
+  p.recv_src_info = o.recv_src_info;
+  p.recv_layout_range = o.recv_layout_range;
+  launch_low_latency_dispatch(p, low_latency_grid(b.num_device_sms), stream);
+  b.check_launch(cudaGetLastError(), op);
+}
+
+int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x,
+                                int phases, int buffer_set, cudaStream_t stream) {
+  const char* op = "low_latency_combine";
+  Impl& b = *impl_;
+  b.enter(op);
+  EPX_REQUIRE(phases == kLowLatencySendPhase || phases == kLowLatencyRecvPhase || phases == kLowLatencyBothPhases, op,
+              ": phases must be send (1), receive (2) or both (3), got ", phases);
+  validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false,
+                 false, op);
+  EPX_REQUIRE(h.recv_src_info != nullptr && h.recv_layout_range != nullptr, op, ": the handle is incomplete");
+  EPX_REQUIRE(h.num_tokens == 0 || (a.topk_idx != nullptr && a.topk_weights != nullptr), op,
+              ": topk_idx and topk_weights of the dispatch are needed");
+  EPX_REQUIRE(h.num_tokens == 0 || (combined_x != nullptr && aligned16(combined_x)), op,
+              ": combined_x must be a 16-byte aligned device pointer");
+  EPX_REQUIRE(a.zero_copy || (a.x != nullptr && aligned16(a.x)), op,
+              ": x must be a 16-byte aligned device pointer (or use zero_copy)");
+
+  int set;
+  if (phases & kLowLatencySendPhase) {
+    set = b.ll_next_set;
+    b.ll_next_set ^= 1;
+  } else {
+    EPX_REQUIRE(buffer_set == 0 || buffer_set == 1, op, ": the receive call needs the send call's buffer set");
+    set = buffer_set;
+  }
+  LowLatencyCombineParams p{};
+  p.env = b.fail_env();
+  p.layout = LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
+  fill_regions(b, p.regions);
+  p.set = set;
+  p.phases = phases;
+  p.num_ranks = b.num_ranks;
+  p.num_tokens = h.num_tokens;
+  p.max_tokens = h.num_max_dispatch_tokens_per_rank;
+  p.hidden = h.hidden;
+  p.num_topk = h.num_topk;
+  p.num_experts = h.num_experts;
+  p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.ll_region(b.nvl_rank), set))
+                                              : a.x);
+  p.topk_idx = a.topk_idx;
+  p.topk_weights = a.topk_weights;
+  p.recv_src_info = h.recv_src_info;
+  p.recv_layout_range = h.recv_layout_range;
+  p.out = static_cast<int4*>(combined_x);
+  launch_low_latency_combine(p, low_latency_grid(b.num_device_sms), stream);
+  b.check_launch(cudaGetLastError(), op);
+  return set;
+}
+
+void* Buffer::next_low_latency_combine_buffer(const LowLatencyHandle& h) {
+  const char* op = "next_low_latency_combine_buffer";
+  Impl& b = *impl_;
+  b.enter(op);
+  validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false,
+                 false, op);
+  const LowLatencyLayout layout =
+      LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
+  return layout.combine_send(b.ll_region(b.nvl_rank), b.ll_next_set);
+}
+
+}  // namespace epx

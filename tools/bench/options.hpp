@@ -1,0 +1,50 @@
+// Command-line options of `epx-bench intranode`, and the small parsers other subcommands can reuse.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epx/epx.hpp"
+
+namespace epx::bench {
+
+// Thrown for a bad command line; main prints the message and the usage, and exits 2.
+struct UsageError {
+  std::string message;
+};
+
+// Strict parsers: the whole text must be a number in [lo, hi] ("--name" only appears in the error message).
+int parse_int(const std::string& name, const std::string& text, int lo, int hi);
+uint64_t parse_u64(const std::string& name, const std::string& text);
+// "24,16,32" -> {24, 16, 32}; every item in [lo, hi].
+std::vector<int> parse_int_list(const std::string& name, const std::string& text, int lo, int hi);
+
+struct IntranodeOptions {
+  int gpus = 0;  // 0: every visible GPU
+  int tokens = 4096;
+  int hidden = 7168;
+  int topk = 8;
+  int experts = 256;
+  std::vector<int> sms, chunks, rings;  // empty: see sweep_configs
+  int iters = 30;
+  int warmup = 5;
+  int refresh_every = 1;  // timed iterations between two refreshes of x (0: once per series)
+  std::string json_path;
+  bool nccl = true;
+  bool check_all = false;  // also check the results of every swept config
+  uint64_t seed = 1;
+};
+
+const char* intranode_usage();
+// Throws UsageError. Sets *help when --help was asked for.
+IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help);
+// Checks that need the rank count (experts per rank, FP8 groups). Throws UsageError.
+void validate_intranode_options(const IntranodeOptions& o, int num_ranks);
+
+// The configs to time, in order. With no --sms/--chunks/--ring: sms {16, 24, 32} x chunk {d, 2d} x ring {256}
+// (d = the default chunk for num_ranks). With any of them: the lists given, the missing ones at their single
+// default value. Combinations the library rejects (ring < chunk, ...) are dropped and named in *skipped.
+std::vector<Config> sweep_configs(const IntranodeOptions& o, int num_ranks, std::vector<std::string>* skipped);
+
+}  // namespace epx::bench

@@ -1,0 +1,59 @@
+// Rows of measurements and how rank 0 prints them: a header, a table with one row per (op, config) and per-rank
+// numbers, an NCCL row per op, the best config per op, and optionally the same rows as JSON.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "epx/epx.hpp"
+
+namespace epx::bench {
+
+enum class Op { kDispatchBf16, kDispatchFp8, kCachedBf16, kCombineBf16 };
+constexpr Op kOps[] = {Op::kDispatchBf16, Op::kDispatchFp8, Op::kCachedBf16, Op::kCombineBf16};
+const char* op_name(Op op);
+// The NCCL measurement an op is compared with: cached dispatch moves the same bytes as BF16 dispatch.
+Op baseline_of(Op op);
+
+enum class Impl { kEpx, kNccl };
+
+// One rank's result of one measurement. Plain data: it travels through the bootstrap all-gather.
+struct RankTiming {
+  double bytes = 0;  // bytes received by this rank, own included (the byte count bandwidth is reported on)
+  double median_us = 0;
+  double min_us = 0;
+  double max_us = 0;
+};
+
+struct Row {
+  Op op;
+  Impl impl;
+  Config config{};  // epx rows only
+  std::vector<RankTiming> ranks;
+
+  double gbps(int rank) const;  // bytes / median time, 1 GB = 1e9 bytes
+  double min_gbps() const;      // the slowest rank's bandwidth: what the collective delivers
+  double max_median_us() const;
+};
+
+struct RunInfo {
+  std::string benchmark;  // "intranode"
+  int num_ranks = 0;
+  std::string gpu;
+  int tokens = 0, hidden = 0, topk = 0, experts = 0;
+  std::string routing;
+  int iters = 0, warmup = 0;
+  uint64_t seed = 0;
+  std::string check;  // "PASS", or what failed
+  std::string nccl;   // "NCCL 2.28.9 (path)", "NCCL: not found (set EPX_NCCL_LIB)", ...
+};
+
+void print_header(std::FILE* out, const RunInfo& info);
+// The table (grouped by op; epx rows in measurement order, then the op's NCCL row) and the best-per-op summary.
+void print_results(std::FILE* out, const std::vector<Row>& rows);
+// Throws std::runtime_error if the file cannot be written.
+void write_json(const std::string& path, const RunInfo& info, const std::vector<Row>& rows);
+
+}  // namespace epx::bench

@@ -1,0 +1,38 @@
+// How every number of epx-bench is taken (shared/GPU.md): CUDA events around the operation, warm-up first, all
+// ranks started together after a barrier, median over the timed iterations.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <vector>
+
+#include "epx/epx.hpp"
+
+namespace epx::bench {
+
+struct TimingPlan {
+  int warmup = 5;
+  int iters = 30;
+};
+
+// Per-rank statistics of one measurement, in microseconds.
+struct Stats {
+  double median_us = 0;
+  double min_us = 0;
+  double max_us = 0;
+};
+
+// Runs warmup + iters iterations of `op` on `stream`. Each iteration:
+//   prepare(timed_index)  -- untimed (e.g. fresh x); timed_index is -1 during warm-up
+//   cudaStreamSynchronize; bootstrap barrier   -- every rank idle; then all ranks leave the barrier at one
+//                                                 shared deadline (1 ms after the last arrival, host clock)
+//   event start; op(); event stop; wait for stop
+// Returns the elapsed time of each timed iteration (us). op() may block on the host (notify's count wait):
+// that wait is inside the events, as a caller of the API sees it.
+std::vector<double> time_iterations(Bootstrap& bs, cudaStream_t stream, const TimingPlan& plan,
+                                    const std::function<void(int)>& prepare, const std::function<void()>& op);
+
+Stats summarize(std::vector<double> samples_us);
+
+}  // namespace epx::bench
