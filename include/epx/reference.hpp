@@ -77,4 +77,24 @@ Combined combine(const Source& own, int num_ranks, int hidden, int num_topk, con
 void reduce_bf16_rows(int hidden, const std::vector<const uint16_t*>& rows, const uint16_t* bias0,
                       const uint16_t* bias1, uint16_t* out);
 
+// ---- SPEC section 4: low-latency dispatch ---------------------------------------------------------------------
+// FP8 quantization of one BF16 row, per 128-element group g:
+//   amax = max(max |x|, 1e-4); scale = amax / 448 (one float32 division); round_scale: the scale rounded up to
+//   a power of two (exponent bits); q = e4m3(x / scale), round to nearest even, saturating.
+void quantize_fp8_row(const uint16_t* x, int hidden, bool round_scale, uint8_t* q, float* scales);
+// The UE8M0 byte of a power-of-two scale (its biased exponent).
+uint8_t ue8m0(float pow2_scale);
+
+// Rows local expert i of `rank` receives: source rank ascending, then each source's (token, slot) order
+// (a token that lists the expert twice arrives twice). sources[s] needs num_tokens and topk_idx.
+std::vector<std::vector<RecvRow>> low_latency_rows(const std::vector<Source>& sources, int num_topk, int num_experts,
+                                                   int rank);
+
+// ---- SPEC section 5: low-latency combine ----------------------------------------------------------------------
+// out = bf16(sum over k ascending with 0 <= idx[k] < E of w[k] * float(row(idx[k]))), each product rounded to
+// float32, then added in float32 (no fused multiply-add); one rounding to bf16.
+using ExpertRow = std::function<const uint16_t*(int64_t expert)>;
+void low_latency_combine_row(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
+                             const ExpertRow& row, uint16_t* out);
+
 }  // namespace epx::ref

@@ -69,6 +69,16 @@ __device__ __forceinline__ int32_t ld_nc(const int32_t* p) {
   asm volatile("ld.global.nc.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
+__device__ __forceinline__ int64_t ld_nc(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.s64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float ld_nc(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.L1::no_allocate.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
 // Ring data written by a peer during the kernel (after an acquire of its index): read at L2.
 __device__ __forceinline__ int4 ld_cg(const int4* p) {
   int4 v;

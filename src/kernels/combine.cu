@@ -24,7 +24,6 @@ namespace {
 using namespace dev;
 
 constexpr uint32_t kFullMask = 0xffffffffu;
-constexpr int kCopyUnroll = 4;
 constexpr int kReducerWarps = kDataWarps - 1;  // the last warp of a receiver block coordinates
 
 __device__ __forceinline__ int row_end_of(const CombineParams& p, int src, int channel) {
@@ -33,6 +32,7 @@ __device__ __forceinline__ int row_end_of(const CombineParams& p, int src, int c
 }
 
 // Sender group for one destination (a source rank of the dispatch): pushes its rows in dispatch order.
+template <int kUnroll>
 __device__ void combine_sender(const CombineParams& p, int channel) {
   PeerGroup g;
   if (!PeerGroup::of(p.num_ranks, g)) return;
@@ -53,7 +53,7 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
     named_barrier(g.barrier_id, g.threads);
     for (int i = g.warp; i < n; i += g.warps) {
       uint8_t* slot = p.ring.slot(dst, channel, me, tail + i);
-      warp_copy<kCopyUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row + i) * p.x_int4, p.x_int4, lane,
+      warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row + i) * p.x_int4, p.x_int4, lane,
                              LoadNc{}, StoreNa{});
       if (lane < p.num_topk)  // rows exist here, so topk_weights is not null
         reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] =
@@ -66,28 +66,38 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
   }
 }
 
-// Sums the rows of token t from every rank in `valid` (ascending), then the biases; one rounding.
+// Sums the rows of token t from every rank in `valid` (ascending), then the biases; one rounding. Each lane
+// handles kVectors 16-byte positions per step, so kVectors * (ranks) loads are in flight.
+template <int kVectors>
 __device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const int4* const (&rows)[kMaxNvlRanks],
                                            uint32_t valid, int lane) {
   const int n = p.x_int4;
   int4* out = p.combined_x + int64_t(t) * n;
   const int4* b0 = p.bias0 != nullptr ? p.bias0 + int64_t(t) * n : nullptr;
   const int4* b1 = p.bias1 != nullptr ? p.bias1 + int64_t(t) * n : nullptr;
-  for (int i = lane; i < n; i += 32) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int4 v[kMaxNvlRanks];
+  for (int base = lane; base < n; base += 32 * kVectors) {
+    int4 v[kVectors][kMaxNvlRanks];
 #pragma unroll
-    for (int j = 0; j < kMaxNvlRanks; ++j)
-      if ((valid >> j) & 1u) v[j] = ld_cg(rows[j] + i);
+    for (int u = 0; u < kVectors; ++u)
 #pragma unroll
-    for (int j = 0; j < kMaxNvlRanks; ++j)
-      if ((valid >> j) & 1u) add_bf16x8(acc, v[j]);
-    if (b0 != nullptr) add_bf16x8(acc, ld_nc(b0 + i));
-    if (b1 != nullptr) add_bf16x8(acc, ld_nc(b1 + i));
-    st_na(out + i, pack_bf16x8(acc));
+      for (int j = 0; j < kMaxNvlRanks; ++j)
+        if (((valid >> j) & 1u) && base + 32 * u < n) v[u][j] = ld_cg(rows[j] + base + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int i = base + 32 * u;
+      if (i >= n) break;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < kMaxNvlRanks; ++j)
+        if ((valid >> j) & 1u) add_bf16x8(acc, v[u][j]);
+      if (b0 != nullptr) add_bf16x8(acc, ld_nc(b0 + i));
+      if (b1 != nullptr) add_bf16x8(acc, ld_nc(b1 + i));
+      st_na(out + i, pack_bf16x8(acc));
+    }
   }
 }
 
+template <int kUnroll>
 __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks;
   NvlControl* self = p.env.self;
@@ -113,7 +123,7 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
       const uint64_t bj = __shfl_sync(kFullMask, base, j);
       rows[j] = ((valid >> j) & 1u) ? reinterpret_cast<const int4*>(p.ring.slot(self, channel, j, bj + pj)) : nullptr;
     }
-    reduce_row(p, t, rows, valid, lane);
+    reduce_row<kUnroll / 4>(p, t, rows, valid, lane);
     if (p.combined_topk_weights != nullptr && lane < p.num_topk) {
       float acc = 0.f;
 #pragma unroll
@@ -155,19 +165,20 @@ __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s
   }
 }
 
+template <int kUnroll>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams p) {
   __shared__ int s_need[kReducerWarps][kMaxNvlRanks];
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    combine_sender(p, channel);
+    combine_sender<kUnroll>(p, channel);
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp < kReducerWarps && lane < kMaxNvlRanks) s_need[warp][lane] = 0;
   __syncthreads();
   if (warp < kReducerWarps)
-    combine_reducer(p, channel, s_need);
+    combine_reducer<kUnroll>(p, channel, s_need);
   else
     combine_coordinator(p, channel, s_need);
 }
@@ -175,7 +186,10 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams 
 }  // namespace
 
 void launch_combine(const CombineParams& p, cudaStream_t stream) {
-  combine_kernel<<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  if (p.copy_unroll == 8)
+    combine_kernel<8><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  else
+    combine_kernel<4><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
 }
 
 }  // namespace epx

@@ -19,44 +19,71 @@ namespace {
 using namespace dev;
 
 constexpr uint32_t kFullMask = 0xffffffffu;
-constexpr int kCopyUnroll = 4;
+// Scale words a lane preloads (up to 128 scales, hidden 16384 in FP8); the rest are copied after the row.
+constexpr int kScaleWordsPerLane = 4;
+
+// The small fields of a record, loaded before the row so that their latency hides behind the row copy.
+struct SmallFields {
+  int32_t scale[kScaleWordsPerLane];
+  int32_t src_idx;
+  int32_t topk;    // lane k < K: (rebased) expert id
+  int32_t weight;  // lane k < K: weight bits
+};
 
 // Writes token t (row, scales, src index, top-k rebased to dest's local experts) into a ring slot.
+template <int kUnroll>
 __device__ __forceinline__ void write_record(const DispatchParams& p, int t, int dest, uint8_t* slot, int lane) {
-  warp_copy<kCopyUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{},
-                         StoreNa{});
-  if (p.num_scales) {
-    const int32_t* src = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
-    int32_t* dst = reinterpret_cast<int32_t*>(slot + p.record.scale_offset);
-    for (int i = lane; i < p.num_scales; i += 32) dst[i] = ld_nc(src + i);
+  SmallFields f{};
+  const int32_t* src_scales = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
+#pragma unroll
+  for (int j = 0; j < kScaleWordsPerLane; ++j)
+    if (lane + 32 * j < p.num_scales) f.scale[j] = ld_nc(src_scales + lane + 32 * j);
+  if (lane < p.num_topk) {  // tokens exist here, so topk_idx is not null
+    const int64_t e = ld_nc(p.topk_idx + int64_t(t) * p.num_topk + lane);
+    const int64_t first = int64_t(dest) * p.experts_per_rank;
+    f.topk = (e >= first && e < first + p.experts_per_rank) ? int(e - first) : -1;
+    const float w = p.topk_weights != nullptr ? ld_nc(p.topk_weights + int64_t(t) * p.num_topk + lane) : 0.f;
+    f.weight = __float_as_int(f.topk >= 0 ? w : 0.f);
   }
+  warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{}, StoreNa{});
+  int32_t* dst_scales = reinterpret_cast<int32_t*>(slot + p.record.scale_offset);
+#pragma unroll
+  for (int j = 0; j < kScaleWordsPerLane; ++j)
+    if (lane + 32 * j < p.num_scales) dst_scales[lane + 32 * j] = f.scale[j];
+  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst_scales[i] = ld_nc(src_scales + i);
   int32_t* meta = reinterpret_cast<int32_t*>(slot + p.record.meta_offset);
   if (lane == 0) meta[0] = t;
-  if (lane < p.num_topk) {  // tokens exist here, so topk_idx is not null
-    const int64_t e = p.topk_idx[int64_t(t) * p.num_topk + lane];
-    const int64_t first = int64_t(dest) * p.experts_per_rank;
-    const int local = (e >= first && e < first + p.experts_per_rank) ? int(e - first) : -1;
-    const float w = (local >= 0 && p.topk_weights != nullptr) ? p.topk_weights[int64_t(t) * p.num_topk + lane] : 0.f;
-    meta[1 + lane] = local;
-    meta[1 + p.num_topk + lane] = __float_as_int(w);
+  if (lane < p.num_topk) {
+    meta[1 + lane] = f.topk;
+    meta[1 + p.num_topk + lane] = f.weight;
   }
 }
 
-// Copies one ring record to row `row` of the outputs.
+// Copies one ring record to row `row` of the outputs (small fields loaded first, as above).
+template <int kUnroll>
 __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8_t* slot, int row, int lane) {
-  warp_copy<kCopyUnroll>(p.recv_x + int64_t(row) * p.x_int4, reinterpret_cast<const int4*>(slot), p.x_int4, lane,
-                         LoadCg{}, StoreNa{});
-  if (p.num_scales) {
-    const int32_t* src = reinterpret_cast<const int32_t*>(slot + p.record.scale_offset);
-    int32_t* dst = reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales;
-    for (int i = lane; i < p.num_scales; i += 32) dst[i] = ld_cg(src + i);
-  }
+  SmallFields f{};
+  const int32_t* src_scales = reinterpret_cast<const int32_t*>(slot + p.record.scale_offset);
   const int32_t* meta = reinterpret_cast<const int32_t*>(slot + p.record.meta_offset);
-  if (lane == 0) p.recv_src_idx[row] = ld_cg(meta);
+#pragma unroll
+  for (int j = 0; j < kScaleWordsPerLane; ++j)
+    if (lane + 32 * j < p.num_scales) f.scale[j] = ld_cg(src_scales + lane + 32 * j);
+  if (lane == 0) f.src_idx = ld_cg(meta);
   if (lane < p.num_topk) {
-    if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = ld_cg(meta + 1 + lane);
-    if (p.recv_topk_weights != nullptr)
-      p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = __int_as_float(ld_cg(meta + 1 + p.num_topk + lane));
+    f.topk = ld_cg(meta + 1 + lane);
+    f.weight = ld_cg(meta + 1 + p.num_topk + lane);
+  }
+  warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, reinterpret_cast<const int4*>(slot), p.x_int4, lane, LoadCg{},
+                     StoreNa{});
+  int32_t* dst_scales = reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales;
+#pragma unroll
+  for (int j = 0; j < kScaleWordsPerLane; ++j)
+    if (lane + 32 * j < p.num_scales) dst_scales[lane + 32 * j] = f.scale[j];
+  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst_scales[i] = ld_cg(src_scales + i);
+  if (lane == 0) p.recv_src_idx[row] = f.src_idx;
+  if (lane < p.num_topk) {
+    if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = f.topk;
+    if (p.recv_topk_weights != nullptr) p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = __int_as_float(f.weight);
   }
 }
 
@@ -64,6 +91,7 @@ __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8
 // routed to the destination, copies them (token i of the chunk by warp i % warps), then publishes the tail.
 // Also records send_head[t][dest]: the token's stream position, or -(next position) - 1 if not sent, which
 // the combine receiver uses as "positions below this are no longer needed".
+template <int kUnroll>
 __device__ void dispatch_sender(const DispatchParams& p, int channel) {
   PeerGroup g;
   if (!PeerGroup::of(p.num_ranks, g)) return;
@@ -101,7 +129,7 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel) {
       int i = taken;
       for (uint32_t m = mask; m != 0; m &= m - 1, ++i) {
         if (i % g.warps != g.warp) continue;
-        write_record(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, tail + i), lane);
+        write_record<kUnroll>(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, tail + i), lane);
       }
       taken += __popc(mask);
       cursor += scanned;
@@ -113,6 +141,7 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel) {
 }
 
 // Receiver group for one source: waits for the source's tail, copies what arrived, publishes the head.
+template <int kUnroll>
 __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t* s_tail) {
   PeerGroup g;
   if (!PeerGroup::of(p.num_ranks, g)) return;
@@ -131,7 +160,8 @@ __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t
     named_barrier(g.barrier_id, g.threads);
     const uint64_t tail = *reinterpret_cast<volatile uint64_t*>(&s_tail[src]);
     const int avail = int(min(tail - head, uint64_t(row_end - row)));
-    for (int i = g.warp; i < avail; i += g.warps) read_record(p, p.ring.slot(self, channel, src, head + i), row + i, lane);
+    for (int i = g.warp; i < avail; i += g.warps)
+      read_record<kUnroll>(p, p.ring.slot(self, channel, src, head + i), row + i, lane);
     named_barrier(g.barrier_id, g.threads);  // every record read: the slots may be reused
     head += avail;
     row += avail;
@@ -152,22 +182,26 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
   }
 }
 
+template <int kUnroll>
 __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParams p) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    dispatch_sender(p, channel);
+    dispatch_sender<kUnroll>(p, channel);
   } else {
     if (p.num_worst_tokens > 0) pad_rows(p, channel);
-    dispatch_receiver(p, channel, s_tail);
+    dispatch_receiver<kUnroll>(p, channel, s_tail);
   }
 }
 
 }  // namespace
 
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  dispatch_kernel<<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  if (p.copy_unroll == 8)
+    dispatch_kernel<8><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  else
+    dispatch_kernel<4><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
 }
 
 }  // namespace epx

@@ -3,25 +3,13 @@
 // block. Out-of-range expert ids are not counted and are reported (first one wins) to the host.
 #include <cuda_runtime.h>
 
+#include "device/report.cuh"
 #include "kernels/params.hpp"
 
 namespace epx {
 namespace {
 
 constexpr int kLayoutThreads = 256;
-
-__device__ void report_bad_expert(const LayoutParams& p, int token, int slot, int64_t value) {
-  if (atomicCAS(&p.self->local_error, 0, kErrTopkOutOfRange) == 0) {
-    volatile DeviceDiag* d = &p.host->input;
-    d->rank = -1;
-    d->role = kRoleLayout;
-    d->a = token;
-    d->b = slot;
-    d->c = value;
-    __threadfence_system();
-    d->code = kErrTopkOutOfRange;
-  }
-}
 
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) {
   extern __shared__ int smem[];
@@ -40,7 +28,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) 
       const int64_t e = p.topk_idx[int64_t(t) * p.num_topk + k];
       if (e == -1) continue;
       if (e < -1 || e >= p.num_experts) {
-        report_bad_expert(p, t, k, e);
+        dev::report_input_error(p.self, p.host, kErrTopkOutOfRange, kRoleLayout, t, k, e);
         continue;
       }
       atomicAdd(&s_expert[e], 1);

@@ -1,9 +1,11 @@
 // Low-latency combine (SPEC section 5).
 //
-// Send phase: one warp per (local expert i, source rank s) writes the expert outputs of the rows that came
-// from s back into s's receive area at [global expert][source token], then raises s's flag for the expert.
-// Receive phase: warps wait for every expert's flag (and reset it), a grid barrier, then block b reduces
-// tokens b, b+G, ...: out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32, one rounding.
+// Send phase: one warp per (local expert i, source rank s) waits until s has cleared its flag for the
+// expert (s consumed the last call on this buffer set), writes the expert outputs of the rows that came from
+// s into s's receive area at [global expert][source token], then raises the flag.
+// Receive phase: warps wait for every expert's flag, a grid barrier, then block b reduces tokens b, b+G, ...:
+// out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
+// a second grid barrier, then the flags are cleared.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -33,6 +35,10 @@ __device__ void send_phase(const LowLatencyCombineParams& p) {
     const int begin = int(range >> 32), count = int(range & 0xffffffff);
     const int e = me * L + i;
     uint8_t* recv = p.layout.receive(p.regions[s], p.set);
+    int32_t* flag = p.layout.combine_flag(p.regions[s], p.set) + e;
+    // Back-pressure: s clears the flag only after it reduced the rows of the last call on this set.
+    if (lane == 0) wait_zero(flag, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
+    __syncwarp();
     for (int n = begin; n < begin + count; ++n) {
       const int t = p.recv_src_info[int64_t(i) * rows_per_expert + n];
       int4* dst = reinterpret_cast<int4*>(recv) + (int64_t(e) * M + t) * row_int4;
@@ -40,7 +46,7 @@ __device__ void send_phase(const LowLatencyCombineParams& p) {
     }
     __threadfence_system();  // every lane's rows are visible before the flag
     __syncwarp();
-    if (lane == 0) st_release_sys(p.layout.combine_flag(p.regions[s], p.set) + e, 1);  // pairs with wait_nonzero
+    if (lane == 0) st_release_sys(flag, 1);  // pairs with the receiver's wait_nonzero
   }
 }
 
@@ -49,10 +55,8 @@ __device__ void receive_phase(const LowLatencyCombineParams& p) {
   const int M = p.max_tokens, K = p.num_topk, me = p.env.rank;
   int32_t* flags = p.layout.combine_flag(p.regions[me], p.set);
   for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
-    if (lane == 0) {
+    if (lane == 0)
       wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, e / (p.num_experts / p.num_ranks), e});
-      flags[e] = 0;  // single reader; the next use of this set is two calls away
-    }
   }
   grid_barrier(&p.env.self->grid_barrier, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, -1, -1});
 
@@ -63,7 +67,7 @@ __device__ void receive_phase(const LowLatencyCombineParams& p) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int k = 0; k < K; ++k) {
         const int64_t e = p.topk_idx[int64_t(t) * K + k];
-        if (e < 0) continue;
+        if (e < 0 || e >= p.num_experts) continue;
         const float w = p.topk_weights[int64_t(t) * K + k];
         const int4 v = ld_cg(reinterpret_cast<const int4*>(recv) + (e * M + t) * row_int4 + h);
         const uint32_t words[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
@@ -76,6 +80,10 @@ __device__ void receive_phase(const LowLatencyCombineParams& p) {
       st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
     }
   }
+  // Every block has read its rows: clear the flags (release), which lets the next call on this set write.
+  grid_barrier(&p.env.self->grid_barrier, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, -1, -2});
+  for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps)
+    if (lane == 0) st_release_sys(flags + e, 0);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(LowLatencyCombineParams p) {

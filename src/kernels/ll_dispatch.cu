@@ -11,6 +11,7 @@
 
 #include "device/fp8.cuh"
 #include "device/ptx.cuh"
+#include "device/report.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/ll_params.hpp"
@@ -88,9 +89,17 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec) {
     __syncthreads();
     if (warp < K) {
       const int64_t e = p.topk_idx[int64_t(t) * K + warp];
-      if (e >= 0) {
+      if ((e < -1 || e >= p.num_experts) && lane == 0)  // skipped, never written: reported by Buffer::check()
+        report_input_error(p.env.self, p.env.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, warp, e);
+      if (e >= 0 && e < p.num_experts) {
         const int slot = position_of(p, t, warp, e, lane);
         const int dest = int(e / L), local = int(e % L);
+        // Back-pressure: the slot's count is cleared by the receiver only after it copied the rows of the last
+        // call on this set, so rows are never overwritten while a slow peer still reads them.
+        if (lane == 0)
+          wait_zero(p.layout.dispatch_count(p.regions[dest], p.set) + local * R + me, p.env,
+                    WaitSite{kRoleLowLatencySend, -1, dest, e});
+        __syncwarp();
         uint8_t* dst = p.layout.receive(p.regions[dest], p.set) + ((int64_t(local) * R + me) * M + slot) * rec.bytes;
         warp_copy<2>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(s_rec), int(rec.bytes / 16), lane,
                      [](const int4* q) { return *q; }, StoreNa{});
@@ -110,6 +119,8 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec) {
         wait_at_least_i32(&sent[e], expected, p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
       sent[e] = 0;  // only this warp reads it; the next use of this set is two calls away
       int32_t* count = p.layout.dispatch_count(p.regions[e / L], p.set) + (e % L) * R + me;
+      if (expected == 0)  // no row went there, so no token warp waited for the slot to be free
+        wait_zero(count, p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
       st_release_sys(count, expected + 1);  // pairs with the receiver's acquire
     }
   }
@@ -130,7 +141,6 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
       if (lane < R) {
         int32_t* c = p.layout.dispatch_count(p.regions[me], p.set) + i * R + lane;
         count = wait_nonzero(c, p.env, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;  // pairs with the sender
-        *c = 0;  // single reader; the next use of this set is two calls away
       }
       int incl = count;  // inclusive scan over source ranks
 #pragma unroll
@@ -178,7 +188,9 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
       }
       if (lane == 0) p.recv_src_info[row] = ld_cg(reinterpret_cast<const int32_t*>(src + rec.meta_offset));
     }
-    __syncthreads();  // s_begin is reused for the next expert
+    __syncthreads();  // every row of expert i is copied (and s_begin may be reused)
+    if (warp == 0 && lane < R)  // release: senders of the next call on this set wait for 0 before writing rows
+      st_release_sys(p.layout.dispatch_count(p.regions[me], p.set) + i * R + lane, 0);
   }
 }
 

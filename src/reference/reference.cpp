@@ -2,6 +2,7 @@
 #include "epx/reference.hpp"
 
 #include <cfenv>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -183,6 +184,65 @@ Combined combine(const Source& own, int num_ranks, int hidden, int num_topk, con
     }
   }
   return out;
+}
+
+namespace {
+
+// Smallest power of two >= s (s > 0, finite), by exponent bits (as the kernels do).
+float round_up_pow2(float s) {
+  uint32_t b = float_bits(s);
+  if (b & 0x7fffffu) b = (b & 0xff800000u) + 0x800000u;
+  return bits_float(b);
+}
+
+}  // namespace
+
+void quantize_fp8_row(const uint16_t* x, int hidden, bool round_scale, uint8_t* q, float* scales) {
+  constexpr int kGroup = 128;
+  require(hidden % kGroup == 0, "quantize_fp8_row: hidden must be a multiple of 128");
+  for (int g = 0; g < hidden / kGroup; ++g) {
+    float amax = 0.f;
+    for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(bf16_to_float(x[g * kGroup + i])));
+    volatile float floored = std::max(amax, 1e-4f);  // volatile: no contraction or reassociation
+    float scale = floored / 448.f;
+    if (round_scale) scale = round_up_pow2(scale);
+    scales[g] = scale;
+    for (int i = 0; i < kGroup; ++i) {
+      volatile float v = bf16_to_float(x[g * kGroup + i]) / scale;
+      q[g * kGroup + i] = float_to_e4m3(v);
+    }
+  }
+}
+
+uint8_t ue8m0(float pow2_scale) { return uint8_t(float_bits(pow2_scale) >> 23); }
+
+std::vector<std::vector<RecvRow>> low_latency_rows(const std::vector<Source>& sources, int num_topk, int num_experts,
+                                                   int rank) {
+  const int R = int(sources.size());
+  require(num_experts > 0 && num_experts % R == 0, "low_latency_rows: num_experts must be a multiple of R");
+  const int L = num_experts / R;
+  std::vector<std::vector<RecvRow>> rows(L);
+  for (int s = 0; s < R; ++s)
+    for (int t = 0; t < sources[s].num_tokens; ++t)
+      for (int k = 0; k < num_topk; ++k) {
+        const int64_t e = sources[s].topk_idx[size_t(t) * num_topk + k];
+        if (e >= int64_t(rank) * L && e < int64_t(rank + 1) * L) rows[e - int64_t(rank) * L].push_back({s, t});
+      }
+  return rows;
+}
+
+void low_latency_combine_row(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
+                             const ExpertRow& row, uint16_t* out) {
+  std::vector<float> acc(hidden, 0.f);
+  for (int k = 0; k < num_topk; ++k) {
+    if (idx[k] < 0 || idx[k] >= num_experts) continue;
+    const uint16_t* r = row(idx[k]);
+    for (int h = 0; h < hidden; ++h) {
+      volatile float product = w[k] * bf16_to_float(r[h]);  // rounded to float32 before the add
+      acc[h] = acc[h] + product;
+    }
+  }
+  for (int h = 0; h < hidden; ++h) out[h] = float_to_bf16(acc[h]);
 }
 
 }  // namespace epx::ref

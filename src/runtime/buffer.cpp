@@ -274,10 +274,20 @@ void Buffer::set_timeout(double seconds) {
 }
 
 void Buffer::check(cudaStream_t stream) {
-  impl_->enter("check");
+  Impl& b = *impl_;
+  b.enter("check");
   const cudaError_t err = cudaStreamSynchronize(stream);
-  if (err != cudaSuccess) impl_->raise_device_failure(err, "check");
-  impl_->raise_if_input_error("check", stream);
+  if (err != cudaSuccess) b.raise_device_failure(err, "check");
+  b.raise_if_input_error("check", stream);
+  // An input error of this rank's own kernels that no notify has shared yet (low-latency mode, layout).
+  volatile HostShared* h = b.host;
+  if (h->input.code != 0) {
+    const DeviceDiag diag = read_diag(&h->input);
+    h->input.code = 0;
+    cudaMemsetAsync(&b.control()->local_error, 0, sizeof(int32_t), stream);
+    cudaStreamSynchronize(stream);
+    raise(Status::kInvalidArgument, "check: ", describe_input(diag.code, diag, b.rank));
+  }
 }
 
 BufferOptions default_buffer_options() {

@@ -2,10 +2,12 @@
 // IPC allocation, so every peer maps it). Two buffer sets alternate between calls (double buffering):
 //
 //   set s: [ signals | receive area | combine send area ]
-//     signals        dispatch_count[E]: at the receiver, index local_expert * R + src_rank; count + 1, reset by
-//                                       the receiver after reading
+//     signals        dispatch_count[E]: at the receiver, index local_expert * R + src_rank; count + 1, cleared by
+//                                       the receiver after it copied the rows; a sender writes rows into the
+//                                       slot only once it reads 0 there (back-pressure across calls)
 //                    combine_flag[E]:   at the token's source rank, index global expert; 1 when that expert's
-//                                       rows have all been written here, reset by the receiver
+//                                       rows have all been written here, cleared after the reduction; a sender
+//                                       writes rows only once it reads 0 there
 //                    sent[E]:           at the sender, tokens already written for expert e (local counter)
 //     receive area   dispatch: [local expert][src rank][M] records (token row, scales, source token index)
 //                    combine:  [global expert][M] bf16 rows (expert outputs for this rank's tokens)

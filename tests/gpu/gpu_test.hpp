@@ -29,6 +29,7 @@ struct Case {
 };
 
 std::vector<Case> intranode_cases();
+std::vector<Case> low_latency_cases();
 std::vector<Case> lifecycle_cases();
 
 // Runs the timeout scenario in its own processes (a timed-out rank's CUDA context is lost).

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -36,6 +37,7 @@ int suite(Bootstrap& bs, const Options& opt) {
   const Config dcfg = default_dispatch_config(R), ccfg = default_combine_config(R);
   BufferOptions o = default_buffer_options();
   o.num_nvl_bytes = nvl_size_hint(dcfg, 7168 * 2, R);
+  o.num_rdma_bytes = std::max(low_latency_size_hint(128, 8192, R, 288), low_latency_size_hint(256, 4096, R, 288));
   Buffer buffer(bs, o);
   buffer.set_timeout(opt.budget_s);
   cudaStream_t stream;
@@ -43,6 +45,7 @@ int suite(Bootstrap& bs, const Options& opt) {
   Context ctx{bs, buffer, stream, rank, R, o.num_nvl_bytes, dcfg, ccfg};
 
   std::vector<Case> cases = intranode_cases();
+  for (auto& c : low_latency_cases()) cases.push_back(std::move(c));
   for (auto& c : lifecycle_cases()) cases.push_back(std::move(c));
   int failed = 0, run = 0;
   for (const Case& c : cases) {
@@ -82,7 +85,7 @@ int suite(Bootstrap& bs, const Options& opt) {
       break;
     }
   }
-  if (rank == 0) std::printf("intranode suite on %d ranks: %d of %d cases passed\n", R, run - failed, run);
+  if (rank == 0) std::printf("GPU suite on %d ranks: %d of %d cases passed\n", R, run - failed, run);
   buffer.destroy();
   return failed == 0 ? 0 : 1;
 }

@@ -7,5 +7,6 @@ namespace epx::bench {
 
 // Exit codes: 0 done, 1 a check or a rank failed, 2 bad command line, 3 not enough GPUs here to benchmark.
 int run_intranode(int argc, char** argv);
+int run_low_latency(int argc, char** argv);
 
 }  // namespace epx::bench

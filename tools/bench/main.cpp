@@ -19,6 +19,8 @@ struct Subcommand {
 constexpr Subcommand kSubcommands[] = {
     {"intranode", "high-throughput dispatch / combine inside one NVLink domain, vs NCCL all-to-all",
      epx::bench::run_intranode},
+    {"low-latency", "decoding-sized dispatch / combine latency (no CPU sync), vs NCCL all-to-all",
+     epx::bench::run_low_latency},
 };
 
 void print_usage(std::FILE* out) {

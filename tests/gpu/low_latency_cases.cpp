@@ -1,0 +1,167 @@
+// GPU tests of the low-latency mode against the reference model (SPEC sections 4, 5, 7).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "../../tools/harness/low_latency.hpp"
+#include "gpu_test.hpp"
+
+namespace epx::gpu_test {
+namespace {
+
+using harness::LowLatencyCase;
+using harness::LowLatencySession;
+
+LowLatencyCase ll_case(int tokens, int hidden, bool fp8, uint64_t seed) {
+  LowLatencyCase c;
+  c.tokens = {tokens};
+  c.max_tokens = 128;
+  c.hidden = hidden;
+  c.fp8 = fp8;
+  c.num_experts = 288;
+  c.num_topk = 8;
+  c.empty_slot_prob = 0.05;
+  c.seed = seed;
+  return c;
+}
+
+// One step: dispatch and combine, each checked; `hook` splits send and receive with host work in between.
+std::string run_step(Context& ctx, const LowLatencyCase& c, bool hook) {
+  LowLatencySession s(ctx.buffer, c, ctx.stream);
+  if (hook) {
+    s.dispatch(kLowLatencySendPhase);
+    cudaStreamSynchronize(ctx.stream);  // "other work" between the phases
+    s.dispatch(kLowLatencyRecvPhase);
+  } else {
+    s.dispatch(kLowLatencyBothPhases);
+  }
+  std::string err = s.check_dispatch();
+  s.set_combine_inputs(c.seed * 3 + 1);
+  if (hook) {
+    s.combine(kLowLatencySendPhase);
+    cudaStreamSynchronize(ctx.stream);
+    s.combine(kLowLatencyRecvPhase);
+  } else {
+    s.combine(kLowLatencyBothPhases);
+  }
+  err += s.check_combine();
+  ctx.buffer.check(ctx.stream);
+  return err;
+}
+
+Case step_case(std::string name, LowLatencyCase c, bool hook = false) {
+  return Case{std::move(name), [c, hook](Context& ctx) {
+                auto cc = c;
+                cc.num_experts = cc.num_experts / ctx.num_ranks * ctx.num_ranks;
+                return run_step(ctx, cc, hook);
+              }};
+}
+
+}  // namespace
+
+std::vector<Case> low_latency_cases() {
+  std::vector<Case> cases;
+  cases.push_back(step_case("ll: bf16, 128 tokens, h7168, top-8 of 288", ll_case(128, 7168, false, 41)));
+  cases.push_back(step_case("ll: fp8, 128 tokens, h7168", ll_case(128, 7168, true, 42)));
+  {
+    auto c = ll_case(128, 7168, true, 43);
+    c.round_scale = true;
+    cases.push_back(step_case("ll: fp8 round_scale", c));
+    c.ue8m0 = true;
+    c.seed = 44;
+    cases.push_back(step_case("ll: fp8 ue8m0 (packed exponents)", c));
+  }
+  for (int h : {2048, 4096, 5120, 8192}) cases.push_back(step_case("ll: fp8 h" + std::to_string(h), ll_case(96, h, true, 45 + h)));
+  cases.push_back(step_case("ll: bf16 h2048, 1 token", ll_case(1, 2048, false, 46)));
+  cases.push_back(step_case("ll: fp8 h4096, 64 tokens", ll_case(64, 4096, true, 47)));
+  {
+    auto c = ll_case(100, 4096, true, 48);
+    c.max_tokens = 256;
+    c.tokens = {100, 37, 256, 0, 5, 200, 1, 77};
+    cases.push_back(step_case("ll: M=256, uneven tokens (one rank with 0, one with M)", c));
+  }
+  {
+    auto c = ll_case(128, 2048, true, 49);
+    c.empty_slot_prob = 0.4;
+    cases.push_back(step_case("ll: 40% empty slots", c));
+  }
+  {
+    auto c = ll_case(128, 2048, false, 50);
+    c.routing = harness::Routing::kOneExpert;
+    cases.push_back(step_case("ll: every token to expert 0", c));
+  }
+  cases.push_back(step_case("ll: receive hook, bf16", ll_case(128, 7168, false, 51), true));
+  cases.push_back(step_case("ll: receive hook, fp8 round_scale", [] {
+    auto c = ll_case(128, 7168, true, 52);
+    c.round_scale = true;
+    return c;
+  }(), true));
+  {
+    auto c = ll_case(128, 7168, true, 53);
+    c.zero_copy = true;
+    cases.push_back(step_case("ll: zero-copy combine", c));
+  }
+
+  cases.push_back(Case{"ll: 1000 steps, double-buffered (dispatch of step i+1 sent before combine i received)",
+                       [](Context& ctx) {
+    auto c = ll_case(48, 2048, true, 60);
+    c.num_experts = 32 / ctx.num_ranks * ctx.num_ranks;
+    c.num_topk = 4;
+    LowLatencySession a(ctx.buffer, c, ctx.stream);
+    c.seed = 61;
+    LowLatencySession b(ctx.buffer, c, ctx.stream);
+    LowLatencySession* cur = &a;
+    LowLatencySession* next = &b;
+    cur->dispatch(kLowLatencyBothPhases);
+    std::string err = cur->check_dispatch();
+    for (int i = 0; i < 1000 && err.empty(); ++i) {
+      cur->set_combine_inputs(7000 + i);
+      cur->combine(kLowLatencySendPhase);
+      next->set_step(9000 + i);
+      next->dispatch(kLowLatencySendPhase);  // overlaps the combine still in flight
+      cur->combine(kLowLatencyRecvPhase);
+      next->dispatch(kLowLatencyRecvPhase);
+      err += cur->check_combine();
+      err += next->check_dispatch();
+      if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
+      std::swap(cur, next);
+    }
+    ctx.buffer.check(ctx.stream);
+    return err;
+  }});
+
+  cases.push_back(Case{"ll: CUDA graph of dispatch + combine, 100 replays with new data", [](Context& ctx) {
+    auto c = ll_case(64, 4096, false, 70);
+    c.expert_identity = true;  // combine reads packed_recv_x: no host work between the two calls
+    c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+    LowLatencySession s(ctx.buffer, c, ctx.stream);
+    s.dispatch(kLowLatencyBothPhases);  // warm-up outside the graph (and keeps sets in step on every rank)
+    s.set_combine_inputs(0);
+    s.combine(kLowLatencyBothPhases);
+    std::string err = s.check_dispatch() + s.check_combine();
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess) return std::string("capture failed to begin\n");
+    s.dispatch(kLowLatencyBothPhases);
+    s.combine(kLowLatencyBothPhases);
+    cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
+    if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
+    e = cudaGraphInstantiate(&exec, graph, 0);
+    if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
+    for (int i = 0; i < 100 && err.empty(); ++i) {
+      s.set_step(100 + i);  // new routing, x and weights in the same device arrays
+      e = cudaGraphLaunch(exec, ctx.stream);
+      if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
+      s.note_replayed_dispatch();
+      err += s.check_dispatch() + s.check_combine();
+      if (!err.empty()) err = "replay " + std::to_string(i) + ":\n" + err;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    ctx.buffer.check(ctx.stream);
+    return err;
+  }});
+  return cases;
+}
+
+}  // namespace epx::gpu_test

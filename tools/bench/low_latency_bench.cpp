@@ -1,0 +1,249 @@
+// epx-bench low-latency: decoding-sized dispatch / combine latency per rank, checked against the reference model
+// first, with the NCCL all-to-all of the same tokens as a baseline.
+//   epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]
+//                         [--iters 200] [--warmup 20] [--no-nccl] [--seed S]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "epx/launcher.hpp"
+#include "low_latency.hpp"
+#include "nccl_baseline.hpp"
+#include "options.hpp"
+#include "timing.hpp"
+
+namespace epx::bench {
+namespace {
+
+struct LowLatencyOptions {
+  int gpus = 0;
+  int tokens = 128;
+  int hidden = 7168;
+  int topk = 8;
+  int experts = 288;
+  bool fp8 = true;
+  int iters = 200;
+  int warmup = 20;
+  bool nccl = true;
+  uint64_t seed = 1;
+};
+
+const char* kUsage =
+    "usage: epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]\n"
+    "                             [--iters 200] [--warmup 20] [--no-nccl] [--seed S]\n"
+    "Times low-latency dispatch (FP8 unless --bf16), combine, dispatch + combine, and the send / receive\n"
+    "phases with the receive hook, per rank (CUDA events, median), after checking one step against the\n"
+    "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline.\n";
+
+LowLatencyOptions parse(int argc, char** argv, bool* help) {
+  LowLatencyOptions o;
+  *help = false;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw UsageError{a + " needs a value"};
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") *help = true;
+    else if (a == "--gpus") o.gpus = parse_int(a, value(), 1, 8);
+    else if (a == "--tokens") o.tokens = parse_int(a, value(), 1, 4096);
+    else if (a == "--hidden") o.hidden = parse_int(a, value(), 128, 32768);
+    else if (a == "--topk") o.topk = parse_int(a, value(), 1, 32);
+    else if (a == "--experts") o.experts = parse_int(a, value(), 1, 1024);
+    else if (a == "--bf16") o.fp8 = false;
+    else if (a == "--iters") o.iters = parse_int(a, value(), 1, 100000);
+    else if (a == "--warmup") o.warmup = parse_int(a, value(), 0, 100000);
+    else if (a == "--no-nccl") o.nccl = false;
+    else if (a == "--seed") o.seed = parse_u64(a, value());
+    else throw UsageError{"unknown option " + a};
+  }
+  return o;
+}
+
+struct Row {
+  std::string what;
+  std::vector<double> median_us;  // per rank
+};
+
+Row measure(Bootstrap& bs, cudaStream_t stream, const std::string& what, const TimingPlan& plan,
+            const std::function<void(int)>& prepare, const std::function<void()>& op) {
+  const Stats mine = summarize(time_iterations(bs, stream, plan, prepare, op));
+  Row r{what, std::vector<double>(bs.size())};
+  bs.all_gather(&mine.median_us, r.median_us.data(), sizeof(double));
+  return r;
+}
+
+int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
+  const int rank = bs.rank(), R = bs.size();
+  cudaSetDevice(rank);
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  const int experts = o.experts / R * R;
+  BufferOptions bo = default_buffer_options();
+  bo.num_rdma_bytes = low_latency_size_hint(o.tokens, o.hidden, R, experts);
+  bo.low_latency_mode = 1;
+  Buffer buffer(bs, bo);
+
+  harness::LowLatencyCase c;
+  c.tokens = {o.tokens};
+  c.max_tokens = o.tokens;
+  c.hidden = o.hidden;
+  c.num_experts = experts;
+  c.num_topk = o.topk;
+  c.fp8 = o.fp8;
+  c.seed = o.seed;
+  harness::LowLatencySession s(buffer, c, stream);
+
+  // Correctness first.
+  s.dispatch(kLowLatencyBothPhases);
+  std::string err = s.check_dispatch();
+  s.set_combine_inputs(o.seed + 1);
+  s.combine(kLowLatencyBothPhases);
+  err += s.check_combine();
+  char mine[512] = {};
+  std::snprintf(mine, sizeof(mine), "%s", err.c_str());
+  std::vector<char> all(size_t(R) * sizeof(mine));
+  bs.all_gather(mine, all.data(), sizeof(mine));
+  bool ok = true;
+  for (int r = 0; r < R; ++r) ok &= all[size_t(r) * sizeof(mine)] == 0;
+  if (rank == 0) {
+    cudaDeviceProp prop{};
+    cudaGetDeviceProperties(&prop, 0);
+    std::printf("epx-bench low-latency: %d ranks x %s, %d tokens/rank, hidden %d, top-%d of %d experts, %s dispatch, "
+                "median of %d iterations after %d warm-up\n",
+                R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.iters, o.warmup);
+    std::printf("check vs reference model: %s\n", ok ? "PASS" : "FAIL");
+    for (int r = 0; r < R && !ok; ++r)
+      if (all[size_t(r) * sizeof(mine)]) std::printf("rank %d:\n%s\n", r, &all[size_t(r) * sizeof(mine)]);
+  }
+  if (!ok) return 1;
+
+  const TimingPlan plan{o.warmup, o.iters};
+  auto none = [](int) {};
+  std::vector<Row> rows;
+  // Each timed op is balanced by its partner (untimed) so that buffer sets keep alternating on every rank.
+  rows.push_back(measure(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan,
+                         [&](int) {}, [&] { s.dispatch(kLowLatencyBothPhases); }));
+  rows.push_back(measure(bs, stream, "combine bf16", plan, none, [&] { s.combine(kLowLatencyBothPhases); }));
+  rows.push_back(measure(bs, stream, "dispatch + combine", plan, none, [&] {
+    s.dispatch(kLowLatencyBothPhases);
+    s.combine(kLowLatencyBothPhases);
+  }));
+  s.dispatch(kLowLatencySendPhase);  // each prepare() receives the previous send
+  rows.push_back(measure(bs, stream, "dispatch send phase (hook)", plan,
+                         [&](int) {
+                           s.dispatch(kLowLatencyRecvPhase);  // completes the previous iteration's dispatch
+                         },
+                         [&] { s.dispatch(kLowLatencySendPhase); }));
+  s.dispatch(kLowLatencyRecvPhase);
+  rows.push_back(measure(bs, stream, "dispatch recv phase (hook)", plan,
+                         [&](int) {
+                           s.dispatch(kLowLatencySendPhase);
+                           cudaStreamSynchronize(stream);
+                         },
+                         [&] { s.dispatch(kLowLatencyRecvPhase); }));
+  s.combine(kLowLatencySendPhase);
+  rows.push_back(measure(bs, stream, "combine send phase (hook)", plan, [&](int) { s.combine(kLowLatencyRecvPhase); },
+                         [&] { s.combine(kLowLatencySendPhase); }));
+  s.combine(kLowLatencyRecvPhase);
+  rows.push_back(measure(bs, stream, "combine recv phase (hook)", plan,
+                         [&](int) {
+                           s.combine(kLowLatencySendPhase);
+                           cudaStreamSynchronize(stream);
+                         },
+                         [&] { s.combine(kLowLatencyRecvPhase); }));
+
+  // The same tokens through a CUDA graph (dispatch + combine), as frameworks run decoding.
+  {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed);
+    s.dispatch(kLowLatencyBothPhases);
+    s.combine(kLowLatencyBothPhases);
+    if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess)
+      rows.push_back(measure(bs, stream, "dispatch + combine (graph)", plan, none,
+                             [&] { cudaGraphLaunch(exec, stream); }));
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+  }
+  buffer.check(stream);
+
+  // NCCL: every token's bf16 (or fp8 + scales) row once to each destination rank it selects, and back.
+  std::string nccl_note = "NCCL: skipped";
+  if (o.nccl) {
+    std::string why;
+    std::unique_ptr<NcclLibrary> lib = NcclLibrary::load(&why);
+    int have = lib != nullptr, all_have = 0;
+    std::vector<int> flags(R);
+    bs.all_gather(&have, flags.data(), sizeof(int));
+    all_have = *std::min_element(flags.begin(), flags.end());
+    if (all_have) {
+      NcclComm comm(*lib, bs);
+      const size_t row = o.fp8 ? size_t(o.hidden) + o.hidden / 128 * 4 : size_t(o.hidden) * 2;
+      // Uniform routing: about T * (1 - (1 - 1/R)^K) tokens per destination; use T per destination (upper bound).
+      std::vector<size_t> bytes(R, size_t(o.tokens) * row);
+      harness::DeviceArray<uint8_t> send(bytes[0] * R), recv(bytes[0] * R);
+      send.fill_bytes(0x3c, stream);
+      rows.push_back(measure(bs, stream, "nccl all-to-all (dispatch bytes)", plan, none,
+                             [&] { comm.all_to_all(send.get(), bytes, recv.get(), bytes, stream); }));
+      std::vector<size_t> back(R, size_t(o.tokens) * o.hidden * 2);
+      harness::DeviceArray<uint8_t> send2(back[0] * R), recv2(back[0] * R);
+      send2.fill_bytes(0x3c, stream);
+      rows.push_back(measure(bs, stream, "nccl all-to-all (combine bytes)", plan, none,
+                             [&] { comm.all_to_all(send2.get(), back, recv2.get(), back, stream); }));
+      nccl_note = "NCCL " + lib->version() + ": " + lib->path() + " (T rows to every rank: an upper bound on bytes)";
+    } else {
+      nccl_note = "NCCL: not found (set EPX_NCCL_LIB)";
+    }
+  }
+  if (rank == 0) {
+    std::printf("%s\n", nccl_note.c_str());
+    std::printf("%-34s |", "op (median us per rank)");
+    for (int r = 0; r < R; ++r) std::printf("  rank%-3d", r);
+    std::printf(" |   max us\n");
+    for (const Row& row : rows) {
+      std::printf("%-34s |", row.what.c_str());
+      for (double v : row.median_us) std::printf(" %8.1f", v);
+      std::printf(" | %8.1f\n", *std::max_element(row.median_us.begin(), row.median_us.end()));
+    }
+  }
+  buffer.destroy();
+  return 0;
+}
+
+}  // namespace
+
+int run_low_latency(int argc, char** argv) {
+  bool help = false;
+  LowLatencyOptions o;
+  try {
+    o = parse(argc, argv, &help);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "epx-bench low-latency: %s\n%s", e.message.c_str(), kUsage);
+    return 2;
+  }
+  if (help) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  const int gpus = count_local_gpus();
+  if (gpus <= 0) {
+    std::printf("epx-bench: no CUDA GPU visible on this machine; nothing to benchmark\n");
+    return 3;
+  }
+  const int R = o.gpus > 0 ? o.gpus : gpus;
+  if (R < 2 || R > gpus) {
+    std::fprintf(stderr, "epx-bench low-latency: needs 2..%d GPUs here, asked for %d\n", gpus, R);
+    return R < 2 && gpus < 2 ? 3 : 2;
+  }
+  const LaunchResult res = launch_local(R, [&](Bootstrap& bs) { return rank_main(bs, o); }, 1200, 60);
+  if (res.num_failed) std::fprintf(stderr, "%s", res.summary.c_str());
+  return res.num_failed ? 1 : 0;
+}
+
+}  // namespace epx::bench

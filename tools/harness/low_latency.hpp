@@ -1,0 +1,84 @@
+// One rank's side of a low-latency scenario: inputs generated per step from a seed, dispatch and combine
+// (with or without the receive hook, zero-copy or not), checked against the reference model. Device pointers
+// never move after construction, so the calls can be captured in a CUDA graph and replayed with new data.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "device_array.hpp"
+#include "epx/epx.hpp"
+#include "epx/reference.hpp"
+#include "gen.hpp"
+
+namespace epx::harness {
+
+struct LowLatencyCase {
+  std::string name;
+  std::vector<int> tokens{128};  // per rank (one value: every rank), each <= max_tokens
+  int max_tokens = 128;          // M
+  int hidden = 7168;
+  int num_experts = 288;
+  int num_topk = 8;
+  bool fp8 = true;
+  bool round_scale = false;
+  bool ue8m0 = false;
+  bool zero_copy = false;
+  bool expert_identity = false;  // combine input = the dispatch's packed_recv_x (BF16 only): graph friendly
+  Routing routing = Routing::kUniform;
+  double empty_slot_prob = 0.0;
+  uint64_t seed = 1;
+  int tokens_of(int rank) const { return tokens.size() == 1 ? tokens[0] : tokens.at(rank); }
+};
+
+class LowLatencySession {
+ public:
+  LowLatencySession(Buffer& buffer, const LowLatencyCase& c, cudaStream_t stream);
+
+  // New routing and x (and combine weights) for the next step, uploaded into the same device arrays.
+  void set_step(uint64_t seed);
+  // A dispatch of this step ran outside dispatch() (a graph replay): count it in the expected statistics.
+  void note_replayed_dispatch();
+  void dispatch(int phases);  // kLowLatencySendPhase, kLowLatencyRecvPhase or both
+  // Expert outputs for the next combine, at the packed positions of the reference model (zero-copy: written
+  // into the buffer's next combine area).
+  void set_combine_inputs(uint64_t seed);
+  void combine(int phases);
+
+  std::string check_dispatch() const;
+  std::string check_combine() const;
+
+  double dispatch_bytes() const;  // bytes this rank receives in dispatch (rows incl. scales)
+  double combine_bytes() const;   // bf16 rows this rank receives back in combine
+  int num_local_experts() const { return num_experts_ / num_ranks_; }
+
+ private:
+  LowLatencyDispatchArgs dispatch_args() const;
+  void expected_row(int src, int token, std::vector<uint16_t>& row) const;
+
+  Buffer& buffer_;
+  LowLatencyCase c_;
+  cudaStream_t stream_;
+  int rank_, num_ranks_, num_experts_, num_tokens_;
+  uint64_t step_seed_ = 0, combine_seed_ = 0;
+  std::vector<std::vector<int64_t>> topk_;
+  std::vector<std::vector<float>> weights_;
+  std::vector<std::vector<ref::RecvRow>> rows_;  // per local expert
+  std::vector<int> expected_stats_;
+
+  DeviceArray<uint16_t> x_;
+  DeviceArray<int64_t> topk_idx_;
+  DeviceArray<float> topk_weights_;
+  DeviceArray<int> stats_;
+  DeviceArray<uint8_t> packed_x_;
+  DeviceArray<int32_t> packed_scales_;
+  DeviceArray<int> packed_count_, src_info_;
+  DeviceArray<int64_t> layout_range_;
+  DeviceArray<uint16_t> expert_out_, combined_;
+  LowLatencyHandle handle_{};
+  int combine_set_ = -1;
+};
+
+}  // namespace epx::harness
