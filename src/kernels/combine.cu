@@ -23,6 +23,9 @@ namespace {
 
 using namespace dev;
 
+// 16-byte loads in flight per lane in row copies (8 measured no faster for dispatch, slower for combine).
+constexpr int kCopyUnroll = 4;
+
 constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr int kReducerWarps = kDataWarps - 1;  // the last warp of a receiver block coordinates
 
@@ -186,10 +189,7 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams 
 }  // namespace
 
 void launch_combine(const CombineParams& p, cudaStream_t stream) {
-  if (p.copy_unroll == 8)
-    combine_kernel<8><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
-  else
-    combine_kernel<4><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  combine_kernel<kCopyUnroll><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
 }
 
 }  // namespace epx

@@ -1,8 +1,8 @@
 // Low-latency combine (SPEC section 5).
 //
-// Send phase: one warp per (local expert i, source rank s) waits until s has cleared its flag for the
-// expert (s consumed the last call on this buffer set), writes the expert outputs of the rows that came from
-// s into s's receive area at [global expert][source token], then raises the flag.
+// Send phase: one warp per row; a row goes back into its source rank's receive area at [global expert][source
+// token] once the source has cleared its flag for the expert (it consumed the last call on this buffer set);
+// the last row of an (expert, source) pair raises the flag.
 // Receive phase: warps wait for every expert's flag, a grid barrier, then block b reduces tokens b, b+G, ...:
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
 // a second grid barrier, then the flags are cleared.
@@ -23,30 +23,76 @@ using namespace dev;
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 
-__device__ void send_phase(const LowLatencyCombineParams& p) {
+// Rows this rank sends back, spread one per warp over the whole grid. Row g of the concatenation of every local
+// expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and source rank s (from the
+// layout range). The last warp to finish a (expert, source) pair raises that pair's flag at the source.
+__device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
   const int L = p.num_experts / R;
   const int row_int4 = p.hidden / 8;
   const int64_t rows_per_expert = int64_t(R) * M;
-  for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += gridDim.x * kWarps) {
-    const int i = pair / R, s = pair % R;
-    const int64_t range = p.recv_layout_range[int64_t(i) * R + s];
-    const int begin = int(range >> 32), count = int(range & 0xffffffff);
+  // Completion counters per (local expert, source): the set's `sent` area, unused by combine otherwise and left
+  // at zero by every call.
+  int32_t* done = p.layout.sent(p.regions[me], p.set);
+  if (warp == 0) {  // exclusive prefix of rows per local expert
+    int carry = 0;
+    for (int base = 0; base < L; base += 32) {
+      const int i = base + lane;
+      int n = 0;
+      if (i < L)
+        for (int s = 0; s < R; ++s) n += int(p.recv_layout_range[int64_t(i) * R + s] & 0xffffffff);
+      int incl = n;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      if (i < L) s_first[i] = carry + incl - n;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) s_first[L] = carry;
+  }
+  __syncthreads();
+  const int total = s_first[L];
+  const int warps = gridDim.x * kWarps;
+  for (int g = blockIdx.x * kWarps + warp; g < total; g += warps) {
+    int lo = 0, hi = L;  // largest i with s_first[i] <= g
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (s_first[mid] <= g) lo = mid; else hi = mid;
+    }
+    const int i = lo, n = g - s_first[i];
+    int s = 0, count = 0;
+    for (; s < R; ++s) {
+      const int64_t range = p.recv_layout_range[int64_t(i) * R + s];
+      const int begin = int(range >> 32);
+      count = int(range & 0xffffffff);
+      if (n >= begin && n < begin + count) break;
+    }
     const int e = me * L + i;
-    uint8_t* recv = p.layout.receive(p.regions[s], p.set);
     int32_t* flag = p.layout.combine_flag(p.regions[s], p.set) + e;
     // Back-pressure: s clears the flag only after it reduced the rows of the last call on this set.
     if (lane == 0) wait_zero(flag, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
     __syncwarp();
-    for (int n = begin; n < begin + count; ++n) {
-      const int t = p.recv_src_info[int64_t(i) * rows_per_expert + n];
-      int4* dst = reinterpret_cast<int4*>(recv) + (int64_t(e) * M + t) * row_int4;
-      warp_copy<4>(dst, p.x + (int64_t(i) * rows_per_expert + n) * row_int4, row_int4, lane, LoadNc{}, StoreNa{});
-    }
-    __threadfence_system();  // every lane's rows are visible before the flag
+    const int t = p.recv_src_info[int64_t(i) * rows_per_expert + n];
+    int4* dst = reinterpret_cast<int4*>(p.layout.receive(p.regions[s], p.set)) + (int64_t(e) * M + t) * row_int4;
+    warp_copy<4>(dst, p.x + (int64_t(i) * rows_per_expert + n) * row_int4, row_int4, lane, LoadNc{}, StoreNa{});
+    __threadfence_system();  // this lane's part of the row is visible before the pair's flag
     __syncwarp();
-    if (lane == 0) st_release_sys(flag, 1);  // pairs with the receiver's wait_nonzero
+    if (lane == 0 && atomicAdd(&done[i * R + s], 1) + 1 == count) {
+      done[i * R + s] = 0;
+      __threadfence_system();
+      st_release_sys(flag, 1);  // pairs with the receiver's wait_nonzero
+    }
+  }
+  // Pairs with no rows still tell the source that nothing more comes from this expert.
+  for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
+    const int i = pair / R, s = pair % R;
+    if ((p.recv_layout_range[int64_t(i) * R + s] & 0xffffffff) != 0 || lane != 0) continue;
+    int32_t* flag = p.layout.combine_flag(p.regions[s], p.set) + me * L + i;
+    wait_zero(flag, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
+    st_release_sys(flag, 1);
   }
 }
 
@@ -87,7 +133,8 @@ __device__ void receive_phase(const LowLatencyCombineParams& p) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(LowLatencyCombineParams p) {
-  if (p.phases & kLowLatencySend) send_phase(p);
+  __shared__ int s_first[kLowLatencyMaxExperts + 1];
+  if (p.phases & kLowLatencySend) send_phase(p, s_first);
   if (p.phases & kLowLatencyRecv) receive_phase(p);
 }
 

@@ -36,17 +36,25 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The block's copy of topk_idx as int16 in shared memory (indices outside [-1, E) become -2, which no expert
+// matches), so that the scans below cost shared-memory latency instead of one L2 round trip per 32 entries.
+__device__ void load_topk(const LowLatencyDispatchParams& p, int16_t* s_topk) {
+  for (int i = threadIdx.x; i < p.num_tokens * p.num_topk; i += kThreads) {
+    const int64_t e = p.topk_idx[i];
+    s_topk[i] = int16_t(e >= -1 && e < p.num_experts ? e : -2);
+  }
+}
+
 // Selections of expert e before slot (t, k), in (token, slot) order: the row's position in its block.
-__device__ int position_of(const LowLatencyDispatchParams& p, int t, int k, int64_t e, int lane) {
-  const int K = p.num_topk;
+__device__ int position_of(const int16_t* s_topk, int t, int k, int num_topk, int e, int lane) {
   int n = 0;
-  for (int i = lane; i < t * K + k; i += 32) n += p.topk_idx[i] == e ? 1 : 0;
+  for (int i = lane; i < t * num_topk + k; i += 32) n += s_topk[i] == e ? 1 : 0;
   return warp_sum(n);
 }
 
-__device__ int selections_of(const LowLatencyDispatchParams& p, int64_t e, int lane) {
+__device__ int selections_of(const int16_t* s_topk, int num_entries, int e, int lane) {
   int n = 0;
-  for (int i = lane; i < p.num_tokens * p.num_topk; i += 32) n += p.topk_idx[i] == e ? 1 : 0;
+  for (int i = lane; i < num_entries; i += 32) n += s_topk[i] == e ? 1 : 0;
   return warp_sum(n);
 }
 
@@ -77,12 +85,13 @@ __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyR
   if (threadIdx.x == 0) *reinterpret_cast<int32_t*>(s_rec + rec.meta_offset) = t;
 }
 
-__device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec) {
+__device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, int16_t* s_topk) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk, me = p.env.rank;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   int32_t* sent = p.layout.sent(p.regions[me], p.set);
+  load_topk(p, s_topk);  // made visible by the __syncthreads after staging
 
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
@@ -92,7 +101,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec) {
       if ((e < -1 || e >= p.num_experts) && lane == 0)  // skipped, never written: reported by Buffer::check()
         report_input_error(p.env.self, p.env.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, warp, e);
       if (e >= 0 && e < p.num_experts) {
-        const int slot = position_of(p, t, warp, e, lane);
+        const int slot = position_of(s_topk, t, warp, K, int(e), lane);
         const int dest = int(e / L), local = int(e % L);
         // Back-pressure: the slot's count is cleared by the receiver only after it copied the rows of the last
         // call on this set, so rows are never overwritten while a slow peer still reads them.
@@ -112,8 +121,9 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec) {
   }
 
   // Count senders: warp (block b, warp w) owns experts b * kWarps + w, stride G * kWarps.
+  __syncthreads();  // s_topk is complete even if this block staged no token
   for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
-    const int expected = selections_of(p, e, lane);
+    const int expected = selections_of(s_topk, p.num_tokens * K, e, lane);
     if (lane == 0) {
       if (expected > 0)
         wait_at_least_i32(&sent[e], expected, p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
@@ -195,8 +205,9 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(LowLatencyDispatchParams p) {
-  extern __shared__ __align__(16) uint8_t s_rec[];
-  if (p.phases & kLowLatencySend) send_phase(p, s_rec);
+  extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
+  int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
+  if (p.phases & kLowLatencySend) send_phase(p, s_rec, s_topk);
   if (p.phases & kLowLatencyRecv) receive_phase(p);
 }
 
@@ -205,7 +216,8 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(LowLa
 int low_latency_grid(int num_device_sms) { return num_device_sms; }
 
 void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream) {
-  const size_t smem = size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
+  const size_t smem = size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes) +
+                     size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
   cudaFuncSetAttribute(low_latency_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);

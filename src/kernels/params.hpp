@@ -86,7 +86,6 @@ struct DispatchParams {
   float* recv_topk_weights;
   int* recv_src_idx;
   int num_worst_tokens;    // > 0: pad rows [num_recv_tokens, num_worst_tokens)
-  int copy_unroll;         // 16-byte loads in flight per lane in row copies: 4 or 8
 };
 
 struct CombineParams {
@@ -109,11 +108,7 @@ struct CombineParams {
   const int4* bias1;
   int4* combined_x;
   float* combined_topk_weights;
-  int copy_unroll;         // 4 or 8, as in DispatchParams
 };
-
-// Row-copy unroll of the data kernels: EPX_COPY_UNROLL=8 selects the deeper variant (default 4).
-int copy_unroll_from_env();
 
 void launch_layout(const LayoutParams& p, int num_sms, cudaStream_t stream);
 void launch_notify(const NotifyParams& p, cudaStream_t stream);

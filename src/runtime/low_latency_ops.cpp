@@ -90,6 +90,11 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
                   o.recv_layout_range,
               op, ": packed_recv_x (16-byte aligned), packed_recv_count, recv_src_info and recv_layout_range are needed");
   EPX_REQUIRE(!a.use_fp8 || o.packed_recv_x_scales != nullptr, op, ": FP8 dispatch needs packed_recv_x_scales");
+  constexpr int64_t kMaxSharedBytes = 227 * 1024;  // per block on Hopper: the staged token and topk as int16
+  EPX_REQUIRE(LowLatencyRecord::make(a.hidden, a.use_fp8 != 0).bytes + int64_t(a.num_tokens) * a.num_topk * 2 <=
+                  kMaxSharedBytes,
+              op, ": num_tokens * num_topk (", int64_t(a.num_tokens) * a.num_topk, ") with hidden ", a.hidden,
+              " does not fit the ", kMaxSharedBytes, " bytes of shared memory a block can have");
 
   int set;
   if (phases & kLowLatencySendPhase) {

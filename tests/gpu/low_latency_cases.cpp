@@ -142,7 +142,7 @@ std::vector<Case> low_latency_cases() {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess) return std::string("capture failed to begin\n");
-    s.dispatch(kLowLatencyBothPhases);
+    s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
     s.combine(kLowLatencyBothPhases);
     cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
     if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";

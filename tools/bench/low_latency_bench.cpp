@@ -30,11 +30,12 @@ struct LowLatencyOptions {
   int warmup = 20;
   bool nccl = true;
   uint64_t seed = 1;
+  std::string json;
 };
 
 const char* kUsage =
     "usage: epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]\n"
-    "                             [--iters 200] [--warmup 20] [--no-nccl] [--seed S]\n"
+    "                             [--iters 200] [--warmup 20] [--no-nccl] [--seed S] [--json FILE]\n"
     "Times low-latency dispatch (FP8 unless --bf16), combine, dispatch + combine, and the send / receive\n"
     "phases with the receive hook, per rank (CUDA events, median), after checking one step against the\n"
     "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline.\n";
@@ -59,6 +60,7 @@ LowLatencyOptions parse(int argc, char** argv, bool* help) {
     else if (a == "--warmup") o.warmup = parse_int(a, value(), 0, 100000);
     else if (a == "--no-nccl") o.nccl = false;
     else if (a == "--seed") o.seed = parse_u64(a, value());
+    else if (a == "--json") o.json = value();
     else throw UsageError{"unknown option " + a};
   }
   return o;
@@ -162,7 +164,7 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed);
-    s.dispatch(kLowLatencyBothPhases);
+    s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
     s.combine(kLowLatencyBothPhases);
     if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess)
       rows.push_back(measure(bs, stream, "dispatch + combine (graph)", plan, none,
@@ -210,6 +212,20 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
       std::printf("%-34s |", row.what.c_str());
       for (double v : row.median_us) std::printf(" %8.1f", v);
       std::printf(" | %8.1f\n", *std::max_element(row.median_us.begin(), row.median_us.end()));
+    }
+  }
+  if (rank == 0 && !o.json.empty()) {
+    if (std::FILE* f = std::fopen(o.json.c_str(), "w")) {
+      std::fprintf(f, "{\"mode\": \"low-latency\", \"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, "
+                   "\"experts\": %d, \"fp8\": %s, \"rows\": [", R, o.tokens, o.hidden, o.topk, experts,
+                   o.fp8 ? "true" : "false");
+      for (size_t i = 0; i < rows.size(); ++i) {
+        std::fprintf(f, "%s{\"op\": \"%s\", \"median_us\": [", i ? ", " : "", rows[i].what.c_str());
+        for (int r = 0; r < R; ++r) std::fprintf(f, "%s%.2f", r ? ", " : "", rows[i].median_us[r]);
+        std::fprintf(f, "]}");
+      }
+      std::fprintf(f, "]}\n");
+      std::fclose(f);
     }
   }
   buffer.destroy();

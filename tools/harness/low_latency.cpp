@@ -117,11 +117,11 @@ void LowLatencySession::note_replayed_dispatch() {
   for (size_t i = 0; i < rows_.size(); ++i) expected_stats_[i] += int(rows_[i].size());
 }
 
-void LowLatencySession::dispatch(int phases) {
+void LowLatencySession::dispatch(int phases, bool counted) {
   LowLatencyDispatchOutputs o{packed_x_.get(), c_.fp8 ? packed_scales_.get() : nullptr, packed_count_.get(),
                               src_info_.get(), layout_range_.get()};
   buffer_.low_latency_dispatch(dispatch_args(), o, phases, handle_, stream_);
-  if (phases & kLowLatencyRecvPhase) note_replayed_dispatch();
+  if (counted && (phases & kLowLatencyRecvPhase)) note_replayed_dispatch();
 }
 
 void LowLatencySession::set_combine_inputs(uint64_t seed) {

@@ -41,7 +41,9 @@ class LowLatencySession {
   void set_step(uint64_t seed);
   // A dispatch of this step ran outside dispatch() (a graph replay): count it in the expected statistics.
   void note_replayed_dispatch();
-  void dispatch(int phases);  // kLowLatencySendPhase, kLowLatencyRecvPhase or both
+  // kLowLatencySendPhase, kLowLatencyRecvPhase or both. `counted`: false while capturing a graph (the
+  // dispatch does not run then; each replay is counted with note_replayed_dispatch).
+  void dispatch(int phases, bool counted = true);
   // Expert outputs for the next combine, at the packed positions of the reference model (zero-copy: written
   // into the buffer's next combine area).
   void set_combine_inputs(uint64_t seed);

@@ -1,0 +1,35 @@
+"""Helpers shared by the multi-GPU test modules: bitwise comparison and the per-process context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64, torch.float8_e4m3fn: torch.uint8}
+
+
+def assert_bitwise(name: str, got, want) -> None:
+    """Exact equality, bit for bit (so -0.0 != 0.0 and NaN patterns count), with a readable report."""
+    assert got is not None, f"{name} is None"
+    got = got.detach().cpu()
+    want = want.detach().cpu() if isinstance(want, torch.Tensor) else torch.tensor(want, dtype=got.dtype)
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype}, expected {want.dtype}"
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    g = got.contiguous().view(_BITS.get(got.dtype, got.dtype))
+    w = want.contiguous().view(_BITS.get(want.dtype, want.dtype))
+    if not torch.equal(g, w):
+        bad = torch.nonzero(g != w)
+        first = tuple(bad[0].tolist())
+        raise AssertionError(f"{name}: {bad.shape[0]} of {g.numel()} elements differ; first at {first}: got "
+                             f"{got[first].item()!r}, expected {want[first].item()!r}")
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    device: torch.device
+    buffer: object
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,200 @@
+"""Reference computations in torch on the CPU (SPEC.md as Python) and deterministic test data.
+
+Every rank's inputs come from a generator seeded by (seed, rank), so any rank can rebuild any other rank's
+inputs locally: the references need no communication. Floating-point steps are written as separate
+elementwise tensor ops (no fused multiply-add, no division by a scalar, which torch may turn into a
+multiplication by the reciprocal), so that they round exactly as the kernels do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+GROUP = 128
+
+
+def generator(seed: int, rank: int, salt: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + rank * 7919 + salt)
+
+
+@dataclass
+class RankInputs:
+    x: torch.Tensor                 # [T, H] bf16
+    topk_idx: torch.Tensor          # [T, K] int64, distinct experts per token, some -1
+    topk_weights: torch.Tensor      # [T, K] float32 (0 where -1)
+
+
+def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,
+                empty_prob: float = 0.1, scale: float = 1.0) -> RankInputs:
+    g = generator(seed, rank)
+    x = (torch.randn(num_tokens, hidden, generator=g) * scale).to(torch.bfloat16)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    topk_idx = scores.topk(num_topk, dim=1).indices.to(torch.int64)
+    empty = torch.rand(num_tokens, num_topk, generator=g) < empty_prob
+    topk_idx = torch.where(empty, torch.full_like(topk_idx, -1), topk_idx)
+    weights = torch.rand(num_tokens, num_topk, generator=g) + 0.5
+    weights = torch.where(empty, torch.zeros_like(weights), weights)
+    return RankInputs(x, topk_idx, weights)
+
+
+def make_scales(seed: int, rank: int, num_tokens: int, num_scales: int) -> torch.Tensor:
+    return torch.rand(num_tokens, num_scales, generator=generator(seed, rank, salt=5)) + 0.1
+
+
+def as_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Arbitrary e4m3 data for dispatch tests (dispatch copies bytes; no NaN patterns)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+# ---- SPEC section 1: layout -------------------------------------------------------------------------------------
+def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """-> (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)."""
+    T = topk_idx.shape[0]
+    L = num_experts // num_ranks
+    valid = topk_idx >= 0
+    per_expert = torch.zeros(num_experts, dtype=torch.int32)
+    per_expert.index_add_(0, topk_idx[valid], torch.ones(int(valid.sum()), dtype=torch.int32))
+    in_rank = torch.zeros(T, num_ranks, dtype=torch.bool)
+    for k in range(topk_idx.shape[1]):
+        col = topk_idx[:, k]
+        rows = torch.nonzero(col >= 0).flatten()
+        in_rank[rows, col[rows] // L] = True
+    return in_rank.sum(0).to(torch.int32), per_expert, in_rank
+
+
+# ---- SPEC section 2: dispatch -----------------------------------------------------------------------------------
+@dataclass
+class DispatchRef:
+    src: List[tuple]                       # (source rank, token) of each received row, in order
+    rank_prefix_matrix: torch.Tensor       # [R, R] int32
+    recv_src_idx: torch.Tensor             # [N] int32
+    recv_topk_idx: torch.Tensor            # [N, K] int64 local ids or -1
+    recv_topk_weights: torch.Tensor        # [N, K] float32
+    per_expert: List[int]                  # aligned counts per local expert
+
+
+def dispatch(all_topk: List[torch.Tensor], all_weights: List[Optional[torch.Tensor]], rank: int,
+             num_experts: int, expert_alignment: int = 1) -> DispatchRef:
+    R = len(all_topk)
+    L = num_experts // R
+    in_rank = [layout(t, num_experts, R)[2] for t in all_topk]
+    prefix = torch.zeros(R, R, dtype=torch.int32)
+    for i in range(R):
+        prefix[i] = in_rank[i].sum(0).to(torch.int32) + (prefix[i - 1] if i > 0 else 0)
+    src, idx_rows, w_rows = [], [], []
+    per_expert = [0] * L
+    for s in range(R):
+        for t in torch.nonzero(in_rank[s][:, rank]).flatten().tolist():
+            src.append((s, t))
+            ids = all_topk[s][t]
+            local = (ids >= rank * L) & (ids < (rank + 1) * L)
+            idx_rows.append(torch.where(local, ids - rank * L, torch.full_like(ids, -1)))
+            w = all_weights[s][t] if all_weights[s] is not None else torch.zeros(ids.shape[0])
+            w_rows.append(torch.where(local, w, torch.zeros_like(w)))
+            for e in ids[local].tolist():
+                per_expert[e - rank * L] += 1
+    K = all_topk[0].shape[1]
+    per_expert = [(c + expert_alignment - 1) // expert_alignment * expert_alignment for c in per_expert]
+    return DispatchRef(src, prefix, torch.tensor([t for _, t in src], dtype=torch.int32),
+                       torch.stack(idx_rows) if idx_rows else torch.zeros(0, K, dtype=torch.int64),
+                       torch.stack(w_rows) if w_rows else torch.zeros(0, K), per_expert)
+
+
+def gather_rows(tensors: List[torch.Tensor], src: List[tuple], width: int, dtype) -> torch.Tensor:
+    if not src:
+        return torch.zeros(0, width, dtype=dtype)
+    return torch.stack([tensors[s][t] for s, t in src])
+
+
+# ---- SPEC section 3: combine --------------------------------------------------------------------------------------
+def combine(rows_by_rank: List[Optional[torch.Tensor]], in_rank: torch.Tensor, biases=()) -> torch.Tensor:
+    """rows_by_rank[j]: [T, H] bf16, the row rank j sends back for each token (used where in_rank[t, j]).
+    -> bf16(sum over j ascending in float32 + biases)."""
+    T = in_rank.shape[0]
+    H = next(r for r in rows_by_rank if r is not None).shape[1] if T else 0
+    acc = torch.zeros(T, H)
+    for j, rows in enumerate(rows_by_rank):
+        mask = in_rank[:, j:j + 1]
+        acc = torch.where(mask, acc + rows.float(), acc)
+    for b in biases:
+        acc = acc + b.float()
+    return acc.to(torch.bfloat16)
+
+
+def combine_weights(weights_by_rank: List[torch.Tensor], in_rank: torch.Tensor) -> torch.Tensor:
+    acc = torch.zeros_like(weights_by_rank[0])
+    for j, w in enumerate(weights_by_rank):
+        acc = torch.where(in_rank[:, j:j + 1], acc + w, acc)
+    return acc
+
+
+def scale_rows(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """The stand-in 'expert': bf16(float(x) * factor), bit-identical on CPU and GPU (factor exact in binary)."""
+    return (x.float() * factor).to(torch.bfloat16)
+
+
+# ---- SPEC section 4: low-latency dispatch -----------------------------------------------------------------------
+def ll_blocks(all_topk: List[torch.Tensor], rank: int, num_experts: int) -> List[List[List[int]]]:
+    """blocks[i][s]: tokens of source s that select local expert i of `rank`, in (token, slot) order."""
+    R = len(all_topk)
+    L = num_experts // R
+    blocks = [[[] for _ in range(R)] for _ in range(L)]
+    for s, idx in enumerate(all_topk):
+        for t, row in enumerate(idx.tolist()):
+            for e in row:
+                if e >= 0 and e // L == rank:
+                    blocks[e % L][s].append(t)
+    return blocks
+
+
+def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    bits = scale.view(torch.int32)
+    has_mantissa = (bits & 0x7FFFFF) != 0
+    rounded = (bits & ~0x7FFFFF) + 0x800000
+    return torch.where(has_mantissa, rounded, bits).view(torch.float32)
+
+
+def quantize(x: torch.Tensor, round_scale: bool):
+    """Per-128 group FP8: -> (e4m3 [T, H], scales [T, H/128] float32)."""
+    T, H = x.shape
+    v = x.float().view(T, H // GROUP, GROUP)
+    amax = v.abs().amax(dim=2)
+    amax = torch.maximum(amax, torch.full_like(amax, AMAX_FLOOR))
+    scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: a true division
+    if round_scale:
+        scale = round_up_pow2(scale)
+    q = v / scale.unsqueeze(2)
+    q = q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # saturate, then round to nearest even
+    return q.view(T, H), scale
+
+
+def ue8m0_pack(scale: torch.Tensor) -> torch.Tensor:
+    """[T, G] power-of-two float scales -> [T, G/4] int32 of their exponent bytes, group 4q+j in byte j."""
+    exp = (scale.view(torch.int32) >> 23) & 0xFF
+    T, G = exp.shape
+    exp = exp.view(T, G // 4, 4).to(torch.int64)
+    packed = exp[..., 0] | (exp[..., 1] << 8) | (exp[..., 2] << 16) | (exp[..., 3] << 24)
+    return ((packed + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)  # the same 32 bits, as int32
+
+
+# ---- SPEC section 5: low-latency combine --------------------------------------------------------------------------
+def ll_combine(expert_rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden: int) -> torch.Tensor:
+    """expert_rows(e) -> [T, H] bf16: expert e's output for each token of this rank.
+    out[t] = bf16(sum over k ascending, topk_idx >= 0, of w * float(row)), multiply then add."""
+    T, K = topk_idx.shape
+    acc = torch.zeros(T, hidden)
+    for k in range(K):
+        ids = topk_idx[:, k]
+        valid = (ids >= 0).unsqueeze(1)
+        rows = torch.zeros(T, hidden, dtype=torch.bfloat16)
+        for e in ids[ids >= 0].unique().tolist():
+            sel = ids == e
+            rows[sel] = expert_rows(e)[sel]
+        prod = topk_weights[:, k:k + 1] * rows.float()
+        acc = torch.where(valid, acc + prod, acc)
+    return acc.to(torch.bfloat16)

@@ -1,0 +1,364 @@
+"""epx.Buffer's high-throughput methods on 2 and 4 GPUs against the torch reference (_ref.py): layout,
+dispatch (bit-exact), cached and worst-case dispatch, combine (bit-identical), FP8, async and
+previous-event variants, and buffer lifetime. Each case runs on every rank (see _dist.py)."""
+
+import gc
+import os
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import _dist  # noqa: E402
+import _ref  # noqa: E402
+from _common import Ctx, assert_bitwise  # noqa: E402
+
+H = 512            # hidden of most cases
+H_MAX = 1024
+E = 32             # experts
+K = 4              # top-k
+SMALL = None       # a config with few SMs and small chunks, built in setup (needs the library)
+
+
+def setup(rank, world):
+    import epx
+    global SMALL
+    SMALL = epx.Config(8, 4, 32)
+    configs = [epx.Buffer.get_dispatch_config(world), epx.Buffer.get_combine_config(world), SMALL]
+    nvl_bytes = max(c.get_nvl_buffer_size_hint(H_MAX * 2, world) for c in configs)
+    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=nvl_bytes)
+    buffer.set_timeout(30.0)
+    return Ctx(rank, world, torch.device("cuda", rank), buffer, {"nvl_bytes": nvl_bytes})
+
+
+def teardown(ctx):
+    ctx.buffer.destroy()
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+def tokens_of(ctx, seed, base=96):
+    """Token counts differ per rank (and by seed) so that uneven traffic is the normal case."""
+    return [base + (seed * 13 + 29 * s) % 57 for s in range(ctx.world)]
+
+
+def inputs(ctx, seed, counts, hidden=H, experts=E, topk=K, empty_prob=0.1):
+    return [_ref.make_inputs(seed, s, counts[s], hidden, experts, topk, empty_prob) for s in range(ctx.world)]
+
+
+def cuda(t, ctx):
+    return None if t is None else t.to(ctx.device)
+
+
+def layout_and_dispatch(ctx, all_inputs, experts=E, with_topk=True, with_weights=True, fp8_scales=0, **kwargs):
+    """Runs layout + dispatch of this rank's inputs; -> (dispatch outputs, the reference)."""
+    mine = all_inputs[ctx.rank]
+    idx = cuda(mine.topk_idx, ctx)
+    ntr, nrr, nte, itr, _ = ctx.buffer.get_dispatch_layout(idx, experts)
+    assert nrr is None
+    x = cuda(mine.x, ctx)
+    if fp8_scales:
+        x = (cuda(_ref.as_fp8(mine.x), ctx), cuda(_ref.make_scales(7, ctx.rank, mine.x.shape[0], fp8_scales), ctx))
+    out = ctx.buffer.dispatch(
+        x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte if with_topk else None,
+        topk_idx=idx if with_topk else None, topk_weights=cuda(mine.topk_weights, ctx) if with_weights else None,
+        **kwargs)
+    ref = _ref.dispatch([i.topk_idx for i in all_inputs],
+                        [i.topk_weights if with_weights else None for i in all_inputs], ctx.rank, experts,
+                        kwargs.get("expert_alignment", 1))
+    return out, ref
+
+
+def check_recv_x(recv_x, ref, all_inputs, fp8_scales=0, rows=None):
+    if fp8_scales:
+        data, scales = recv_x
+        want = _ref.gather_rows([_ref.as_fp8(i.x) for i in all_inputs], ref.src, H, torch.float8_e4m3fn)
+        want_scales = _ref.gather_rows([_ref.make_scales(7, s, i.x.shape[0], fp8_scales)
+                                        for s, i in enumerate(all_inputs)], ref.src, fp8_scales, torch.float32)
+        assert_bitwise("recv_x data", data[:rows], want)
+        assert_bitwise("recv_x scales", scales[:rows], want_scales)
+    else:
+        want = _ref.gather_rows([i.x for i in all_inputs], ref.src, all_inputs[0].x.shape[1], torch.bfloat16)
+        assert_bitwise("recv_x", recv_x[:rows], want)
+
+
+def expert_outputs(ctx, recv_x):
+    """Stand-in expert: rank j scales its rows by (1 + j / 4); bit-reproducible on the reference side."""
+    return _ref.scale_rows(recv_x, 1.0 + ctx.rank / 4)
+
+
+def combine_reference(ctx, all_inputs, biases=()):
+    mine = all_inputs[ctx.rank]
+    in_rank = _ref.layout(mine.topk_idx, E, ctx.world)[2]
+    rows = [_ref.scale_rows(mine.x, 1.0 + j / 4) for j in range(ctx.world)]
+    return _ref.combine(rows, in_rank, biases), in_rank
+
+
+# ---- cases ---------------------------------------------------------------------------------------------------------
+def case_layout(ctx):
+    all_inputs = inputs(ctx, 1, tokens_of(ctx, 1), empty_prob=0.3)
+    idx = cuda(all_inputs[ctx.rank].topk_idx, ctx)
+    ntr, nrr, nte, itr, event = ctx.buffer.get_dispatch_layout(idx, E)
+    want = _ref.layout(all_inputs[ctx.rank].topk_idx, E, ctx.world)
+    assert nrr is None and event.event is None
+    assert_bitwise("num_tokens_per_rank", ntr, want[0])
+    assert_bitwise("num_tokens_per_expert", nte, want[1])
+    assert_bitwise("is_token_in_rank", itr, want[2])
+
+
+def case_dispatch_combine_bf16(ctx):
+    all_inputs = inputs(ctx, 2, tokens_of(ctx, 2))
+    (recv_x, recv_idx, recv_w, per_expert, handle, event), ref = layout_and_dispatch(ctx, all_inputs)
+    assert event.event is None and len(handle) == 6
+    check_recv_x(recv_x, ref, all_inputs)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert_bitwise("recv_topk_weights", recv_w, ref.recv_topk_weights)
+    assert per_expert == ref.per_expert, (per_expert, ref.per_expert)
+    assert_bitwise("handle[0] rank_prefix_matrix", handle[0], ref.rank_prefix_matrix)
+    assert_bitwise("handle[3] recv_src_idx", handle[3], ref.recv_src_idx)
+    assert handle[1].shape == (ctx.world, ctx.buffer.get_dispatch_config(ctx.world).num_sms // 2)
+
+    combined, combined_w, event = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, topk_weights=recv_w)
+    want, in_rank = combine_reference(ctx, all_inputs)
+    assert_bitwise("combined_x", combined, want)
+    mine = all_inputs[ctx.rank]
+    # Rank j sends back the weights it received: the source weight where the expert is on j, else 0.
+    L = E // ctx.world
+    per_rank_w = [torch.where(mine.topk_idx // L == j, mine.topk_weights, torch.zeros_like(mine.topk_weights))
+                  for j in range(ctx.world)]
+    assert_bitwise("combined_topk_weights", combined_w, _ref.combine_weights(per_rank_w, in_rank))
+    # Deterministic: the same call gives the same bits.
+    again, _, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, topk_weights=recv_w)
+    assert_bitwise("combined_x (second run)", again, combined)
+
+
+def case_dispatch_fp8(ctx):
+    all_inputs = inputs(ctx, 3, tokens_of(ctx, 3))
+    (recv_x, recv_idx, _, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=H // 128)
+    assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn
+    check_recv_x(recv_x, ref, all_inputs, fp8_scales=H // 128)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert per_expert == ref.per_expert
+    # cached FP8 dispatch of new data over the same routing
+    mine = all_inputs[ctx.rank]
+    x2 = _ref.as_fp8(_ref.scale_rows(mine.x, -2.0))
+    s2 = _ref.make_scales(8, ctx.rank, mine.x.shape[0], H // 128)
+    cached = ctx.buffer.dispatch((cuda(x2, ctx), cuda(s2, ctx)), handle=handle)
+    assert cached[1:5] == (None, None, None, None)
+    want = _ref.gather_rows([_ref.as_fp8(_ref.scale_rows(i.x, -2.0)) for i in all_inputs], ref.src, H,
+                            torch.float8_e4m3fn)
+    assert_bitwise("cached fp8 data", cached[0][0], want)
+    want_s = _ref.gather_rows([_ref.make_scales(8, s, i.x.shape[0], H // 128) for s, i in enumerate(all_inputs)],
+                              ref.src, H // 128, torch.float32)
+    assert_bitwise("cached fp8 scales", cached[0][1], want_s)
+
+
+def case_expert_alignment(ctx):
+    all_inputs = inputs(ctx, 4, tokens_of(ctx, 4))
+    (_, _, _, per_expert, _, _), ref = layout_and_dispatch(ctx, all_inputs, expert_alignment=32)
+    assert per_expert == ref.per_expert and all(c % 32 == 0 for c in per_expert)
+
+
+def case_no_topk(ctx):
+    all_inputs = inputs(ctx, 5, tokens_of(ctx, 5))
+    (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(
+        ctx, all_inputs, with_topk=False, with_weights=False)
+    assert recv_idx is None and recv_w is None and per_expert == []
+    check_recv_x(recv_x, ref, all_inputs)
+    combined, combined_w, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle)
+    assert combined_w is None
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+
+
+def case_topk_without_weights(ctx):
+    all_inputs = inputs(ctx, 6, tokens_of(ctx, 6))
+    (recv_x, recv_idx, recv_w, per_expert, _, _), ref = layout_and_dispatch(ctx, all_inputs, with_weights=False)
+    assert recv_w is None
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert per_expert == ref.per_expert
+    check_recv_x(recv_x, ref, all_inputs)
+
+
+def case_worst_case_mode(ctx):
+    counts = tokens_of(ctx, 7)
+    all_inputs = inputs(ctx, 7, counts)
+    worst = sum(counts)
+    (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs,
+                                                                               num_worst_tokens=worst)
+    N = len(ref.src)
+    assert recv_x.shape[0] == worst and handle[3].shape[0] == worst and per_expert == []
+    check_recv_x(recv_x, ref, all_inputs, rows=N)
+    assert_bitwise("recv_topk_idx", recv_idx[:N], ref.recv_topk_idx)
+    assert bool((recv_idx[N:] == -1).all()), "padding rows must have no experts"
+    assert bool((recv_w[N:] == 0).all())
+    assert bool((handle[3][N:] == -1).all()), "padding rows have source index -1"
+    y = expert_outputs(ctx, recv_x)
+    combined, _, _ = ctx.buffer.combine(y, handle)
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+    cached = ctx.buffer.dispatch(cuda(all_inputs[ctx.rank].x, ctx), handle=handle)[0]
+    check_recv_x(cached, ref, all_inputs, rows=N)
+
+
+def case_cached_dispatch_bf16(ctx):
+    all_inputs = inputs(ctx, 8, tokens_of(ctx, 8))
+    (_, _, _, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
+    for step in range(2):
+        new = [_ref.scale_rows(i.x, 3.0 + step) for i in all_inputs]
+        recv, a, b, c, d, event = ctx.buffer.dispatch(cuda(new[ctx.rank], ctx), handle=handle)
+        assert (a, b, c, d) == (None, None, None, None) and event.event is None
+        assert_bitwise(f"cached recv_x step {step}", recv, _ref.gather_rows(new, ref.src, H, torch.bfloat16))
+
+
+def case_combine_biases(ctx):
+    all_inputs = inputs(ctx, 9, tokens_of(ctx, 9))
+    (recv_x, _, _, _, handle, _), _ = layout_and_dispatch(ctx, all_inputs)
+    T = all_inputs[ctx.rank].x.shape[0]
+    g = _ref.generator(9, ctx.rank, salt=3)
+    b0 = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    b1 = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    y = expert_outputs(ctx, recv_x)
+    one, _, _ = ctx.buffer.combine(y, handle, bias=cuda(b0, ctx))
+    assert_bitwise("combined_x + bias0", one, combine_reference(ctx, all_inputs, (b0,))[0])
+    two, _, _ = ctx.buffer.combine(y, handle, bias=(cuda(b0, ctx), cuda(b1, ctx)))
+    assert_bitwise("combined_x + bias0 + bias1", two, combine_reference(ctx, all_inputs, (b0, b1))[0])
+
+
+def case_async_and_previous_event(ctx):
+    import epx
+    all_inputs = inputs(ctx, 10, tokens_of(ctx, 10))
+    mine = all_inputs[ctx.rank]
+    idx = cuda(mine.topk_idx, ctx)
+    before = epx.Buffer.capture()
+    ntr, _, nte, itr, event = ctx.buffer.get_dispatch_layout(idx, E, previous_event=before, async_finish=True,
+                                                             allocate_on_comm_stream=True)
+    assert isinstance(event, epx.EventOverlap) and event.event is not None
+    x = cuda(mine.x, ctx)
+    recv_x, recv_idx, recv_w, per_expert, handle, event = ctx.buffer.dispatch(
+        x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
+        topk_weights=cuda(mine.topk_weights, ctx), previous_event=event, async_finish=True,
+        allocate_on_comm_stream=True)
+    with event:  # overlap window: work here runs while the dispatch may still be in flight
+        side = torch.ones(64, 64, device=ctx.device) @ torch.ones(64, 64, device=ctx.device)
+    ref = _ref.dispatch([i.topk_idx for i in all_inputs], [i.topk_weights for i in all_inputs], ctx.rank, E)
+    check_recv_x(recv_x, ref, all_inputs)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    y = expert_outputs(ctx, recv_x)
+    combined, _, event = ctx.buffer.combine(y, handle, previous_event=epx.Buffer.capture(), async_finish=True)
+    event.current_stream_wait()
+    assert_bitwise("combined_x (async)", combined, combine_reference(ctx, all_inputs)[0])
+    # async without allocate_on_comm_stream, previous event from an earlier async op
+    cached, _, _, _, _, event = ctx.buffer.dispatch(x, handle=handle, async_finish=True)
+    combined, _, event = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, previous_event=event,
+                                            async_finish=True)
+    event.current_stream_wait()
+    check_recv_x(cached, ref, all_inputs)
+    assert_bitwise("combined_x (chained events)", combined, combine_reference(ctx, all_inputs)[0])
+    assert float(side[0, 0]) == 64.0
+
+
+def case_zero_tokens_on_rank0(ctx):
+    counts = tokens_of(ctx, 11)
+    counts[0] = 0
+    all_inputs = inputs(ctx, 11, counts)
+    (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
+    check_recv_x(recv_x, ref, all_inputs)
+    assert_bitwise("recv_topk_weights", recv_w, ref.recv_topk_weights)
+    combined, combined_w, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, topk_weights=recv_w)
+    assert combined.shape == (counts[ctx.rank], H)
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+
+
+def case_small_config_and_wide_rows(ctx):
+    all_inputs = inputs(ctx, 12, tokens_of(ctx, 12, base=300), hidden=H_MAX)
+    (recv_x, _, _, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs, config=SMALL)
+    assert handle[1].shape[1] == SMALL.num_sms // 2
+    check_recv_x(recv_x, ref, all_inputs)
+    # combine's default config takes the dispatch's num_sms from the handle
+    combined, _, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle)
+    mine = all_inputs[ctx.rank]
+    in_rank = _ref.layout(mine.topk_idx, E, ctx.world)[2]
+    want = _ref.combine([_ref.scale_rows(mine.x, 1.0 + j / 4) for j in range(ctx.world)], in_rank)
+    assert_bitwise("combined_x", combined, want)
+
+
+def case_set_num_sms(ctx):
+    import epx
+    saved = epx.Buffer.num_sms
+    try:
+        epx.Buffer.set_num_sms(4)
+        all_inputs = inputs(ctx, 13, tokens_of(ctx, 13))
+        (recv_x, _, _, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
+        assert handle[1].shape[1] == 2
+        check_recv_x(recv_x, ref, all_inputs)
+        combined, _, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle)
+        assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+    finally:
+        epx.Buffer.num_sms = saved
+
+
+def case_buffer_over_nccl_group(ctx):
+    """The bootstrap through all_gather_object on an NCCL group, and explicit destruction."""
+    import epx
+    group = dist.new_group(backend="nccl")
+    buffer = epx.Buffer(group, num_nvl_bytes=ctx.extra["nvl_bytes"], explicitly_destroy=True)
+    try:
+        all_inputs = inputs(ctx, 14, tokens_of(ctx, 14))
+        other = Ctx(ctx.rank, ctx.world, ctx.device, buffer)
+        (recv_x, _, _, _, handle, _), ref = layout_and_dispatch(other, all_inputs)
+        check_recv_x(recv_x, ref, all_inputs)
+        combined, _, _ = buffer.combine(expert_outputs(ctx, recv_x), handle)
+        assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+    finally:
+        buffer.destroy()
+        buffer.destroy()  # idempotent
+    with pytest.raises(epx.FailedStateError):
+        buffer.get_dispatch_layout(cuda(all_inputs[ctx.rank].topk_idx, ctx), E)
+    dist.destroy_process_group(group)
+
+
+def case_destroyed_by_garbage_collection(ctx):
+    import epx
+    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 22)
+    native = buffer._native
+    ref = weakref.ref(buffer)
+    del buffer
+    gc.collect()  # every rank at the same point: destruction is collective
+    assert ref() is None and native.ptr is None
+
+
+def case_out_of_range_expert_is_reported(ctx):
+    """Found on the device by rank 0's layout kernel, shared by the next notify: dispatch raises on every
+    rank (InvalidArgumentError naming the slot on rank 0, RemoteError elsewhere); the buffer stays usable."""
+    import epx
+    ctx.buffer.check()  # nothing recorded so far
+    all_inputs = inputs(ctx, 15, tokens_of(ctx, 15))
+    bad = all_inputs[ctx.rank].topk_idx.clone()
+    if ctx.rank == 0:
+        bad[3, 1] = E  # one past the last expert
+    idx = cuda(bad, ctx)
+    ntr, _, nte, itr, _ = ctx.buffer.get_dispatch_layout(idx, E)
+    with pytest.raises(epx.EpxError) as info:
+        ctx.buffer.dispatch(cuda(all_inputs[ctx.rank].x, ctx), num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                            num_tokens_per_expert=nte, topk_idx=idx)
+    if ctx.rank == 0:
+        assert isinstance(info.value, epx.InvalidArgumentError) and "topk_idx" in str(info.value), info.value
+    else:
+        assert isinstance(info.value, epx.RemoteError), info.value
+    dist.barrier()
+    case_dispatch_combine_bf16(ctx)
+
+
+CASES = [name for name in list(globals()) if name.startswith("case_")]
+
+
+# ---- pytest side ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}gpus")
+def results(request):
+    _dist.require_gpus(request.param)
+    return _dist.run_cases(os.path.abspath(__file__), CASES, request.param, timeout_s=180)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_intranode(results, case):
+    results.check(case)

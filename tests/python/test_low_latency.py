@@ -1,0 +1,285 @@
+"""epx.Buffer's low-latency methods on 2 and 4 GPUs against the torch reference (_ref.py): dispatch rows,
+counts and layout exact; FP8 rows equal to the reference quantization (plain, round_scale, UE8M0); combine
+bit-identical; hooks, async, zero-copy, out=, statistics, clean, double buffering and a CUDA graph."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import _dist  # noqa: E402
+import _ref  # noqa: E402
+from _common import Ctx, assert_bitwise  # noqa: E402
+
+M = 32      # num_max_dispatch_tokens_per_rank
+H = 1024    # hidden (a multiple of 512 for UE8M0)
+E = 16      # experts
+K = 4       # top-k
+
+
+def setup(rank, world):
+    import epx
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, H, world, E)
+    buffer = epx.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
+    buffer.set_timeout(30.0)
+    buffer.clean_low_latency_buffer(M, H, E)
+    return Ctx(rank, world, torch.device("cuda", rank), buffer)
+
+
+def teardown(ctx):
+    ctx.buffer.destroy()
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+def tokens_of(ctx, seed):
+    return [1 + (seed * 7 + 11 * s) % M for s in range(ctx.world)]
+
+
+def inputs(ctx, seed, counts=None):
+    counts = counts or tokens_of(ctx, seed)
+    return [_ref.make_inputs(seed, s, counts[s], H, E, K, empty_prob=0.15) for s in range(ctx.world)]
+
+
+def on(ctx, mine):
+    return mine.x.to(ctx.device), mine.topk_idx.to(ctx.device), mine.topk_weights.to(ctx.device)
+
+
+def expert_factor(e):
+    return 1.0 + e / 8  # exact in binary
+
+
+def run_experts(ctx, recv_x):
+    """Stand-in experts on the packed layout: local expert i scales its rows by expert_factor(global id)."""
+    L = E // ctx.world
+    y = torch.empty(recv_x.shape, dtype=torch.bfloat16, device=recv_x.device)
+    for i in range(L):
+        y[i] = _ref.scale_rows(recv_x[i], expert_factor(ctx.rank * L + i))
+    return y
+
+
+def combine_reference(ctx, mine):
+    return _ref.ll_combine(lambda e: _ref.scale_rows(mine.x, expert_factor(e)), mine.topk_idx, mine.topk_weights, H)
+
+
+def check_dispatch(ctx, all_inputs, recv_x, recv_count, handle, fp8=False, round_scale=False, ue8m0=False):
+    L = E // ctx.world
+    blocks = _ref.ll_blocks([i.topk_idx for i in all_inputs], ctx.rank, E)
+    src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+    assert handle[2:5] == (M, H, E)
+    assert_bitwise("recv_count", recv_count, torch.tensor([sum(len(b) for b in blocks[i]) for i in range(L)],
+                                                          dtype=torch.int32))
+    if fp8:
+        data, scales = recv_x
+        groups = H // 128 // (4 if ue8m0 else 1)
+        assert data.dtype == torch.float8_e4m3fn and data.shape == (L, ctx.world * M, H)
+        assert scales.shape == (L, ctx.world * M, groups)
+        assert scales.stride() == (groups * ctx.world * M, 1, ctx.world * M), "scales must be token-minor"
+        assert scales.dtype == (torch.int32 if ue8m0 else torch.float32)
+        quantized = [_ref.quantize(i.x, round_scale) for i in all_inputs]
+        data, scales = data.cpu(), scales.cpu()
+    else:
+        assert recv_x.dtype == torch.bfloat16 and recv_x.shape == (L, ctx.world * M, H)
+        data = recv_x.cpu()
+    for i in range(L):
+        spans = []
+        for s in range(ctx.world):
+            begin, count = int(layout_range[i, s]) >> 32, int(layout_range[i, s]) & 0xFFFFFFFF
+            tokens = blocks[i][s]
+            assert count == len(tokens), f"expert {i} source {s}: {count} rows, expected {len(tokens)}"
+            spans.append((begin, count))
+            if not tokens:
+                continue
+            rows = slice(begin, begin + count)
+            where = f"expert {i} source {s}"
+            assert_bitwise(f"recv_src_info {where}", src_info[i, rows], torch.tensor(tokens, dtype=torch.int32))
+            if not fp8:
+                assert_bitwise(f"recv_x {where}", data[i, rows], all_inputs[s].x[tokens])
+                continue
+            q, sc = quantized[s]
+            assert_bitwise(f"fp8 data {where}", data[i, rows], q[tokens])
+            want_scales = _ref.ue8m0_pack(sc[tokens]) if ue8m0 else sc[tokens]
+            assert_bitwise(f"fp8 scales {where}", scales[i, rows], want_scales)
+        # the source blocks tile [0, recv_count) without gaps (their order may vary)
+        spans = sorted(sp for sp in spans if sp[1] > 0)
+        pos = 0
+        for begin, count in spans:
+            assert begin == pos, f"expert {i}: blocks {spans} leave a gap"
+            pos += count
+
+
+def dispatch_and_check(ctx, seed, counts=None, **kwargs):
+    all_inputs = inputs(ctx, seed, counts)
+    x, idx, w = on(ctx, all_inputs[ctx.rank])
+    recv_x, recv_count, handle, event, hook = ctx.buffer.low_latency_dispatch(x, idx, M, E, **kwargs)
+    if kwargs.get("return_recv_hook"):
+        hook()
+    if kwargs.get("async_finish"):
+        event.current_stream_wait()
+    check_dispatch(ctx, all_inputs, recv_x, recv_count, handle, fp8=kwargs.get("use_fp8", True),
+                   round_scale=kwargs.get("round_scale", False), ue8m0=kwargs.get("use_ue8m0", False))
+    return all_inputs, (x, idx, w), recv_x, handle
+
+
+# ---- cases ---------------------------------------------------------------------------------------------------------
+def case_dispatch_bf16_and_combine(ctx):
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 1, use_fp8=False)
+    combined, event, hook = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle)
+    assert event.event is None
+    hook()  # a no-op without return_recv_hook
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs[ctx.rank]))
+
+
+def case_dispatch_fp8(ctx):
+    dispatch_and_check(ctx, 2, use_fp8=True)
+
+
+def case_dispatch_fp8_round_scale(ctx):
+    dispatch_and_check(ctx, 3, use_fp8=True, round_scale=True)
+
+
+def case_dispatch_fp8_ue8m0(ctx):
+    dispatch_and_check(ctx, 4, use_fp8=True, round_scale=True, use_ue8m0=True)
+
+
+def case_fp8_dispatch_then_combine(ctx):
+    """Experts on dequantized FP8 rows (float(q) * scale, then bf16), combined exactly."""
+    all_inputs, (x, idx, w), (data, scales), handle = dispatch_and_check(ctx, 5, use_fp8=True)
+    L = E // ctx.world
+    dequant = (data.float().view(L, -1, H // 128, 128) * scales.unsqueeze(3)).view(L, -1, H).to(torch.bfloat16)
+    combined, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, dequant), idx, w, handle)
+    mine = all_inputs[ctx.rank]
+    q, sc = _ref.quantize(mine.x, False)
+    mine_dq = (q.float().view(-1, H // 128, 128) * sc.unsqueeze(2)).view(-1, H).to(torch.bfloat16)
+    want = _ref.ll_combine(lambda e: _ref.scale_rows(mine_dq, expert_factor(e)), mine.topk_idx, mine.topk_weights, H)
+    assert_bitwise("combined_x (fp8 path)", combined, want)
+
+
+def case_hooks(ctx):
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 6, use_fp8=False, return_recv_hook=True)
+    combined, event, hook = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle,
+                                                           return_recv_hook=True)
+    hook()
+    assert_bitwise("combined_x (hooks)", combined, combine_reference(ctx, all_inputs[ctx.rank]))
+
+
+def case_async(ctx):
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 7, use_fp8=False, async_finish=True)
+    combined, event, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle,
+                                                        async_finish=True)
+    assert event.event is not None and event.extra_tensors
+    with event:
+        pass
+    assert_bitwise("combined_x (async)", combined, combine_reference(ctx, all_inputs[ctx.rank]))
+
+
+def case_zero_copy_and_out(ctx):
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 8, use_fp8=False)
+    area = ctx.buffer.get_next_low_latency_combine_buffer(handle)
+    L = E // ctx.world
+    assert area.dtype == torch.bfloat16 and area.shape == (L, ctx.world * M, H) and area.device == ctx.device
+    y = run_experts(ctx, recv_x)
+    area.copy_(y)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=ctx.device)
+    combined, _, _ = ctx.buffer.low_latency_combine(y, idx, w, handle, zero_copy=True, out=out)
+    assert combined is out
+    assert_bitwise("combined_x (zero copy)", combined, combine_reference(ctx, all_inputs[ctx.rank]))
+
+
+def case_double_buffering(ctx):
+    """The dispatch of step 2 is sent while the combine of step 1 is still being received."""
+    first, (x1, idx1, w1), recv1, handle1 = dispatch_and_check(ctx, 9, use_fp8=False)
+    combined1, _, combine1_recv = ctx.buffer.low_latency_combine(run_experts(ctx, recv1), idx1, w1, handle1,
+                                                                 return_recv_hook=True)
+    second = inputs(ctx, 10)
+    x2, idx2, w2 = on(ctx, second[ctx.rank])
+    recv2, count2, handle2, _, dispatch2_recv = ctx.buffer.low_latency_dispatch(x2, idx2, M, E, use_fp8=False,
+                                                                                return_recv_hook=True)
+    combine1_recv()
+    dispatch2_recv()
+    assert_bitwise("combined_x step 1", combined1, combine_reference(ctx, first[ctx.rank]))
+    check_dispatch(ctx, second, recv2, count2, handle2)
+    combined2, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv2), idx2, w2, handle2)
+    assert_bitwise("combined_x step 2", combined2, combine_reference(ctx, second[ctx.rank]))
+
+
+def case_cumulative_stats(ctx):
+    L = E // ctx.world
+    stats = torch.zeros(L, dtype=torch.int32, device=ctx.device)
+    total = torch.zeros(L, dtype=torch.int32)
+    for seed in (11, 12):
+        all_inputs = inputs(ctx, seed)
+        x, idx, w = on(ctx, all_inputs[ctx.rank])
+        _, count, handle, _, _ = ctx.buffer.low_latency_dispatch(x, idx, M, E, use_fp8=False,
+                                                                 cumulative_local_expert_recv_stats=stats)
+        total += count.cpu()
+        # keep the buffer sets paired: every dispatch is followed by its combine
+        ctx.buffer.low_latency_combine(torch.zeros(L, ctx.world * M, H, dtype=torch.bfloat16, device=ctx.device),
+                                       idx, w, handle)
+    assert_bitwise("cumulative_local_expert_recv_stats", stats, total)
+
+
+def case_zero_tokens_on_rank0(ctx):
+    counts = tokens_of(ctx, 13)
+    counts[0] = 0
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 13, counts=counts, use_fp8=False)
+    combined, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle)
+    assert combined.shape == (counts[ctx.rank], H)
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs[ctx.rank]))
+
+
+def case_full_batch(ctx):
+    counts = [M] * ctx.world
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 14, counts=counts, use_fp8=False)
+    combined, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle)
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs[ctx.rank]))
+
+
+def case_clean_then_reuse(ctx):
+    ctx.buffer.clean_low_latency_buffer(M, H, E)
+    case_dispatch_bf16_and_combine(ctx)
+
+
+def case_cuda_graph(ctx):
+    """Dispatch, experts and combine captured once, replayed with new data."""
+    counts = tokens_of(ctx, 15)
+    first = inputs(ctx, 15, counts)
+    static_x, static_idx, static_w = (t.clone() for t in on(ctx, first[ctx.rank]))
+
+    def step():
+        recv_x, _, handle, _, _ = ctx.buffer.low_latency_dispatch(static_x, static_idx, M, E, use_fp8=False)
+        out, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), static_idx, static_w, handle)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for seed in (16, 17, 18):
+        data = inputs(ctx, seed, counts)
+        x, idx, w = on(ctx, data[ctx.rank])
+        static_x.copy_(x)
+        static_idx.copy_(idx)
+        static_w.copy_(w)
+        graph.replay()
+        assert_bitwise(f"combined_x (graph replay, seed {seed})", static_out, combine_reference(ctx, data[ctx.rank]))
+
+
+CASES = [name for name in list(globals()) if name.startswith("case_")]
+
+
+# ---- pytest side ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}gpus")
+def results(request):
+    _dist.require_gpus(request.param)
+    return _dist.run_cases(os.path.abspath(__file__), CASES, request.param, timeout_s=180)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_low_latency(results, case):
+    results.check(case)

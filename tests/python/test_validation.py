@@ -1,0 +1,327 @@
+"""Argument checks of epx.Buffer, run on a CPU: a Buffer without a native buffer (Buffer._unlaunched) whose
+device is the CPU. A bad argument must raise TypeError / ValueError (or NotImplementedError); a good call
+must get past every check and stop at the first step that would touch CUDA (FailedStateError)."""
+
+import ctypes
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import epx  # noqa: E402
+from epx import _lib  # noqa: E402
+
+R = 4
+E = 16
+T = 10
+H = 256
+K = 4
+CPU = torch.device("cpu")
+
+# Reached the launch: every check passed.
+launched = pytest.raises(epx.FailedStateError)
+
+
+@pytest.fixture
+def buf():
+    return epx.Buffer._unlaunched(R)
+
+
+def bf16(*shape):
+    return torch.zeros(shape, dtype=torch.bfloat16)
+
+
+def layout_args():
+    return dict(num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
+                is_token_in_rank=torch.zeros(T, R, dtype=torch.bool),
+                num_tokens_per_expert=torch.zeros(E, dtype=torch.int32),
+                topk_idx=torch.zeros(T, K, dtype=torch.int64), topk_weights=torch.zeros(T, K))
+
+
+def handle(num_recv=7, channels=12, tokens=T):
+    return (torch.zeros(R, R, dtype=torch.int32), torch.zeros(R, channels, dtype=torch.int32),
+            torch.zeros(R, channels, dtype=torch.int32), torch.zeros(num_recv, dtype=torch.int32),
+            torch.zeros(tokens, R, dtype=torch.bool), torch.zeros(tokens, R, dtype=torch.int32))
+
+
+def misaligned_bf16(rows, cols):
+    return torch.zeros(rows * cols + 1, dtype=torch.bfloat16)[1:].view(rows, cols)
+
+
+# ---- deep_ep API surface -----------------------------------------------------------------------------------------
+EXPECTED_SIGNATURES = {
+    "__init__": "self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24, "
+                "allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False, comm=None",
+    "get_dispatch_layout": "self, topk_idx, num_experts, previous_event=None, async_finish=False, "
+                           "allocate_on_comm_stream=False",
+    "dispatch": "self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, "
+                "is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None, "
+                "expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False, "
+                "allocate_on_comm_stream=False",
+    "combine": "self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False, "
+               "allocate_on_comm_stream=False",
+    "low_latency_dispatch": "self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
+                            "cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, "
+                            "use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False, "
+                            "return_recv_hook=False",
+    "low_latency_combine": "self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, "
+                           "async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None",
+    "get_next_low_latency_combine_buffer": "self, handle",
+    "clean_low_latency_buffer": "self, num_max_dispatch_tokens_per_rank, hidden, num_experts",
+    "get_local_buffer_tensor": "self, dtype, size=None, offset=0, use_rdma_buffer=False",
+    "get_comm_stream": "self",
+    "destroy": "self",
+    "set_num_sms": "new_num_sms",
+    "capture": "",
+    "get_dispatch_config": "num_ranks",
+    "get_combine_config": "num_ranks",
+    "get_low_latency_rdma_size_hint": "num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_SIGNATURES))
+def test_signature_follows_deep_ep(name):
+    params = inspect.signature(getattr(epx.Buffer, name)).parameters.values()
+    text = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in params)
+    assert text == EXPECTED_SIGNATURES[name]
+
+
+def test_package_names():
+    assert epx.topk_idx_t is torch.int64
+    assert epx.EventOverlap is not None and epx.Buffer is not None
+    with pytest.raises(AttributeError):
+        epx.not_a_name  # noqa: B018
+
+
+# ---- construction and static helpers --------------------------------------------------------------------------
+def test_constructor_checks_come_first():
+    with pytest.raises(ValueError, match="group"):
+        epx.Buffer()
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        epx.Buffer(object(), num_nvl_bytes=-1)
+    with pytest.raises(TypeError, match="num_rdma_bytes"):
+        epx.Buffer(object(), num_rdma_bytes=1.5)
+
+
+def test_static_configs_and_num_sms():
+    assert epx.Buffer.get_dispatch_config(R).num_sms == epx.Buffer.get_combine_config(R).num_sms
+    with pytest.raises(ValueError, match="even"):
+        epx.Buffer.set_num_sms(7)
+    saved = epx.Buffer.num_sms
+    try:
+        epx.Buffer.set_num_sms(10)
+        assert epx.Buffer.get_dispatch_config(R).num_sms == 10
+        assert epx.Buffer.get_combine_config(R).num_sms == 10
+    finally:
+        epx.Buffer.num_sms = saved
+    assert epx.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) > 0
+    with pytest.raises(epx.InvalidArgumentError):
+        epx.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 100)
+
+
+def test_event_overlap_without_event():
+    e = epx.EventOverlap()
+    with pytest.raises(RuntimeError, match="synchronous"):
+        e.current_stream_wait()
+    with e:  # a no-op
+        pass
+
+
+def test_unsupported_features(buf):
+    with pytest.raises(NotImplementedError, match="address"):
+        buf.get_local_buffer_tensor(torch.bfloat16)
+
+
+# ---- layout -----------------------------------------------------------------------------------------------------
+def test_layout_checks(buf):
+    idx = torch.zeros(T, K, dtype=torch.int64)
+    with launched:
+        buf.get_dispatch_layout(idx, E)
+    with pytest.raises(TypeError, match="topk_idx.*int64"):
+        buf.get_dispatch_layout(idx.int(), E)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        buf.get_dispatch_layout([[0]], E)
+    with pytest.raises(ValueError, match="dimensions"):
+        buf.get_dispatch_layout(idx.view(-1), E)
+    with pytest.raises(ValueError, match="contiguous"):
+        buf.get_dispatch_layout(torch.zeros(K, T, dtype=torch.int64).t(), E)
+    with pytest.raises(ValueError, match="device"):
+        buf.get_dispatch_layout(idx.to("meta"), E)
+    with pytest.raises(ValueError, match="multiple"):
+        buf.get_dispatch_layout(idx, E + 1)
+    with pytest.raises(TypeError, match="num_experts"):
+        buf.get_dispatch_layout(idx, float(E))
+    with pytest.raises(ValueError, match="num_topk"):
+        buf.get_dispatch_layout(torch.zeros(T, 33, dtype=torch.int64), E)
+    with pytest.raises(ValueError, match="allocate_on_comm_stream"):
+        buf.get_dispatch_layout(idx, E, allocate_on_comm_stream=True)
+    with pytest.raises(TypeError, match="previous_event"):
+        buf.get_dispatch_layout(idx, E, previous_event="now")
+
+
+# ---- dispatch ---------------------------------------------------------------------------------------------------
+def test_dispatch_accepts_good_arguments(buf):
+    with launched:
+        buf.dispatch(bf16(T, H), **layout_args())
+    fp8 = (torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, H // 128))
+    with launched:
+        buf.dispatch(fp8, **layout_args(), expert_alignment=128, num_worst_tokens=64)
+    with launched:
+        buf.dispatch(bf16(T, H), num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
+                     is_token_in_rank=torch.zeros(T, R, dtype=torch.bool))
+    with launched:
+        buf.dispatch(bf16(0, H), **{**layout_args(), "is_token_in_rank": torch.zeros(0, R, dtype=torch.bool),
+                                    "topk_idx": torch.zeros(0, K, dtype=torch.int64),
+                                    "topk_weights": torch.zeros(0, K)})
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(x=torch.zeros(T, H)), TypeError, "x must have dtype"),
+    (dict(x=(bf16(T, H),)), ValueError, "tuple"),
+    (dict(x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T + 1, 2))), ValueError, "scales"),
+    (dict(x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 2, dtype=torch.float16))), TypeError,
+     "scales"),
+    (dict(x=bf16(T, 12)), ValueError, "hidden % 8"),
+    (dict(x=misaligned_bf16(T, H)), ValueError, "16-byte"),
+    (dict(num_tokens_per_rank=None), ValueError, "num_tokens_per_rank"),
+    (dict(num_tokens_per_rank=torch.zeros(R + 1, dtype=torch.int32)), ValueError, "num_tokens_per_rank"),
+    (dict(is_token_in_rank=torch.zeros(T, R, dtype=torch.uint8)), TypeError, "is_token_in_rank"),
+    (dict(is_token_in_rank=torch.zeros(T + 1, R, dtype=torch.bool)), ValueError, "is_token_in_rank"),
+    (dict(num_tokens_per_expert=None), ValueError, "num_tokens_per_expert"),
+    (dict(num_tokens_per_expert=torch.zeros(E + 1, dtype=torch.int32)), ValueError, "multiple"),
+    (dict(topk_weights=torch.zeros(T, K + 1)), ValueError, "topk_weights"),
+    (dict(topk_weights=torch.zeros(T, K, dtype=torch.float64)), TypeError, "topk_weights"),
+    (dict(topk_idx=None), ValueError, "topk_weights needs topk_idx"),
+    (dict(expert_alignment=0), ValueError, "expert_alignment"),
+    (dict(num_worst_tokens=-1), ValueError, "num_worst_tokens"),
+    (dict(config=(24, 6, 256)), TypeError, "Config"),
+    (dict(num_tokens_per_rdma_rank=torch.zeros(1, dtype=torch.int32)), ValueError, "NVLink"),
+    (dict(allocate_on_comm_stream=True, async_finish=True), ValueError, "previous_event"),
+])
+def test_dispatch_rejects(buf, change, error, match):
+    kwargs = dict(x=bf16(T, H), **layout_args())
+    kwargs.update(change)
+    with pytest.raises(error, match=match):
+        buf.dispatch(**kwargs)
+
+
+def test_cached_dispatch_checks(buf):
+    with launched:
+        buf.dispatch(bf16(T, H), handle=handle())
+    with launched:
+        buf.dispatch((torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 2)), handle=handle())
+    with pytest.raises(TypeError, match="6-tuple"):
+        buf.dispatch(bf16(T, H), handle=handle()[:5])
+    bad = list(handle())
+    bad[3] = bad[3].long()
+    with pytest.raises(TypeError, match="recv_src_idx"):
+        buf.dispatch(bf16(T, H), handle=tuple(bad))
+    with pytest.raises(ValueError, match="tokens"):
+        buf.dispatch(bf16(T + 1, H), handle=handle())
+    with pytest.raises(ValueError, match="num_sms"):
+        buf.dispatch(bf16(T, H), handle=handle(channels=12), config=epx.Config(8, 6, 256))
+
+
+# ---- combine -----------------------------------------------------------------------------------------------------
+def test_combine_checks(buf):
+    h = handle(num_recv=7)
+    with launched:
+        buf.combine(bf16(7, H), h, topk_weights=torch.zeros(7, K), bias=(bf16(T, H), bf16(T, H)))
+    with launched:
+        buf.combine(bf16(7, H), h, bias=bf16(T, H), config=epx.Config(24, 6, 256))
+    with pytest.raises(ValueError, match="shape"):
+        buf.combine(bf16(8, H), h)
+    with pytest.raises(TypeError, match="dtype"):
+        buf.combine(torch.zeros(7, H), h)
+    with pytest.raises(ValueError, match="topk_weights"):
+        buf.combine(bf16(7, H), h, topk_weights=torch.zeros(6, K))
+    with pytest.raises(ValueError, match="bias"):
+        buf.combine(bf16(7, H), h, bias=bf16(T + 1, H))
+    with pytest.raises(TypeError, match="bias"):
+        buf.combine(bf16(7, H), h, bias=(bf16(T, H),) * 3)
+    with pytest.raises(ValueError, match="num_sms"):
+        buf.combine(bf16(7, H), h, config=epx.Config(8, 6, 256))
+    with pytest.raises(ValueError, match="hidden % 8"):
+        buf.combine(bf16(7, 12), h)
+
+
+# ---- low latency -------------------------------------------------------------------------------------------------
+M = 16
+
+
+def ll_handle(tokens=T, topk=K, hidden=H, experts=E):
+    native = _lib.LLHandle(0, tokens, hidden, topk, experts, M, None, None)
+    L = experts // R
+    return (torch.zeros(L, R * M, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64), M, hidden, experts, native)
+
+
+def test_low_latency_dispatch_checks(buf):
+    x, idx = bf16(T, H), torch.zeros(T, K, dtype=torch.int64)
+    with launched:
+        buf.low_latency_dispatch(x, idx, M, E)
+    with launched:
+        buf.low_latency_dispatch(bf16(T, 512), idx, M, E, use_fp8=True, round_scale=True, use_ue8m0=True,
+                                 cumulative_local_expert_recv_stats=torch.zeros(E // R, dtype=torch.int32),
+                                 return_recv_hook=True)
+    with pytest.raises(ValueError, match="more than"):
+        buf.low_latency_dispatch(bf16(M + 1, H), torch.zeros(M + 1, K, dtype=torch.int64), M, E)
+    with pytest.raises(ValueError, match="hidden % 128"):
+        buf.low_latency_dispatch(bf16(T, 64), idx, M, E)
+    with launched:
+        buf.low_latency_dispatch(bf16(T, 64), idx, M, E, use_fp8=False)
+    with pytest.raises(ValueError, match="round_scale"):
+        buf.low_latency_dispatch(bf16(T, 512), idx, M, E, use_ue8m0=True)
+    with pytest.raises(ValueError, match="512"):
+        buf.low_latency_dispatch(x, idx, M, E, round_scale=True, use_ue8m0=True)
+    with pytest.raises(ValueError, match="multiple"):
+        buf.low_latency_dispatch(x, idx, M, E + 2)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
+        buf.low_latency_dispatch(x, idx, 5000, E)
+    with pytest.raises(TypeError, match="topk_idx"):
+        buf.low_latency_dispatch(x, idx.int(), M, E)
+    with pytest.raises(ValueError, match="cumulative"):
+        buf.low_latency_dispatch(x, idx, M, E, cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int32))
+    with pytest.raises(ValueError, match="both"):
+        buf.low_latency_dispatch(x, idx, M, E, async_finish=True, return_recv_hook=True)
+    with pytest.raises(ValueError, match="16-byte"):
+        buf.low_latency_dispatch(misaligned_bf16(T, H), idx, M, E)
+
+
+def test_low_latency_combine_checks(buf):
+    L = E // R
+    y, idx, w = bf16(L, R * M, H), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
+    with launched:
+        buf.low_latency_combine(y, idx, w, ll_handle(), out=bf16(T, H), zero_copy=True)
+    with pytest.raises(NotImplementedError, match="logfmt"):
+        buf.low_latency_combine(y, idx, w, ll_handle(), use_logfmt=True)
+    with pytest.raises(TypeError, match="handle"):
+        buf.low_latency_combine(y, idx, w, ll_handle()[:5])
+    with pytest.raises(ValueError, match="shape"):
+        buf.low_latency_combine(bf16(L, R * M, H + 8), idx, w, ll_handle())
+    with pytest.raises(ValueError, match="topk_idx"):
+        buf.low_latency_combine(y, torch.zeros(T + 1, K, dtype=torch.int64), w, ll_handle())
+    with pytest.raises(TypeError, match="topk_weights"):
+        buf.low_latency_combine(y, idx, w.double(), ll_handle())
+    with pytest.raises(TypeError, match="out"):
+        buf.low_latency_combine(y, idx, w, ll_handle(), out=torch.zeros(T, H))
+    with pytest.raises(ValueError, match="both"):
+        buf.low_latency_combine(y, idx, w, ll_handle(), async_finish=True, return_recv_hook=True)
+    with pytest.raises(TypeError, match="handle"):
+        buf.get_next_low_latency_combine_buffer((1, 2, 3))
+
+
+def test_clean_low_latency_buffer_checks(buf):
+    with launched:
+        buf.clean_low_latency_buffer(M, H, E)
+    with pytest.raises(ValueError, match="multiple"):
+        buf.clean_low_latency_buffer(M, H, E + 1)
+    small = epx.Buffer._unlaunched(R, num_rdma_bytes=1024)
+    with pytest.raises(epx.BufferTooSmallError, match="get_low_latency_rdma_size_hint"):
+        small.clean_low_latency_buffer(M, H, E)
+
+
+def test_destroyed_buffer_says_so(buf):
+    buf.destroy()  # nothing to free: a no-op
+    with pytest.raises(epx.FailedStateError, match="destroyed"):
+        buf.set_timeout(1.0)
+    assert ctypes.sizeof(_lib.LLHandle) > 0
