@@ -60,7 +60,8 @@ def _worker(rank: int, world_size: int, module_file: str, cases: List[str], work
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     out = os.path.join(workdir, f"rank{rank}.json")
@@ -76,7 +77,9 @@ def _worker(rank: int, world_size: int, module_file: str, cases: List[str], work
         try:
             getattr(module, name)(ctx)
             results[name] = ""
-        except Exception:  # noqa: BLE001 - one case's failure is reported, the run goes on
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - pytest's failures are BaseExceptions; the run goes on
             results[name] = traceback.format_exc()
         _write(out, results)
         dist.barrier()

@@ -116,7 +116,7 @@ def combine(rows_by_rank: List[Optional[torch.Tensor]], in_rank: torch.Tensor, b
     """rows_by_rank[j]: [T, H] bf16, the row rank j sends back for each token (used where in_rank[t, j]).
     -> bf16(sum over j ascending in float32 + biases)."""
     T = in_rank.shape[0]
-    H = next(r for r in rows_by_rank if r is not None).shape[1] if T else 0
+    H = next(r for r in rows_by_rank if r is not None).shape[1]
     acc = torch.zeros(T, H)
     for j, rows in enumerate(rows_by_rank):
         mask = in_rank[:, j:j + 1]

@@ -349,6 +349,19 @@ def case_out_of_range_expert_is_reported(ctx):
     case_dispatch_combine_bf16(ctx)
 
 
+def case_check_reports_a_layout_error_first(ctx):
+    """check() reports this rank's own pending input error before any notify shares it."""
+    import epx
+    idx = torch.full((8, K), -1, dtype=torch.int64)
+    idx[5, 2] = -7
+    ctx.buffer.get_dispatch_layout(cuda(idx, ctx), E)
+    with pytest.raises(epx.InvalidArgumentError, match="topk_idx"):
+        ctx.buffer.check()
+    ctx.buffer.check()  # reported once, then cleared
+    dist.barrier()
+    case_dispatch_combine_bf16(ctx)
+
+
 CASES = [name for name in list(globals()) if name.startswith("case_")]
 
 

@@ -1,0 +1,75 @@
+"""Argument checks that run before anything is launched: wrong types and dtypes raise TypeError; wrong
+shapes, devices, contiguity, alignment or ranges raise ValueError. They touch no CUDA state, so they can
+be tested on a CPU (with a Buffer whose device is the CPU)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence
+
+import torch
+
+
+def tensor(name: str, t, dtype, shape: Sequence[Optional[int]], device: torch.device,
+           aligned16: bool = False) -> torch.Tensor:
+    """Checks a tensor argument. shape: one entry per dimension, None for any size. dtype: one dtype or a
+    tuple of accepted ones."""
+    # Fast path first (this runs several times per call): every property read once, no formatting.
+    if isinstance(t, torch.Tensor):
+        got = t.shape
+        if (t.dtype == dtype if type(dtype) is not tuple else t.dtype in dtype) and len(got) == len(shape) \
+                and t.device == device and t.is_contiguous():
+            for want, size in zip(shape, got):
+                if want is not None and want != size:
+                    break
+            else:
+                if not aligned16 or t.data_ptr() % 16 == 0 or t.numel() == 0:
+                    return t
+    _explain(name, t, dtype, shape, device, aligned16)
+    return t
+
+
+def _explain(name, t, dtype, shape, device, aligned16) -> None:
+    """Raises the error that says what is wrong with t."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if t.dim() != len(shape):
+        raise ValueError(f"{name} must have {len(shape)} dimensions {_fmt(shape)}, got shape {tuple(t.shape)}")
+    for i, (want, got) in enumerate(zip(shape, t.shape)):
+        if want is not None and want != got:
+            raise ValueError(f"{name} must have shape {_fmt(shape)}, got {tuple(t.shape)} (dimension {i})")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the Buffer's device), got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+    if aligned16 and t.numel() > 0 and t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} must start on a 16-byte boundary (a view at an odd offset? copy it)")
+
+
+def optional_tensor(name: str, t, dtype, shape, device, aligned16: bool = False) -> Optional[torch.Tensor]:
+    return None if t is None else tensor(name, t, dtype, shape, device, aligned16)
+
+
+def integer(name: str, value, low: int, high: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)  # numpy and other integral types
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {'in ' if high is not None else ''}{bound}, got {value}")
+    return value
+
+
+def flag(name: str, value) -> bool:
+    # ints are accepted too (0/1 flags are common in code written for deep_ep)
+    if not isinstance(value, (bool, int)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"

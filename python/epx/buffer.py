@@ -1,0 +1,501 @@
+"""epx.Buffer: deep_ep.Buffer's public API over the C ABI (high-throughput part; the low-latency methods
+are in low_latency.py).
+
+Each method checks its arguments first (nothing touches CUDA until they pass), then sets up the streams
+(_streams.StreamScope), allocates the outputs with torch and calls the library with raw pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+import weakref
+from ctypes import byref
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import _checks, _lib
+from ._streams import StreamScope, check_stream_flags
+from .bootstrap import AllGather, from_mpi_comm, from_torch_group
+from .config import Config
+from .errors import FailedStateError, error_for
+from .event import EventOverlap
+from .low_latency import LowLatencyMixin
+
+Handle = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+_INT32 = torch.int32
+_INT64 = torch.int64
+
+
+class _Native:
+    """The epx_buffer* and the bootstrap callback it calls; separate from Buffer so that a finalizer can
+    own it without keeping the Buffer alive."""
+
+    def __init__(self, ptr: int, boot: AllGather):
+        self.ptr = ptr
+        self.boot = boot
+
+    def destroy(self) -> None:
+        if self.ptr is None:
+            return
+        ptr, self.ptr = self.ptr, None
+        lib = _lib.lib()
+        status = lib.epx_buffer_destroy(ptr)
+        if status != _lib.EPX_OK:
+            err = error_for(status, lib.last_error())
+            raise err from self.boot.error
+
+    def destroy_at_exit_or_gc(self) -> None:
+        try:
+            self.destroy()
+        except Exception as e:  # noqa: BLE001 - a finalizer must not raise
+            warnings.warn(f"epx.Buffer teardown failed: {e}", RuntimeWarning)
+
+    def warn_if_alive(self) -> None:
+        if self.ptr is not None:
+            warnings.warn("an epx.Buffer created with explicitly_destroy=True was never destroyed "
+                          "(call buffer.destroy() on every rank)", ResourceWarning)
+
+
+class Buffer(LowLatencyMixin):
+    """Communication buffer of one rank for MoE dispatch and combine (deep_ep.Buffer's API).
+
+    group: a torch.distributed process group (gloo or NCCL; used only to exchange bytes at creation and
+    destruction), or comm: an mpi4py communicator. Every rank must create its Buffer with the same sizes,
+    with its own GPU as the current device. num_nvl_bytes: high-throughput ring buffers (see
+    Config.get_nvl_buffer_size_hint); num_rdma_bytes: the low-latency area
+    (get_low_latency_rdma_size_hint). num_qps_per_rank, allow_nvlink_for_low_latency_mode and allow_mnnvl
+    are accepted for compatibility and have no effect: epx reaches every peer of one NVLink domain through
+    CUDA IPC. With explicitly_destroy=False the buffer is destroyed (collectively) when it is garbage
+    collected or at exit; otherwise call destroy() on every rank.
+    """
+
+    # SMs of the high-throughput kernels, set by set_num_sms(); None means the library's default.
+    num_sms: Optional[int] = None
+
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, comm=None):
+        num_nvl_bytes = _checks.integer("num_nvl_bytes", num_nvl_bytes, 0)
+        num_rdma_bytes = _checks.integer("num_rdma_bytes", num_rdma_bytes, 0)
+        _checks.integer("num_qps_per_rank", num_qps_per_rank, 1)
+        low_latency_mode = _checks.flag("low_latency_mode", low_latency_mode)
+        explicitly_destroy = _checks.flag("explicitly_destroy", explicitly_destroy)
+        if group is None and comm is None:
+            raise ValueError("epx.Buffer needs group (a torch.distributed process group) or comm (an mpi4py comm)")
+        if not torch.cuda.is_available():
+            raise RuntimeError("epx.Buffer needs a CUDA device")
+        device_index = torch.cuda.current_device()
+        boot = from_mpi_comm(comm) if comm is not None else from_torch_group(group, device_index)
+
+        comm_stream = torch.cuda.Stream(device=device_index)
+        lib = _lib.lib()
+        options = _lib.BufferOptions(num_nvl_bytes, num_rdma_bytes, int(low_latency_mode), 0, 0.0, device_index)
+        out = ctypes.c_void_p()
+        status = lib.epx_buffer_create(byref(boot.struct), byref(options), byref(out))
+        if status != _lib.EPX_OK:
+            raise error_for(status, lib.last_error()) from boot.error
+        self._init_state(_Native(out.value, boot), group, comm, boot.rank, boot.size,
+                         torch.device("cuda", device_index), num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+                         explicitly_destroy)
+        self._comm_stream = comm_stream
+        if explicitly_destroy:
+            self._finalizer = weakref.finalize(self, self._native.warn_if_alive)
+            self._finalizer.atexit = False
+        else:
+            self._finalizer = weakref.finalize(self, self._native.destroy_at_exit_or_gc)
+
+    def _init_state(self, native, group, comm, rank, size, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+                    explicitly_destroy):
+        self._native = native
+        self.group = group
+        self.comm = comm
+        self.rank = rank
+        self.group_size = size
+        self._device = device
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self._default_configs = {}  # (kind, num_sms or None) -> epx_config of the default config
+        self._last_handle = None    # (handle, epx_dispatch_handle) of the last handle checked
+
+    @classmethod
+    def _unlaunched(cls, group_size: int, rank: int = 0, device: Union[str, torch.device] = "cpu",
+                    num_nvl_bytes: int = 1 << 20, num_rdma_bytes: int = 1 << 30, low_latency_mode: bool = True):
+        """A Buffer with no native buffer behind it, whose tensors live on `device`: every argument check
+        runs as usual, and the first step that would touch CUDA raises FailedStateError. For tests of the
+        checks on machines without a GPU."""
+        self = cls.__new__(cls)
+        self._init_state(None, None, None, rank, group_size, torch.device(device), num_nvl_bytes, num_rdma_bytes,
+                         low_latency_mode, True)
+        self._comm_stream = None
+        self._finalizer = None
+        return self
+
+    # ---- lifetime -------------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Collective: every rank must call it. Frees the buffer; safe to call twice."""
+        if self._native is None:
+            return
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        try:
+            self._native.destroy()
+        finally:
+            self._native = None
+            self._last_handle = None
+
+    def _ptr(self) -> int:
+        native = self._native
+        if native is None or native.ptr is None:
+            raise FailedStateError("this epx.Buffer was destroyed (or never created)", 7)
+        return native.ptr
+
+    def set_timeout(self, seconds: float) -> None:
+        """epx extension: the budget of every device and host wait of this buffer (default 100 s)."""
+        lib = _lib.lib()
+        lib.check(lib.epx_buffer_set_timeout(self._ptr(), float(seconds)))
+
+    def check(self) -> None:
+        """epx extension: waits for the current and the communication stream (low-latency hooks run on the
+        former), then raises any error a kernel of this buffer recorded (a timeout, or invalid input found on
+        the device, such as an out-of-range expert id)."""
+        ptr = self._ptr()
+        lib = _lib.lib()
+        for stream in (torch.cuda.current_stream(self._device), self._comm_stream):
+            lib.check(lib.epx_buffer_check(ptr, stream.cuda_stream))
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        raise NotImplementedError(
+            "epx.Buffer.get_local_buffer_tensor: the C ABI does not expose the address of the buffer's memory "
+            "(it would need an accessor such as epx_buffer_region(buffer, use_rdma, &ptr, &bytes))")
+
+    # ---- static helpers ---------------------------------------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """SMs the high-throughput kernels use by default (even: half send, half receive)."""
+        _checks.integer("new_num_sms", new_num_sms, 2)
+        if new_num_sms % 2 != 0:
+            raise ValueError(f"new_num_sms must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream, to pass as previous_event."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        config = Config.from_c(_lib.default_config("dispatch", num_ranks))
+        if Buffer.num_sms is not None:
+            config.num_sms = Buffer.num_sms
+        return config
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        config = Config.from_c(_lib.default_config("combine", num_ranks))
+        if Buffer.num_sms is not None:
+            config.num_sms = Buffer.num_sms
+        return config
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        return _lib.ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    # ---- internals shared by the operations ---------------------------------------------------------------------
+    def _scope(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> StreamScope:
+        """The first step of every operation that touches CUDA (argument checks come before it)."""
+        self._ptr()
+        return StreamScope(self._comm_stream, self._device, previous_event, async_finish, allocate_on_comm_stream)
+
+    def _empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self._device)
+
+    # ---- layout -------------------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """-> (num_tokens_per_rank [R] int32, None (no RDMA ranks inside one NVLink domain),
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
+        R = self.group_size
+        _checks.tensor("topk_idx", topk_idx, _INT64, (None, None), self._device)
+        T, K = topk_idx.shape
+        _checks.integer("topk_idx.shape[1] (num_topk)", K, 1, 32)
+        num_experts = _checks.integer("num_experts", num_experts, 1)
+        if num_experts % R != 0:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of the number of ranks ({R})")
+        async_finish = _checks.flag("async_finish", async_finish)
+        check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+
+        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        with scope.allocating():
+            num_tokens_per_rank = self._empty((R,), _INT32)
+            num_tokens_per_expert = self._empty((num_experts,), _INT32)
+            is_token_in_rank = self._empty((T, R), torch.bool)
+        args = _lib.LayoutArgs(topk_idx.data_ptr(), T, K, num_experts)
+        outs = _lib.LayoutOutputs(num_tokens_per_rank.data_ptr(), None, num_tokens_per_expert.data_ptr(),
+                                  is_token_in_rank.data_ptr())
+        lib = _lib.lib()
+        lib.check(lib.epx_get_dispatch_layout(self._ptr(), byref(args), byref(outs), scope.comm.cuda_stream))
+        event = scope.finish((topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
+
+    # ---- dispatch -----------------------------------------------------------------------------------------------
+    def _check_x(self, x):
+        """x: bf16 [T, H], or (e4m3 [T, H], scales [T, S] float32/int32). -> (data, scales, dtype code)."""
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise ValueError(f"an FP8 x is a tuple (data, scales), got {len(x)} elements")
+            data, scales = x
+            _checks.tensor("x[0]", data, torch.float8_e4m3fn, (None, None), self._device, aligned16=True)
+            T, H = data.shape
+            if H % 16 != 0:
+                raise ValueError(f"FP8 x needs hidden % 16 == 0 (rows of 16-byte vectors), got hidden {H}")
+            _checks.tensor("x[1] (scales)", scales, (torch.float32, torch.int32), (T, None), self._device)
+            if scales.shape[1] < 1:
+                raise ValueError("x[1] (scales) must have at least one column")
+            return data, scales, _lib.EPX_FP8_E4M3
+        _checks.tensor("x", x, torch.bfloat16, (None, None), self._device, aligned16=True)
+        if x.shape[1] % 8 != 0:
+            raise ValueError(f"bf16 x needs hidden % 8 == 0 (rows of 16-byte vectors), got hidden {x.shape[1]}")
+        return x, None, _lib.EPX_BF16
+
+    def _check_config(self, config, kind: str, handle: Optional[Handle] = None) -> _lib.Config:
+        """The C struct of the given config, or of the default one; with a handle, the default takes the
+        handle's num_sms (operations that reuse a dispatch's routing must use its channel count). Default
+        structs are cached: they are rebuilt only when the rank count or Buffer.num_sms changes."""
+        if config is None:
+            num_sms = 2 * handle[1].shape[1] if handle is not None else Buffer.num_sms
+            key = (kind, num_sms)
+            c_config = self._default_configs.get(key)
+            if c_config is None:
+                config = self.get_dispatch_config(self.group_size) if kind == "dispatch" else \
+                    self.get_combine_config(self.group_size)
+                if num_sms is not None:
+                    config.num_sms = num_sms
+                c_config = self._default_configs[key] = config.to_c()
+            return c_config
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be an epx.Config, got {type(config).__name__}")
+        if handle is not None:
+            _check_num_sms(config, handle, kind)
+        return config.to_c()
+
+    def _check_handle(self, handle) -> Tuple[Handle, _lib.DispatchHandle]:
+        """-> (handle, its C struct). The last handle checked is remembered (with a reference, so that its id
+        cannot be reused): combine and cached dispatch usually reuse one handle several times."""
+        cached = self._last_handle
+        if cached is not None and cached[0] is handle:
+            return cached
+        if not isinstance(handle, tuple) or len(handle) != 6:
+            raise TypeError("handle must be the 6-tuple returned by dispatch (rank_prefix_matrix, "
+                            "channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, "
+                            "send_head)")
+        R, d = self.group_size, self._device
+        rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, \
+            send_head = handle
+        _checks.tensor("handle[0] (rank_prefix_matrix)", rank_prefix_matrix, _INT32, (R, R), d)
+        _checks.tensor("handle[1] (channel_prefix_matrix)", channel_prefix_matrix, _INT32, (R, None), d)
+        C = channel_prefix_matrix.shape[1]
+        _checks.tensor("handle[2] (recv_channel_prefix_matrix)", recv_channel_prefix_matrix, _INT32, (R, C), d)
+        _checks.tensor("handle[3] (recv_src_idx)", recv_src_idx, _INT32, (None,), d)
+        _checks.tensor("handle[4] (is_token_in_rank)", is_token_in_rank, torch.bool, (None, R), d)
+        _checks.tensor("handle[5] (send_head)", send_head, _INT32, (is_token_in_rank.shape[0], R), d)
+        self._last_handle = (handle, self._handle_struct(handle))
+        return self._last_handle
+
+    @staticmethod
+    def _handle_struct(handle: Handle) -> _lib.DispatchHandle:
+        rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, \
+            send_head = handle
+        return _lib.DispatchHandle(rank_prefix_matrix.shape[0], channel_prefix_matrix.shape[1],
+                                   is_token_in_rank.shape[0], recv_src_idx.shape[0], rank_prefix_matrix.data_ptr(),
+                                   channel_prefix_matrix.data_ptr(), recv_channel_prefix_matrix.data_ptr(),
+                                   recv_src_idx.data_ptr(), is_token_in_rank.data_ptr(), send_head.data_ptr())
+
+    def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Sends each token to the ranks of its experts (SPEC section 2).
+
+        -> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event);
+        recv_x is a tensor, or (data, scales) for an FP8 x. With handle= (cached mode: same routing, new
+        data, no CPU sync) -> (recv_x, None, None, None, None, event). num_worst_tokens > 0: outputs of that
+        many rows (extra rows: recv_topk_idx -1), no CPU sync, and an empty per-expert list.
+        """
+        data, scales, dtype = self._check_x(x)
+        async_finish = _checks.flag("async_finish", async_finish)
+        check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        if handle is not None:
+            handle, h = self._check_handle(handle)
+            c_config = self._check_config(config, "dispatch", handle)
+            return self._cached_dispatch(data, scales, dtype, handle, h, c_config, previous_event, async_finish,
+                                         allocate_on_comm_stream)
+        c_config = self._check_config(config, "dispatch")
+
+        R, d = self.group_size, self._device
+        T, H = data.shape
+        if num_tokens_per_rdma_rank is not None:
+            raise ValueError("num_tokens_per_rdma_rank must be None: epx runs inside one NVLink domain")
+        if num_tokens_per_rank is None or is_token_in_rank is None:
+            raise ValueError("dispatch without a handle needs num_tokens_per_rank and is_token_in_rank "
+                             "(from get_dispatch_layout)")
+        _checks.tensor("num_tokens_per_rank", num_tokens_per_rank, _INT32, (R,), d)
+        _checks.tensor("is_token_in_rank", is_token_in_rank, torch.bool, (T, R), d)
+        _checks.optional_tensor("num_tokens_per_expert", num_tokens_per_expert, _INT32, (None,), d)
+        E = num_tokens_per_expert.shape[0] if num_tokens_per_expert is not None else 0
+        if num_tokens_per_expert is not None and (E == 0 or E % R != 0):
+            raise ValueError(f"num_tokens_per_expert has {E} experts: must be a positive multiple of {R} ranks")
+        K = 0
+        if topk_idx is not None:
+            _checks.tensor("topk_idx", topk_idx, _INT64, (T, None), d)
+            K = topk_idx.shape[1]
+            _checks.integer("topk_idx.shape[1] (num_topk)", K, 1, 32)
+            if num_tokens_per_expert is None:
+                raise ValueError("dispatch with topk_idx needs num_tokens_per_expert (its length is num_experts)")
+        if topk_weights is not None and topk_idx is None:
+            raise ValueError("topk_weights needs topk_idx")
+        _checks.optional_tensor("topk_weights", topk_weights, torch.float32, (T, K), d)
+        expert_alignment = _checks.integer("expert_alignment", expert_alignment, 1)
+        num_worst_tokens = _checks.integer("num_worst_tokens", num_worst_tokens, 0)
+
+        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        C = c_config.num_sms // 2
+        with scope.allocating():
+            rank_prefix_matrix = self._empty((R, R), _INT32)
+            channel_prefix_matrix = self._empty((R, C), _INT32)
+            recv_channel_prefix_matrix = self._empty((R, C), _INT32)
+            send_head = self._empty((T, R), _INT32)
+        args = _lib.DispatchArgs(
+            data.data_ptr(), dtype, T, H, scales.data_ptr() if scales is not None else None,
+            scales.shape[1] if scales is not None else 0,
+            topk_idx.data_ptr() if topk_idx is not None else None,
+            topk_weights.data_ptr() if topk_weights is not None else None, K, E,
+            num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr() if E else None,
+            is_token_in_rank.data_ptr(), expert_alignment, num_worst_tokens)
+        h = _lib.DispatchHandle(0, 0, 0, 0, rank_prefix_matrix.data_ptr(), channel_prefix_matrix.data_ptr(),
+                                recv_channel_prefix_matrix.data_ptr(), None, None, send_head.data_ptr())
+        counts = _lib.DispatchCounts()
+        lib, ptr, stream = _lib.lib(), self._ptr(), scope.comm.cuda_stream
+        lib.check(lib.epx_notify_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(counts), stream))
+        # The counts live in library memory that the next call reuses: copy them now.
+        per_expert = [counts.num_recv_tokens_per_expert[i] for i in range(counts.num_local_experts)]
+        N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
+
+        with scope.allocating():
+            recv_x = self._empty((N, H), data.dtype)
+            recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None
+            recv_topk_idx = self._empty((N, K), _INT64) if topk_idx is not None else None
+            recv_topk_weights = self._empty((N, K), torch.float32) if topk_weights is not None else None
+            recv_src_idx = self._empty((N,), _INT32)
+        h.recv_src_idx = recv_src_idx.data_ptr()
+        outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales), _ptr_or_none(recv_topk_idx),
+                                    _ptr_or_none(recv_topk_weights), N)
+        lib.check(lib.epx_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(outs), stream))
+
+        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+                  is_token_in_rank, send_head)
+        event = scope.finish((data, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
+                              recv_x, recv_scales, recv_topk_idx, recv_topk_weights) + handle)
+        recv = (recv_x, recv_scales) if scales is not None else recv_x
+        return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
+
+    def _cached_dispatch(self, data, scales, dtype, handle: Handle, h: _lib.DispatchHandle, c_config: _lib.Config,
+                         previous_event, async_finish, allocate_on_comm_stream):
+        T, H = data.shape
+        is_token_in_rank = handle[4]
+        if is_token_in_rank.shape[0] != T:
+            raise ValueError(f"x has {T} tokens but the handle was made for {is_token_in_rank.shape[0]}")
+        N = handle[3].shape[0]
+
+        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        with scope.allocating():
+            recv_x = self._empty((N, H), data.dtype)
+            recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None
+        args = _lib.DispatchArgs(data.data_ptr(), dtype, T, H, _ptr_or_none(scales),
+                                 scales.shape[1] if scales is not None else 0, None, None, 0, 0, None, None,
+                                 is_token_in_rank.data_ptr(), 1, 0)
+        outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales), None, None, N)
+        lib = _lib.lib()
+        lib.check(lib.epx_dispatch_cached(self._ptr(), byref(args), byref(c_config), byref(h), byref(outs),
+                                          scope.comm.cuda_stream))
+        event = scope.finish((data, scales, recv_x, recv_scales) + handle)
+        recv = (recv_x, recv_scales) if scales is not None else recv_x
+        return recv, None, None, None, None, event
+
+    # ---- combine ------------------------------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
+                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Sums each token's rows back on its source rank (SPEC section 3): float32 over the receiving ranks
+        in ascending order, plus the biases, rounded once to bf16.
+
+        -> (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event).
+        config: defaults to get_combine_config with the dispatch's num_sms (the handle's channel count);
+        a config with another num_sms is an error.
+        """
+        d = self._device
+        handle, h = self._check_handle(handle)
+        N = handle[3].shape[0]
+        T = handle[4].shape[0]
+        _checks.tensor("x", x, torch.bfloat16, (N, None), d, aligned16=True)
+        H = x.shape[1]
+        if H % 8 != 0:
+            raise ValueError(f"combine needs hidden % 8 == 0 (bf16 rows of 16-byte vectors), got {H}")
+        _checks.optional_tensor("topk_weights", topk_weights, torch.float32, (N, None), d)
+        K = topk_weights.shape[1] if topk_weights is not None else 0
+        if topk_weights is not None:
+            _checks.integer("topk_weights.shape[1] (num_topk)", K, 1, 32)
+        biases = _check_biases(bias, T, H, d)
+        c_config = self._check_config(config, "combine", handle)
+        async_finish = _checks.flag("async_finish", async_finish)
+        check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+
+        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        with scope.allocating():
+            combined_x = self._empty((T, H), torch.bfloat16)
+            combined_weights = self._empty((T, K), torch.float32) if topk_weights is not None else None
+        args = _lib.CombineArgs(x.data_ptr(), N, H, _ptr_or_none(topk_weights), K, _ptr_or_none(biases[0]),
+                                _ptr_or_none(biases[1]))
+        outs = _lib.CombineOutputs(combined_x.data_ptr(), _ptr_or_none(combined_weights))
+        lib = _lib.lib()
+        lib.check(lib.epx_combine(self._ptr(), byref(args), byref(c_config), byref(h), byref(outs),
+                                  scope.comm.cuda_stream))
+        event = scope.finish((x, topk_weights, biases[0], biases[1], combined_x, combined_weights) + handle)
+        return combined_x, combined_weights, event
+
+
+def _ptr_or_none(t: Optional[torch.Tensor]):
+    return t.data_ptr() if t is not None else None
+
+
+def _check_num_sms(config: Config, handle: Handle, op: str) -> None:
+    channels = handle[1].shape[1]
+    if config.num_sms != 2 * channels:
+        raise ValueError(f"{op}: config.num_sms ({config.num_sms}) must be the dispatch's ({2 * channels}: the "
+                         f"handle has {channels} channels)")
+
+
+def _check_biases(bias, T: int, H: int, device) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if bias is None:
+        return None, None
+    items = (bias,) if isinstance(bias, torch.Tensor) else bias
+    if not isinstance(items, (tuple, list)) or len(items) > 2:
+        raise TypeError("bias must be a tensor or a tuple of at most 2 tensors")
+    out = [None, None]
+    for i, b in enumerate(items):
+        out[i] = _checks.optional_tensor(f"bias[{i}]", b, torch.bfloat16, (T, H), device, aligned16=True)
+    return out[0], out[1]

@@ -1,0 +1,193 @@
+"""Host overhead per call of epx.Buffer's Python methods against direct ctypes calls of the same C functions.
+
+    python tests/python/overhead.py [--nproc 2] [--calls 200] [--json out.json]
+    torchrun --nproc-per-node 2 tests/python/overhead.py
+
+For cached dispatch, combine, low-latency dispatch and low-latency combine (small sizes, so that the GPU
+work is short), it times N back-to-back calls with perf_counter (host time per call: argument checks,
+stream choreography, output allocation and the C call) and with CUDA events on the current stream (time
+per call on the GPU, including what the stream waits for), once through the Python API and once calling
+the C function through ctypes with prebuilt argument structs and preallocated outputs. Every rank makes
+the same calls (they are collective); rank 0 prints the table. The best of several repetitions is kept.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from ctypes import byref, c_int
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    import epx
+except ImportError:  # a source checkout: the package is in python/
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+    import epx
+from epx import _lib  # noqa: E402
+
+TOKENS, HIDDEN, EXPERTS, TOPK, M = 128, 2048, 32, 4, 128
+
+
+def timed(fn, calls, reps):
+    """-> (best host microseconds per call, best GPU microseconds per call)."""
+    best_host = best_gpu = float("inf")
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        best_host = min(best_host, (t1 - t0) / calls * 1e6)
+        best_gpu = min(best_gpu, start.elapsed_time(end) / calls * 1e3)
+    return best_host, best_gpu
+
+
+def intranode(rank, world, calls, reps):
+    config = epx.Buffer.get_dispatch_config(world)
+    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=config.get_nvl_buffer_size_hint(HIDDEN * 2, world))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.rand(TOKENS, EXPERTS, generator=g).topk(TOPK, dim=1).indices.cuda()
+    w = torch.rand(TOKENS, TOPK, generator=g).cuda()
+    ntr, _, nte, itr, _ = buffer.get_dispatch_layout(idx, EXPERTS)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                                      num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
+    rows = {}
+
+    # Python API
+    rows["dispatch (cached)"] = [timed(lambda: buffer.dispatch(x, handle=handle), calls, reps)]
+    rows["combine"] = [timed(lambda: buffer.combine(recv_x, handle, topk_weights=recv_w), calls, reps)]
+
+    # Direct ctypes, on the communication stream, with everything prebuilt
+    lib, ptr, stream = epx.lib(), buffer._ptr(), buffer.get_comm_stream().cuda_stream
+    c_config = config.to_c()
+    h = epx.Buffer._handle_struct(handle)
+    out_x = torch.empty_like(recv_x)
+    d_args = _lib.DispatchArgs(x.data_ptr(), _lib.EPX_BF16, TOKENS, HIDDEN, None, 0, None, None, 0, 0, None, None,
+                               itr.data_ptr(), 1, 0)
+    d_outs = _lib.DispatchOutputs(out_x.data_ptr(), None, None, None, recv_x.shape[0])
+    combined = torch.empty_like(x)
+    combined_w = torch.empty_like(w)
+    c_args = _lib.CombineArgs(recv_x.data_ptr(), recv_x.shape[0], HIDDEN, recv_w.data_ptr(), TOPK, None, None)
+    c_outs = _lib.CombineOutputs(combined.data_ptr(), combined_w.data_ptr())
+    refs = [byref(v) for v in (d_args, c_config, h, d_outs, c_args, c_outs)]
+    dispatch_cached, combine = lib.epx_dispatch_cached, lib.epx_combine
+
+    def raw_dispatch():
+        if dispatch_cached(ptr, refs[0], refs[1], refs[2], refs[3], stream):
+            lib.check(1)
+
+    def raw_combine():
+        if combine(ptr, refs[4], refs[1], refs[2], refs[5], stream):
+            lib.check(1)
+
+    rows["dispatch (cached)"].append(timed(raw_dispatch, calls, reps))
+    rows["combine"].append(timed(raw_combine, calls, reps))
+    torch.cuda.synchronize()
+    buffer.destroy()
+    return rows
+
+
+def low_latency(rank, world, calls, reps):
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, HIDDEN, world, EXPERTS)
+    buffer = epx.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
+    buffer.clean_low_latency_buffer(M, HIDDEN, EXPERTS)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(M, HIDDEN, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.rand(M, EXPERTS, generator=g).topk(TOPK, dim=1).indices.cuda()
+    w = torch.rand(M, TOPK, generator=g).cuda()
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, M, EXPERTS, use_fp8=False)
+    y = recv_x.clone()
+    buffer.low_latency_combine(y, idx, w, handle)
+    rows = {}
+
+    # Python API: dispatch and combine alternate (the buffer sets must stay paired).
+    def py_pair():
+        rx, _, hd, _, _ = buffer.low_latency_dispatch(x, idx, M, EXPERTS, use_fp8=False)
+        buffer.low_latency_combine(y, idx, w, hd)
+
+    rows["low-latency dispatch + combine"] = [timed(py_pair, calls, reps)]
+
+    lib, ptr, stream = epx.lib(), buffer._ptr(), buffer.get_comm_stream().cuda_stream
+    L = EXPERTS // world
+    packed = torch.empty(L, world * M, HIDDEN, dtype=torch.bfloat16, device=x.device)
+    count = torch.empty(L, dtype=torch.int32, device=x.device)
+    src_info = torch.empty(L, world * M, dtype=torch.int32, device=x.device)
+    layout_range = torch.empty(L, world, dtype=torch.int64, device=x.device)
+    out = torch.empty_like(x)
+    d_args = _lib.LLDispatchArgs(x.data_ptr(), M, HIDDEN, idx.data_ptr(), TOPK, EXPERTS, M, 0, 0, 0, None)
+    d_outs = _lib.LLDispatchOutputs(packed.data_ptr(), None, count.data_ptr(), src_info.data_ptr(),
+                                    layout_range.data_ptr())
+    h = _lib.LLHandle()
+    c_args = _lib.LLCombineArgs(y.data_ptr(), 0, idx.data_ptr(), w.data_ptr())
+    buffer_set = c_int(0)
+    refs = [byref(v) for v in (d_args, d_outs, h, c_args, buffer_set)]
+    ll_dispatch, ll_combine, out_ptr = lib.epx_ll_dispatch, lib.epx_ll_combine, out.data_ptr()
+
+    def raw_pair():
+        if ll_dispatch(ptr, refs[0], refs[1], _lib.EPX_LL_BOTH, refs[2], stream):
+            lib.check(1)
+        if ll_combine(ptr, refs[3], refs[2], out_ptr, _lib.EPX_LL_BOTH, refs[4], stream):
+            lib.check(1)
+
+    rows["low-latency dispatch + combine"].append(timed(raw_pair, calls, reps))
+    torch.cuda.synchronize()
+    buffer.destroy()
+    return rows
+
+
+def worker(rank, world, calls, reps, json_path, store_dir):
+    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ.setdefault(k, v)
+    torch.cuda.set_device(rank if store_dir else int(os.environ.get("LOCAL_RANK", "0")))
+    if store_dir:
+        store = dist.FileStore(os.path.join(store_dir, "store"), world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    rows = intranode(rank, world, calls, reps)
+    rows.update(low_latency(rank, world, calls, reps))
+    if rank == 0:
+        print(f"{world} ranks, {calls} calls x {reps} repetitions (best), tokens {TOKENS}, hidden {HIDDEN}, "
+              f"experts {EXPERTS}, top-{TOPK}; microseconds per call")
+        print(f"{'operation':32} {'python host':>12} {'ctypes host':>12} {'overhead':>9} {'python gpu':>11} "
+              f"{'ctypes gpu':>11}")
+        for name, ((py_host, py_gpu), (raw_host, raw_gpu)) in rows.items():
+            print(f"{name:32} {py_host:12.1f} {raw_host:12.1f} {py_host - raw_host:9.1f} {py_gpu:11.1f} "
+                  f"{raw_gpu:11.1f}")
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({name: {"python_host_us": v[0][0], "python_gpu_us": v[0][1], "ctypes_host_us": v[1][0],
+                                  "ctypes_gpu_us": v[1][1]} for name, v in rows.items()}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    if "LOCAL_RANK" in os.environ:  # torchrun
+        worker(0, 0, args.calls, args.reps, args.json, "")
+        return
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as store_dir:
+        mp.spawn(worker, args=(args.nproc, args.calls, args.reps, args.json, store_dir), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The build backend (python/_build/epx_build.py) on a CPU: it packs the package and a libepx.so into a
+wheel whose RECORD is right, and the unpacked wheel imports and loads its own library. The CMake step is
+skipped by shipping the library the tests already use (EPX_PREBUILT_LIBRARY)."""
+
+import base64
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+
+import epx
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _backend():
+    spec = importlib.util.spec_from_file_location("epx_build", os.path.join(REPO, "python", "_build", "epx_build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wheel_contents_and_record(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPX_PREBUILT_LIBRARY", epx.lib().path)
+    backend = _backend()
+    assert backend.get_requires_for_build_wheel() == []
+    name = backend.build_wheel(str(tmp_path))
+    assert name.startswith("epx-") and name.endswith(".whl") and "-py3-none-" in name
+    with zipfile.ZipFile(tmp_path / name) as whl:
+        names = set(whl.namelist())
+        assert {"epx/__init__.py", "epx/_lib.py", "epx/buffer.py", "epx/lib/libepx.so"} <= names
+        dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/WHEEL"))
+        record = whl.read(f"{dist_info}/RECORD").decode().splitlines()
+        listed = {line.split(",")[0] for line in record}
+        assert listed == names
+        for line in record:
+            path, digest, size = line.split(",")
+            if path.endswith("RECORD"):
+                continue
+            data = whl.read(path)
+            assert size == str(len(data))
+            assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        metadata = whl.read(f"{dist_info}/METADATA").decode()
+        assert "Name: epx" in metadata and "Requires-Dist: torch" in metadata
+        wheel_meta = whl.read(f"{dist_info}/WHEEL").decode()
+        assert "Root-Is-Purelib: false" in wheel_meta
+        whl.extractall(tmp_path / "site")
+    # The unpacked wheel loads the library it ships (not $EPX_LIBRARY, not a build tree).
+    env = {k: v for k, v in os.environ.items() if k not in ("EPX_LIBRARY", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    out = subprocess.check_output([sys.executable, "-c", "import epx; print(epx.lib().path)"], env=env, text=True,
+                                  cwd=str(tmp_path))
+    assert out.strip() == str(tmp_path / "site" / "epx" / "lib" / "libepx.so")
+
+
+def test_editable_wheel_points_at_the_source_tree(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPX_PREBUILT_LIBRARY", epx.lib().path)
+    backend = _backend()
+    name = backend.build_editable(str(tmp_path))
+    with zipfile.ZipFile(tmp_path / name) as whl:
+        pth = whl.read("epx_editable.pth").decode().strip()
+    assert pth == os.path.join(REPO, "python")
