@@ -48,8 +48,7 @@ __device__ __forceinline__ void write_record(const DispatchParams& p, int t, int
     const float w = p.topk_weights != nullptr ? ld_nc(p.topk_weights + int64_t(t) * p.num_topk + lane) : 0.f;
     f.weight = __float_as_int(f.topk >= 0 ? w : 0.f);
   }
-  if (!(p.probe & 1))
-    warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{}, StoreNa{});
+  warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{}, StoreNa{});
   int32_t* dst_scales = reinterpret_cast<int32_t*>(slot + p.record.scale_offset);
 #pragma unroll
   for (int j = 0; j < kScaleWordsPerLane; ++j)
@@ -77,9 +76,8 @@ __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8
     f.topk = ld_cg(meta + 1 + lane);
     f.weight = ld_cg(meta + 1 + p.num_topk + lane);
   }
-  if (!(p.probe & 2))
-    warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, reinterpret_cast<const int4*>(slot), p.x_int4, lane,
-                       LoadCg{}, StoreNa{});
+  warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, reinterpret_cast<const int4*>(slot), p.x_int4, lane, LoadCg{},
+                     StoreNa{});
   int32_t* dst_scales = reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales;
 #pragma unroll
   for (int j = 0; j < kScaleWordsPerLane; ++j)

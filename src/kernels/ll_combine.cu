@@ -56,7 +56,9 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
   __syncthreads();
   const int total = s_first[L];
   const int warps = gridDim.x * kWarps;
-  for (int g = blockIdx.x * kWarps + warp; g < total; g += warps) {
+  const int parts = warps >= 4 * total ? 4 : (warps >= 2 * total ? 2 : 1);  // warps per row when rows are few
+  for (int w = blockIdx.x * kWarps + warp; w < total * parts; w += warps) {
+    const int g = w / parts, part = w % parts;
     int lo = 0, hi = L;  // largest i with s_first[i] <= g
     while (hi - lo > 1) {
       const int mid = (lo + hi) / 2;
@@ -77,10 +79,12 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
     __syncwarp();
     const int t = p.recv_src_info[int64_t(i) * rows_per_expert + n];
     int4* dst = reinterpret_cast<int4*>(p.layout.receive(p.regions[s], p.set)) + (int64_t(e) * M + t) * row_int4;
-    warp_copy<4>(dst, p.x + (int64_t(i) * rows_per_expert + n) * row_int4, row_int4, lane, LoadNc{}, StoreNa{});
+    const int first = row_int4 * part / parts, last = row_int4 * (part + 1) / parts;
+    warp_copy<4>(dst + first, p.x + (int64_t(i) * rows_per_expert + n) * row_int4 + first, last - first, lane,
+                 LoadNc{}, StoreNa{});
     __threadfence_system();  // this lane's part of the row is visible before the pair's flag
     __syncwarp();
-    if (lane == 0 && atomicAdd(&done[i * R + s], 1) + 1 == count) {
+    if (lane == 0 && atomicAdd(&done[i * R + s], 1) + 1 == count * parts) {
       done[i * R + s] = 0;
       __threadfence_system();
       st_release_sys(flag, 1);  // pairs with the receiver's wait_nonzero

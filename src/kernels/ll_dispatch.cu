@@ -3,8 +3,9 @@
 // Send phase: block b stages tokens b, b+G, ... in shared memory (quantized to FP8 if asked), then warp k
 // writes the token into the receive area of the rank that holds expert topk[t][k], at slot
 // (local expert, this rank, position of (t, k) among this rank's selections of that expert in (t, k) order):
-// rows arrive in token order with no atomics. Each write bumps a local per-expert counter; the warp that
-// owns expert e waits for the counter to reach e's selection count, then sends count + 1 to e's rank.
+// rows arrive in token order with no atomics (kWarps / K warps share a slot, each writing part of the record).
+// Each part bumps a local per-expert counter; the warp that owns expert e waits for all parts of its
+// selections, then sends count + 1 to e's rank.
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
 // rank ascending and copies them into the packed outputs (FP8 scales token-minor).
 #include <cuda_runtime.h>
@@ -96,12 +97,14 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
     __syncthreads();
-    if (warp < K) {
-      const int64_t e = p.topk_idx[int64_t(t) * K + warp];
-      if ((e < -1 || e >= p.num_experts) && lane == 0)  // skipped, never written: reported by Buffer::check()
-        report_input_error(p.env.self, p.env.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, warp, e);
+    // kWarps / K warps per top-k slot, each writing a contiguous part of the record.
+    const int parts = kWarps / K, k = warp / parts, part = warp % parts;
+    if (k < K) {
+      const int64_t e = p.topk_idx[int64_t(t) * K + k];
+      if ((e < -1 || e >= p.num_experts) && lane == 0 && part == 0)  // skipped, never written: Buffer::check()
+        report_input_error(p.env.self, p.env.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, k, e);
       if (e >= 0 && e < p.num_experts) {
-        const int slot = position_of(s_topk, t, warp, K, int(e), lane);
+        const int slot = position_of(s_topk, t, k, K, int(e), lane);
         const int dest = int(e / L), local = int(e % L);
         // Back-pressure: the slot's count is cleared by the receiver only after it copied the rows of the last
         // call on this set, so rows are never overwritten while a slow peer still reads them.
@@ -110,11 +113,12 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
                     WaitSite{kRoleLowLatencySend, -1, dest, e});
         __syncwarp();
         uint8_t* dst = p.layout.receive(p.regions[dest], p.set) + ((int64_t(local) * R + me) * M + slot) * rec.bytes;
-        warp_copy<2>(reinterpret_cast<int4*>(dst), reinterpret_cast<const int4*>(s_rec), int(rec.bytes / 16), lane,
-                     [](const int4* q) { return *q; }, StoreNa{});
+        const int n = int(rec.bytes / 16), first = n * part / parts, last = n * (part + 1) / parts;
+        warp_copy<2>(reinterpret_cast<int4*>(dst) + first, reinterpret_cast<const int4*>(s_rec) + first, last - first,
+                     lane, [](const int4* q) { return *q; }, StoreNa{});
         __threadfence_system();  // this lane's part of the record is visible before the count below
         __syncwarp();
-        if (lane == 0) atomicAdd(&sent[e], 1);  // read with acquire by e's count sender
+        if (lane == 0) atomicAdd(&sent[e], 1);  // one per part; read with acquire by e's count sender
       }
     }
     __syncthreads();  // the staged record is free again
@@ -125,8 +129,8 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
     const int expected = selections_of(s_topk, p.num_tokens * K, e, lane);
     if (lane == 0) {
-      if (expected > 0)
-        wait_at_least_i32(&sent[e], expected, p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
+      if (expected > 0)  // every part of every row
+        wait_at_least_i32(&sent[e], expected * (kWarps / K), p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
       sent[e] = 0;  // only this warp reads it; the next use of this set is two calls away
       int32_t* count = p.layout.dispatch_count(p.regions[e / L], p.set) + (e % L) * R + me;
       if (expected == 0)  // no row went there, so no token warp waited for the slot to be free

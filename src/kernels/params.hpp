@@ -86,10 +86,7 @@ struct DispatchParams {
   float* recv_topk_weights;
   int* recv_src_idx;
   int num_worst_tokens;    // > 0: pad rows [num_recv_tokens, num_worst_tokens)
-  int probe;               // TEMPORARY measurement probe (EPX_PROBE): 1 sender skips rows, 2 receiver skips rows
 };
-
-int probe_from_env();
 
 struct CombineParams {
   FailEnv env;

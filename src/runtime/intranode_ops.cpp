@@ -1,7 +1,6 @@
 // Host side of layout, notify, dispatch and combine inside one NVLink domain: validation, kernel parameters,
 // launches, and the bounded host wait for the counts.
 #include <cstdint>
-#include <cstdlib>
 
 #include "kernels/params.hpp"
 #include "runtime/buffer_impl.hpp"
@@ -43,14 +42,6 @@ void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Confi
 }
 
 }  // namespace
-
-int probe_from_env() {
-  static const int probe = [] {
-    const char* v = std::getenv("EPX_PROBE");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
-  return probe;
-}
 
 void Buffer::get_dispatch_layout(const LayoutArgs& a, const LayoutOutputs& o, cudaStream_t stream) {
   const char* op = "get_dispatch_layout";
@@ -180,7 +171,6 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   p.recv_topk_weights = o.recv_topk_weights;
   p.recv_src_idx = h.recv_src_idx;
   p.num_worst_tokens = a.num_worst_tokens;
-  p.probe = probe_from_env();
   launch_dispatch(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }
