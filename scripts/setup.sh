@@ -29,6 +29,12 @@ command -v nvcc >/dev/null 2>&1 || { echo "setup: nvcc (CUDA 13) not found: inst
 generator=()
 command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
 jobs=$(nproc 2>/dev/null || echo 2)
+# A build folder configured elsewhere (copied or moved here) cannot be reused: start it again.
+if [ -f "$BUILD_DIR/CMakeCache.txt" ] &&
+   ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$PWD" "$BUILD_DIR/CMakeCache.txt"; then
+  echo "setup: $BUILD_DIR was configured for another source folder; configuring it again"
+  rm -rf "$BUILD_DIR"
+fi
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null
 fi
