@@ -35,7 +35,14 @@ if [ -f "$BUILD_DIR/CMakeCache.txt" ] &&
   echo "setup: $BUILD_DIR was configured for another source folder; configuring it again"
   rm -rf "$BUILD_DIR"
 fi
+configure() { cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null; }
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
-  cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  configure
+  cmake --build "$BUILD_DIR" -j "$jobs"
+elif ! cmake --build "$BUILD_DIR" -j "$jobs"; then
+  # Configured on another machine (tools at other paths): configure again from scratch, once.
+  echo "setup: the existing $BUILD_DIR does not build here; configuring it again"
+  rm -rf "$BUILD_DIR"
+  configure
+  cmake --build "$BUILD_DIR" -j "$jobs"
 fi
-cmake --build "$BUILD_DIR" -j "$jobs"
