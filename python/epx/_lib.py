@@ -177,12 +177,25 @@ def candidate_paths() -> list:
     return paths
 
 
+def _load_mode() -> int:
+    """RTLD_DEEPBIND: libepx resolves its own dependencies (libstdc++, libgcc_s) before the process's globals.
+
+    Seen on the GPU machines (Ubuntu, GCC 13 build of libepx): with torch imported first, the first C++
+    exception thrown inside libepx (an argument error, caught inside libepx) crashed, because libepx bound the
+    unwinder to another copy already in the process. EPX_DEEPBIND=0 turns this off.
+    """
+    mode = ctypes.RTLD_LOCAL
+    if os.environ.get("EPX_DEEPBIND", "1") != "0":
+        mode |= getattr(os, "RTLD_DEEPBIND", 0)
+    return mode
+
+
 class Library:
     """The loaded libepx.so with typed functions as attributes, plus `check(status)`."""
 
     def __init__(self, path: str):
         self.path = path
-        self.dll = ctypes.CDLL(path)
+        self.dll = ctypes.CDLL(path, mode=_load_mode())
         for name, (restype, argtypes) in SIGNATURES.items():
             fn = getattr(self.dll, name)  # AttributeError names a symbol this build lacks
             fn.restype = restype
