@@ -82,11 +82,11 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
     const int first = row_int4 * part / parts, last = row_int4 * (part + 1) / parts;
     warp_copy<4>(dst + first, p.x + (int64_t(i) * rows_per_expert + n) * row_int4 + first, last - first, lane,
                  LoadNc{}, StoreNa{});
-    __threadfence_system();  // this lane's part of the row is visible before the pair's flag
-    __syncwarp();
-    if (lane == 0 && atomicAdd(&done[i * R + s], 1) + 1 == count * parts) {
+    __syncwarp();  // every lane's part is written before lane 0's release below
+    // acq_rel: releases this warp's part and, for the last one, acquires every other part of the pair, so the
+    // flag's st_release_sys publishes all of them (release is cumulative).
+    if (lane == 0 && atomic_add_acq_rel_gpu(&done[i * R + s], 1) + 1 == count * parts) {
       done[i * R + s] = 0;
-      __threadfence_system();
       st_release_sys(flag, 1);  // pairs with the receiver's wait_nonzero
     }
   }

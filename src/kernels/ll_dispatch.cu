@@ -116,9 +116,9 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
         const int n = int(rec.bytes / 16), first = n * part / parts, last = n * (part + 1) / parts;
         warp_copy<2>(reinterpret_cast<int4*>(dst) + first, reinterpret_cast<const int4*>(s_rec) + first, last - first,
                      lane, [](const int4* q) { return *q; }, StoreNa{});
-        __threadfence_system();  // this lane's part of the record is visible before the count below
-        __syncwarp();
-        if (lane == 0) atomicAdd(&sent[e], 1);  // one per part; read with acquire by e's count sender
+        __syncwarp();  // every lane's part is written before lane 0's release below
+        // One per part; the count sender acquires it, then its st_release_sys publishes these rows too.
+        if (lane == 0) atomic_add_release_gpu(&sent[e], 1);
       }
     }
     __syncthreads();  // the staged record is free again

@@ -1,4 +1,5 @@
 #include "gen.hpp"
+#include "gen_rows.hpp"
 
 #include <cmath>
 
@@ -6,19 +7,9 @@
 
 namespace epx::harness {
 
-uint64_t mix(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
-  uint64_t x = a * 0x9e3779b97f4a7c15ull ^ (b + 0x632be59bd9b4e019ull) * 0xbf58476d1ce4e5b9ull;
-  x ^= (c + 0x94d049bb133111ebull) * 0xd6e8feb86659fd93ull;
-  x ^= (d + 0x2545f4914f6cdd1dull) * 0x9e3779b97f4a7c15ull;
-  x ^= x >> 31;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 33;
-  return x;
-}
+uint64_t mix(uint64_t a, uint64_t b, uint64_t c, uint64_t d) { return rows::mix(a, b, c, d); }
 
-double unit(uint64_t h) { return double(h >> 11) * (1.0 / 9007199254740992.0); }
+double unit(uint64_t h) { return rows::unit(h); }
 
 void make_topk(const RoutingSpec& s, int rank, int num_ranks, int num_tokens, std::vector<int64_t>& idx,
                std::vector<float>& weights) {
@@ -58,25 +49,18 @@ void make_topk(const RoutingSpec& s, int rank, int num_ranks, int num_tokens, st
 }
 
 void fill_bf16_row(uint64_t seed, int rank, int token, int hidden, uint16_t* row) {
-  const uint64_t base = mix(seed, rank, token);
-  for (int h = 0; h < hidden; ++h) {
-    const uint64_t v = mix(base, h);
-    row[h] = ref::float_to_bf16(float(int64_t(v % 4096) - 2048) / 256.f + float((v >> 20) % 256) / 65536.f);
-  }
+  const uint64_t base = rows::bf16_row_base(seed, rank, token);
+  for (int h = 0; h < hidden; ++h) row[h] = rows::bf16_element(base, h);
 }
 
 void fill_fp8_row(uint64_t seed, int rank, int token, int hidden, uint8_t* row) {
-  const uint64_t base = mix(seed, rank, token, 0xf8);
-  for (int h = 0; h < hidden; ++h) {
-    uint8_t b = uint8_t(mix(base, h));
-    if ((b & 0x7f) == 0x7f) b &= 0xfe;  // no NaN
-    row[h] = b;
-  }
+  const uint64_t base = rows::fp8_row_base(seed, rank, token);
+  for (int h = 0; h < hidden; ++h) row[h] = rows::fp8_element(base, h);
 }
 
 void fill_scales(uint64_t seed, int rank, int token, int num_scales, float* scales) {
-  const uint64_t base = mix(seed, rank, token, 0x5c);
-  for (int i = 0; i < num_scales; ++i) scales[i] = 0.001f + float(unit(mix(base, i)));
+  const uint64_t base = rows::scale_row_base(seed, rank, token);
+  for (int i = 0; i < num_scales; ++i) scales[i] = rows::scale_element(base, i);
 }
 
 float weight_value(uint64_t seed, int a, int b, int c) { return float(unit(mix(seed, a, b, c))) + 0.01f; }

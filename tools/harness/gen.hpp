@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+typedef struct CUstream_st* cudaStream_t;
+
 namespace epx::harness {
 
 uint64_t mix(uint64_t a, uint64_t b = 0, uint64_t c = 0, uint64_t d = 0);
@@ -35,5 +37,12 @@ void fill_bf16_row(uint64_t seed, int rank, int token, int hidden, uint16_t* row
 void fill_fp8_row(uint64_t seed, int rank, int token, int hidden, uint8_t* row);
 void fill_scales(uint64_t seed, int rank, int token, int num_scales, float* scales);
 float weight_value(uint64_t seed, int a, int b, int c);
+
+// The same rows written by a kernel on `stream` (gen_device.cu), token t of `rank` at row t. Timed loops refresh
+// their inputs this way: generating them on the host leaves the GPU idle for ~100 ms, after which the next
+// dispatch was measured ~330 us slower on H200 (a cold start that back-to-back use never pays).
+void fill_bf16_rows_device(uint64_t seed, int rank, int num_tokens, int hidden, uint16_t* rows, cudaStream_t stream);
+void fill_fp8_rows_device(uint64_t seed, int rank, int num_tokens, int hidden, uint8_t* rows, cudaStream_t stream);
+void fill_scales_device(uint64_t seed, int rank, int num_tokens, int num_scales, float* scales, cudaStream_t stream);
 
 }  // namespace epx::harness

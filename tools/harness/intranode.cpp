@@ -121,19 +121,15 @@ int IntranodeSession::worst_tokens() const {
 void IntranodeSession::set_x(uint64_t seed) {
   x_seed_ = seed;
   const int T = num_tokens_, H = c_.hidden;
-  std::vector<uint8_t> x(size_t(T) * row_bytes());
-  for (int t = 0; t < T; ++t) {
-    uint8_t* row = x.data() + size_t(t) * row_bytes();
-    if (c_.dtype == EPX_FP8_E4M3)
-      fill_fp8_row(seed, rank_, t, H, row);
-    else
-      fill_bf16_row(seed, rank_, t, H, reinterpret_cast<uint16_t*>(row));
-  }
-  x_.upload(x, stream_);
+  // Generated on the device (same bits as expected_x_row): no host round trip that would idle the GPU.
+  x_.resize(size_t(T) * row_bytes());
+  if (c_.dtype == EPX_FP8_E4M3)
+    fill_fp8_rows_device(seed, rank_, T, H, reinterpret_cast<uint8_t*>(x_.get()), stream_);
+  else
+    fill_bf16_rows_device(seed, rank_, T, H, reinterpret_cast<uint16_t*>(x_.get()), stream_);
   if (num_scales() > 0) {
-    std::vector<float> scales(size_t(T) * num_scales());
-    for (int t = 0; t < T; ++t) fill_scales(seed, rank_, t, num_scales(), scales.data() + size_t(t) * num_scales());
-    x_scales_.upload(scales, stream_);
+    x_scales_.resize(size_t(T) * num_scales());
+    fill_scales_device(seed, rank_, T, num_scales(), x_scales_.get(), stream_);
   }
   cuda_check(cudaStreamSynchronize(stream_), "set_x");
 }
