@@ -56,11 +56,11 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
     named_barrier(g.barrier_id, g.threads);
     for (int i = g.warp; i < n; i += g.warps) {
       uint8_t* slot = p.ring.slot(dst, channel, me, tail + i);
+      // The weight is loaded before the row so that its latency hides behind the copy.
+      const float w = lane < p.num_topk ? ld_nc(p.topk_weights + int64_t(row + i) * p.num_topk + lane) : 0.f;
       warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row + i) * p.x_int4, p.x_int4, lane,
                              LoadNc{}, StoreNa{});
-      if (lane < p.num_topk)  // rows exist here, so topk_weights is not null
-        reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] =
-            p.topk_weights[int64_t(row + i) * p.num_topk + lane];
+      if (lane < p.num_topk) reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] = w;
     }
     named_barrier(g.barrier_id, g.threads);  // every record of the chunk is written
     tail += n;
@@ -69,21 +69,23 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
   }
 }
 
-// Sums the rows of token t from every rank in `valid` (ascending), then the biases; one rounding. Each lane
-// handles kVectors 16-byte positions per step, so kVectors * (ranks) loads are in flight.
-template <int kVectors>
-__device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const int4* const (&rows)[kMaxNvlRanks],
+// Sums the rows of token t from every rank in `valid` (ascending), then the biases; one rounding. kRanks is
+// the rank count rounded up to 2, 4 or 8 (register arrays are sized by it); each lane handles kVectors 16-byte
+// positions per step, so up to kVectors * kRanks loads are in flight and a row takes x_int4 / (32 * kVectors)
+// dependent steps.
+template <int kRanks, int kVectors>
+__device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const int4* const (&rows)[kRanks],
                                            uint32_t valid, int lane) {
   const int n = p.x_int4;
   int4* out = p.combined_x + int64_t(t) * n;
   const int4* b0 = p.bias0 != nullptr ? p.bias0 + int64_t(t) * n : nullptr;
   const int4* b1 = p.bias1 != nullptr ? p.bias1 + int64_t(t) * n : nullptr;
   for (int base = lane; base < n; base += 32 * kVectors) {
-    int4 v[kVectors][kMaxNvlRanks];
+    int4 v[kVectors][kRanks];
 #pragma unroll
     for (int u = 0; u < kVectors; ++u)
 #pragma unroll
-      for (int j = 0; j < kMaxNvlRanks; ++j)
+      for (int j = 0; j < kRanks; ++j)
         if (((valid >> j) & 1u) && base + 32 * u < n) v[u][j] = ld_cg(rows[j] + base + 32 * u);
 #pragma unroll
     for (int u = 0; u < kVectors; ++u) {
@@ -91,7 +93,7 @@ __device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const 
       if (i >= n) break;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int j = 0; j < kMaxNvlRanks; ++j)
+      for (int j = 0; j < kRanks; ++j)
         if ((valid >> j) & 1u) add_bf16x8(acc, v[u][j]);
       if (b0 != nullptr) add_bf16x8(acc, ld_nc(b0 + i));
       if (b1 != nullptr) add_bf16x8(acc, ld_nc(b1 + i));
@@ -100,7 +102,7 @@ __device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const 
   }
 }
 
-template <int kUnroll>
+template <int kRanks>
 __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks;
   NvlControl* self = p.env.self;
@@ -119,18 +121,18 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
     }
     __syncwarp();
     const uint32_t valid = __ballot_sync(kFullMask, pos >= 0);
-    const int4* rows[kMaxNvlRanks];
+    const int4* rows[kRanks];
 #pragma unroll
-    for (int j = 0; j < kMaxNvlRanks; ++j) {
+    for (int j = 0; j < kRanks; ++j) {
       const int pj = __shfl_sync(kFullMask, pos, j);
       const uint64_t bj = __shfl_sync(kFullMask, base, j);
       rows[j] = ((valid >> j) & 1u) ? reinterpret_cast<const int4*>(p.ring.slot(self, channel, j, bj + pj)) : nullptr;
     }
-    reduce_row<kUnroll / 4>(p, t, rows, valid, lane);
+    reduce_row<kRanks, 8 / kRanks>(p, t, rows, valid, lane);
     if (p.combined_topk_weights != nullptr && lane < p.num_topk) {
       float acc = 0.f;
 #pragma unroll
-      for (int j = 0; j < kMaxNvlRanks; ++j)
+      for (int j = 0; j < kRanks; ++j)
         if ((valid >> j) & 1u) {
           const float* w = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[j]) + p.record.weight_offset);
           acc += __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(w) + lane));
@@ -168,7 +170,7 @@ __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s
   }
 }
 
-template <int kUnroll>
+template <int kUnroll, int kRanks>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams p) {
   __shared__ int s_need[kReducerWarps][kMaxNvlRanks];
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
@@ -181,7 +183,7 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams 
   if (warp < kReducerWarps && lane < kMaxNvlRanks) s_need[warp][lane] = 0;
   __syncthreads();
   if (warp < kReducerWarps)
-    combine_reducer<kUnroll>(p, channel, s_need);
+    combine_reducer<kRanks>(p, channel, s_need);
   else
     combine_coordinator(p, channel, s_need);
 }
@@ -189,7 +191,13 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams 
 }  // namespace
 
 void launch_combine(const CombineParams& p, cudaStream_t stream) {
-  combine_kernel<kCopyUnroll><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  const int blocks = p.num_channels * 2;
+  if (p.num_ranks <= 2)
+    combine_kernel<kCopyUnroll, 2><<<blocks, kDataThreads, 0, stream>>>(p);
+  else if (p.num_ranks <= 4)
+    combine_kernel<kCopyUnroll, 4><<<blocks, kDataThreads, 0, stream>>>(p);
+  else
+    combine_kernel<kCopyUnroll, 8><<<blocks, kDataThreads, 0, stream>>>(p);
 }
 
 }  // namespace epx
