@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import operator
 import os
 import shutil
 import subprocess
@@ -80,11 +81,15 @@ class FakeEvent:
 
     def record(self, stream=None) -> None:
         self.cuda.calls += 1
+        if not self.cuda.ordering:
+            return
         stream = stream if stream is not None else self.cuda.current
         self.clock, self.recorded_on = dict(stream.clock), stream
 
     def wait(self, stream=None) -> None:
         self.cuda.calls += 1
+        if not self.cuda.ordering:
+            return
         stream = stream if stream is not None else self.cuda.current
         assert self.clock is not None, "waiting for an event that was never recorded"
         for name, n in self.clock.items():
@@ -94,9 +99,11 @@ class FakeEvent:
 
 class FakeCuda:
     """Installs the fakes (a context manager); `compute` is the current stream unless changed with
-    torch.cuda.stream(...)."""
+    torch.cuda.stream(...). ordering=False skips the vector clocks (for timing: the fakes then cost little
+    more than the Python calls that reach them)."""
 
-    def __init__(self):
+    def __init__(self, ordering: bool = True):
+        self.ordering = ordering
         self.calls = 0            # torch.cuda stream/event calls made by the code under test
         self.seq = 0              # ops enqueued so far, on every stream (the host's order)
         self.events_created = 0
@@ -174,6 +181,21 @@ class FakeCuda:
 
     def __exit__(self, *exc):
         self._stack.close()
+
+    @contextlib.contextmanager
+    def builtin_noops(self):
+        """For timing: the raw entry points of epx._streams become C builtins that do nothing (an event's
+        record and wait: operator.is_; the current stream: dict.get), so that they cost what a call of
+        torch's C functions costs in Python, without its CUDA work, and no Python frame of a fake. The
+        current stream must not change meanwhile, and nothing is counted or ordered."""
+        import epx._streams as streams
+        with contextlib.ExitStack() as s:
+            for name, value in (("_raw_current_stream", {0: self.current.cuda_stream}.get),
+                                ("_current_stream", {0: self.current}.get),
+                                ("_event_record", operator.is_), ("_event_wait", operator.is_)):
+                if hasattr(streams, name):
+                    s.enter_context(_patch(streams, name, value))
+            yield
 
 
 @contextlib.contextmanager

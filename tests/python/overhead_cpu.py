@@ -4,12 +4,14 @@ out, so that a change to the Python layer can be timed on any machine.
     python tests/python/overhead_cpu.py [--calls 2000] [--reps 7] [--json out.json]
 
 The library is tests/python/stub_epx.c (every C function returns at once) and torch's streams and events are
-fakes (_fake_cuda.py) that cost next to nothing, so what is left is the Python layer's own work: argument
-checks, ctypes structs, torch allocations (on the CPU here), stream bookkeeping. Each method is timed
-against a direct ctypes call of the same stub function with prebuilt structs, as overhead.py does on GPUs.
-The torch.cuda column counts the stream and event calls one method call makes: each is cheap here but
-costs about a microsecond or more on a GPU machine, so fewer of them is part of the saving this table
-does not show in microseconds.
+fakes (_fake_cuda.py) that do no CUDA work, so what is left is the Python layer's own work: argument checks,
+ctypes structs, torch allocations (on the CPU here), stream bookkeeping. Each method is timed against a
+direct ctypes call of the same stub function with prebuilt structs, as overhead.py does on GPUs. Where the
+code calls torch's Python wrappers (torch.cuda.current_stream, Stream.wait_stream, Event(), ...) the fakes
+are Python functions too; where it calls torch's C entry points directly (epx._streams) they are C builtins
+that do nothing (FakeCuda.builtin_noops). The torch.cuda column counts the stream and event calls one
+method call makes: on a GPU machine each also does CUDA work (a microsecond or so, with its GIL release),
+which this table does not show.
 """
 
 import argparse
@@ -57,7 +59,7 @@ def cuda_calls(cuda, fn):
 
 def measure(calls, reps):
     rows = {}
-    with FakeCuda() as cuda, stub_library() as lib:
+    with FakeCuda(ordering=False) as cuda, stub_library() as lib:
         # ---- high-throughput ----------------------------------------------------------------------------------
         buf = fake_buffer(cuda, WORLD)
         g = torch.Generator().manual_seed(0)
@@ -155,8 +157,9 @@ def measure(calls, reps):
         results = {}
         for name, (py, raw) in rows.items():
             n_calls, n_events = cuda_calls(cuda, py)
-            results[name] = {"python_us": timed(py, calls, reps), "ctypes_us": timed(raw, calls, reps),
-                             "torch_cuda_calls": n_calls, "events_created": n_events}
+            with cuda.builtin_noops():
+                results[name] = {"python_us": timed(py, calls, reps), "ctypes_us": timed(raw, calls, reps),
+                                 "torch_cuda_calls": n_calls, "events_created": n_events}
             results[name]["overhead_us"] = results[name]["python_us"] - results[name]["ctypes_us"]
     return results
 

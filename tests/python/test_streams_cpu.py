@@ -265,3 +265,36 @@ def test_cpu_overhead_harness_runs():
         pytest.skip(str(e))
     assert set(results) >= {"dispatch (cached)", "combine", "low-latency dispatch", "low-latency combine"}
     assert all(r["python_us"] > 0 and r["ctypes_us"] > 0 for r in results.values())
+
+
+def test_low_latency_hooks_keep_their_own_arguments(env):
+    """Calls without a hook reuse one set of argument structs; a hook's receive phase runs later and must
+    still see its own call's pointers, even after other calls (double buffering: dispatch i+1 is sent
+    before combine i is received)."""
+    cuda, new_buffer = env
+    buf = new_buffer()
+    from epx import _lib
+    seen = []
+    library = _lib.lib()
+    for name in ("epx_ll_dispatch", "epx_ll_combine"):
+        inner = getattr(library, name)
+
+        def spy(*args, _inner=inner, _name=name):
+            phases = args[3] if _name == "epx_ll_dispatch" else args[4]
+            seen.append((_name, phases, args[1]._obj.x))
+            return _inner(*args)
+        setattr(library, name, spy)
+    x1, idx, w = inputs()
+    x2 = x1.clone()
+    r1 = buf.low_latency_dispatch(x1, idx, M, E, use_fp8=False, return_recv_hook=True)
+    r2 = buf.low_latency_dispatch(x2, idx, M, E, use_fp8=False, return_recv_hook=True)
+    buf.low_latency_dispatch(x2, idx, M, E, use_fp8=False)  # a call without a hook in between
+    y1, y2 = r1[0].clone(), r2[0].clone()
+    c1 = buf.low_latency_combine(y1, idx, w, r1[2], return_recv_hook=True)
+    buf.low_latency_combine(y2, idx, w, r2[2])
+    seen.clear()
+    r1[4]()
+    r2[4]()
+    c1[2]()
+    assert seen == [("epx_ll_dispatch", 2, x1.data_ptr()), ("epx_ll_dispatch", 2, x2.data_ptr()),
+                    ("epx_ll_combine", 2, y1.data_ptr())]
