@@ -24,6 +24,11 @@ epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, 
 }
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) { (void)buffer, (void)seconds; return EPX_OK; }
 epx_status epx_buffer_check(epx_buffer* buffer, void* stream) { (void)buffer, (void)stream; return EPX_OK; }
+epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t* bytes) {
+  (void)buffer, (void)which;
+  *ptr = 0, *bytes = 0;
+  return EPX_OK;
+}
 
 epx_status epx_default_dispatch_config(int num_ranks, epx_config* out) {
   (void)num_ranks;
