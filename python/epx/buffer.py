@@ -23,10 +23,11 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _checks, _lib
+from ._memory import Views, itemsize
 from ._streams import Streams, check_stream_flags
 from .bootstrap import AllGather, from_mpi_comm, from_torch_group
 from .config import Config
-from .errors import FailedStateError, error_for
+from .errors import FailedStateError, InternalError, error_for
 from .event import EventOverlap
 from .low_latency import LowLatencyMixin
 
@@ -150,6 +151,7 @@ class Buffer(LowLatencyMixin):
         self._configs = {}          # (num_sms, send, recv) of a Config passed in -> its epx_config
         self._last_handle = None    # _HandleCache of the last handle checked
         self._ll_structs = None     # low-latency argument structs of the last shapes (low_latency.py)
+        self._views = Views()       # tensors handed out over this buffer's memory
         # Zero-size tensors whose new_empty allocates outputs of their dtype on the device.
         self._protos = {dtype: torch.empty(0, dtype=dtype, device=device) for dtype in _OUTPUT_DTYPES}
 
@@ -178,6 +180,7 @@ class Buffer(LowLatencyMixin):
             return
         if self._finalizer is not None:
             self._finalizer.detach()
+        self._views.warn_if_alive("epx.Buffer.destroy")
         try:
             self._native.destroy()
         finally:
@@ -210,9 +213,43 @@ class Buffer(LowLatencyMixin):
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise NotImplementedError(
-            "epx.Buffer.get_local_buffer_tensor: the C ABI does not expose the address of the buffer's memory "
-            "(it would need an accessor such as epx_buffer_region(buffer, use_rdma, &ptr, &bytes))")
+        """A tensor over this rank's part of the buffer's memory, without a copy: the NVLink ring area
+        (num_nvl_bytes), or with use_rdma_buffer=True the low-latency area (num_rdma_bytes), from byte
+        `offset`, of `dtype`. size: its shape (a torch.Size, a tuple of ints, or an int); by default the rest
+        of the area as a 1-D tensor. offset must be a multiple of the dtype's size, and the tensor must fit.
+
+        The memory is the library's working space: the operations of that area's mode (dispatch and combine
+        for the NVLink area, the low-latency calls for the other) overwrite it, so what is put there lasts
+        until the next one. The tensor keeps the Buffer from being garbage-collected; destroy() frees the
+        memory regardless (it is collective) and warns if such a tensor is still alive: do not use it after.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        offset = _checks.integer("offset", offset, 0)
+        use_rdma_buffer = _checks.flag("use_rdma_buffer", use_rdma_buffer)
+        shape = _shape_of(size)
+        item = itemsize(dtype)
+        which, area, name = (_lib.EPX_REGION_RDMA, "low-latency (RDMA) buffer", "num_rdma_bytes") if use_rdma_buffer \
+            else (_lib.EPX_REGION_NVL, "NVLink buffer", "num_nvl_bytes")
+        total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        if total == 0:
+            raise ValueError(f"get_local_buffer_tensor: this Buffer has no {area} (it was created with {name}=0)")
+        if offset % item != 0:
+            raise ValueError(f"get_local_buffer_tensor: offset {offset} is not a multiple of the size of {dtype} "
+                             f"({item} bytes)")
+        if offset > total:
+            raise ValueError(f"get_local_buffer_tensor: offset {offset} is past the end of the {area} ({total} bytes)")
+        fit = (total - offset) // item
+        numel = fit if shape is None else _numel(shape)
+        if numel > fit:
+            raise ValueError(f"get_local_buffer_tensor: size {list(shape)} of {dtype} needs {numel * item} bytes from "
+                             f"offset {offset}, but the {area} has {total - offset} from there ({total} in all)")
+
+        ptr, nbytes = _lib.buffer_region(self._ptr(), which)
+        if nbytes != total:
+            raise InternalError(f"get_local_buffer_tensor: the library reports {nbytes} bytes for the {area}, "
+                                f"the Buffer was created with {total}", 8)
+        return self._views.tensor(ptr + offset if numel else 0, numel * item, dtype, shape, self._device, self)
 
     # ---- static helpers ---------------------------------------------------------------------------------------
     @staticmethod
@@ -573,6 +610,23 @@ class Buffer(LowLatencyMixin):
 
 def _ptr_or_none(t: Optional[torch.Tensor]):
     return t.data_ptr() if t is not None else None
+
+
+def _shape_of(size) -> Optional[Tuple[int, ...]]:
+    """get_local_buffer_tensor's size: None, an int, or a sequence of ints >= 0 (a torch.Size is one)."""
+    if size is None:
+        return None
+    dims = (size,) if isinstance(size, int) and not isinstance(size, bool) else size
+    if not isinstance(dims, (tuple, list, torch.Size)):
+        raise TypeError(f"size must be a torch.Size, a tuple of ints or an int, got {type(size).__name__}")
+    return tuple(_checks.integer(f"size[{i}]", d, 0) for i, d in enumerate(dims))
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _check_num_sms(config: Config, channels: int, op: str) -> None:

@@ -43,17 +43,6 @@ class _RecvHook:
         _lib.lib().check(self._launch())
 
 
-class _DeviceMemory:
-    """Exposes library-owned device memory through __cuda_array_interface__ so that torch.as_tensor can
-    wrap it without a copy. The resulting tensor references this object, which references the owner
-    (the Buffer), so the memory outlives every view of it. bf16 has no typestr: it is exposed as int16."""
-
-    def __init__(self, ptr: int, shape: Tuple[int, ...], owner):
-        self._owner = owner
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i2", "data": (ptr, False), "strides": None,
-                                         "version": 2}
-
-
 class LowLatencyMixin:
     # ---- checks ---------------------------------------------------------------------------------------------
     def _ll_check_shape(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Tuple[int, int]:
@@ -100,7 +89,8 @@ class LowLatencyMixin:
         lib.check(lib.epx_ll_next_combine_buffer(ptr, byref(h), byref(out)))
         L = h.num_experts // self.group_size
         shape = (L, self.group_size * h.num_max_dispatch_tokens_per_rank, h.hidden)
-        return torch.as_tensor(_DeviceMemory(out.value, shape, self), device=self._device).view(torch.bfloat16)
+        return self._views.tensor(out.value, shape[0] * shape[1] * shape[2] * 2, torch.bfloat16, shape, self._device,
+                                  self)
 
     # ---- dispatch ---------------------------------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
