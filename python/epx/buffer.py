@@ -8,7 +8,8 @@ The hot paths (cached dispatch, combine, and the low-latency calls) are written 
 struct, its default configs and the argument structs of its last shapes are kept (only pointers change
 from call to call), outputs are allocated with new_empty from per-dtype prototypes (cheaper to parse than
 torch.empty's keywords), and async-only work is skipped on synchronous calls. Every check still runs on
-every call.
+every call. Reusing structs is safe because a C call reads them only while it runs, and the calls of one
+Buffer never overlap (they are collective, so every rank must issue them in one order).
 """
 
 from __future__ import annotations

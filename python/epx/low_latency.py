@@ -23,6 +23,9 @@ _UE8M0_PER_WORD = 4   # UE8M0 exponents packed per int32
 _MAX_TOKENS = 4096    # largest num_max_dispatch_tokens_per_rank (kLowLatencyMaxTokens)
 _MAX_EXPERTS = 1024   # largest num_experts (kLowLatencyMaxExperts)
 _MAX_TOPK = 32
+# Names of the hot paths, looked up once (each torch.X or _lib.X costs an attribute lookup per use).
+_BF16, _FP8, _FP32, _INT32, _INT64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
+_SEND, _RECV, _BOTH = _lib.EPX_LL_SEND, _lib.EPX_LL_RECV, _lib.EPX_LL_BOTH
 
 
 def _noop() -> None:
@@ -107,17 +110,17 @@ class LowLatencyMixin:
         dispatch_wait_recv_cost_stats is accepted and ignored (epx keeps no per-rank wait statistics).
         """
         R, d = self.group_size, self._device
-        _checks.tensor("x", x, torch.bfloat16, (None, None), d, aligned16=True)
+        _checks.tensor("x", x, _BF16, (None, None), d, aligned16=True)
         T, H = x.shape
         M, num_experts = self._ll_check_shape(num_max_dispatch_tokens_per_rank, H, num_experts)
         if T > M:
             raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank ({M})")
-        _checks.tensor("topk_idx", topk_idx, torch.int64, (T, None), d)
+        _checks.tensor("topk_idx", topk_idx, _INT64, (T, None), d)
         K = _checks.integer("topk_idx.shape[1] (num_topk)", topk_idx.shape[1], 1, _MAX_TOPK)
         L = num_experts // R
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
-            _checks.tensor("cumulative_local_expert_recv_stats", stats, torch.int32, (L,), d)
+            _checks.tensor("cumulative_local_expert_recv_stats", stats, _INT32, (L,), d)
         use_fp8 = _checks.flag("use_fp8", use_fp8)
         round_scale = _checks.flag("round_scale", round_scale)
         use_ue8m0 = _checks.flag("use_ue8m0", use_ue8m0)
@@ -134,16 +137,16 @@ class LowLatencyMixin:
         stream, compute = self._ll_begin(return_recv_hook)
         rows = R * M
         protos = self._protos
-        packed_recv_x = protos[torch.float8_e4m3fn if use_fp8 else torch.bfloat16].new_empty(L, rows, H)
+        packed_recv_x = protos[_FP8 if use_fp8 else _BF16].new_empty(L, rows, H)
         scales_storage = None
         if use_ue8m0:
-            scales_storage = protos[torch.int32].new_empty(L, H // (_FP8_GROUP * _UE8M0_PER_WORD), rows)
+            scales_storage = protos[_INT32].new_empty(L, H // (_FP8_GROUP * _UE8M0_PER_WORD), rows)
         elif use_fp8:
-            scales_storage = protos[torch.float32].new_empty(L, H // _FP8_GROUP, rows)
-        i32 = protos[torch.int32]
+            scales_storage = protos[_FP32].new_empty(L, H // _FP8_GROUP, rows)
+        i32 = protos[_INT32]
         packed_recv_count = i32.new_empty(L)
         recv_src_info = i32.new_empty(L, rows)
-        recv_layout_range = protos[torch.int64].new_empty(L, R)
+        recv_layout_range = protos[_INT64].new_empty(L, R)
 
         args, outs, args_ref, outs_ref = self._ll_dispatch_structs(
             (T, H, K, num_experts, M, use_fp8, round_scale, use_ue8m0), return_recv_hook)
@@ -157,7 +160,7 @@ class LowLatencyMixin:
         outs.recv_layout_range = recv_layout_range.data_ptr()
         h = _lib.LLHandle()
         lib = _lib.lib()
-        phases = _lib.EPX_LL_SEND if return_recv_hook else _lib.EPX_LL_BOTH
+        phases = _SEND if return_recv_hook else _BOTH
         status = lib.epx_ll_dispatch(ptr, args_ref, outs_ref, phases, byref(h), stream)
         if status:
             lib.check(status)
@@ -167,7 +170,7 @@ class LowLatencyMixin:
             tensors = (x, topk_idx, stats, packed_recv_x, scales_storage, packed_recv_count, recv_src_info,
                        recv_layout_range)
             if return_recv_hook:
-                hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args_ref, outs_ref, _lib.EPX_LL_RECV,
+                hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args_ref, outs_ref, _RECV,
                                                              byref(h), stream), tensors)
         if async_finish:
             event = self._streams.end_async_keep(tensors)
@@ -198,25 +201,25 @@ class LowLatencyMixin:
         h: _lib.LLHandle = handle[5]
         M, H, E = handle[2], handle[3], handle[4]
         T, K = h.num_tokens, h.num_topk
-        _checks.tensor("x", x, torch.bfloat16, (E // R, R * M, H), d, aligned16=True)
-        _checks.tensor("topk_idx", topk_idx, torch.int64, (T, K), d)
-        _checks.tensor("topk_weights", topk_weights, torch.float32, (T, K), d)
+        _checks.tensor("x", x, _BF16, (E // R, R * M, H), d, aligned16=True)
+        _checks.tensor("topk_idx", topk_idx, _INT64, (T, K), d)
+        _checks.tensor("topk_weights", topk_weights, _FP32, (T, K), d)
         if out is not None:
-            _checks.tensor("out", out, torch.bfloat16, (T, H), d, aligned16=True)
+            _checks.tensor("out", out, _BF16, (T, H), d, aligned16=True)
         zero_copy = _checks.flag("zero_copy", zero_copy)
         if async_finish is not False or return_recv_hook is not False:  # both False: nothing to check
             async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
 
         ptr = self._ptr()
         stream, compute = self._ll_begin(return_recv_hook)
-        combined_x = out if out is not None else self._protos[torch.bfloat16].new_empty(T, H)
+        combined_x = out if out is not None else self._protos[_BF16].new_empty(T, H)
         args, args_ref, buffer_set_ref = self._ll_combine_structs(return_recv_hook)
         args.x = x.data_ptr()
         args.zero_copy = zero_copy
         args.topk_idx = topk_idx.data_ptr()
         args.topk_weights = topk_weights.data_ptr()
         lib = _lib.lib()
-        phases = _lib.EPX_LL_SEND if return_recv_hook else _lib.EPX_LL_BOTH
+        phases = _SEND if return_recv_hook else _BOTH
         combined_ptr = combined_x.data_ptr()
         status = lib.epx_ll_combine(ptr, args_ref, byref(h), combined_ptr, phases, buffer_set_ref, stream)
         if status:
@@ -226,7 +229,7 @@ class LowLatencyMixin:
             tensors = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x)
             if return_recv_hook:
                 hook = _RecvHook(lambda: lib.epx_ll_combine(self._ptr(), args_ref, byref(h), combined_ptr,
-                                                            _lib.EPX_LL_RECV, buffer_set_ref, stream), tensors)
+                                                            _RECV, buffer_set_ref, stream), tensors)
         if async_finish:
             event = self._streams.end_async_keep(tensors)
         else:
