@@ -19,7 +19,7 @@ extern "C" {
 #endif
 
 #define EPX_VERSION_MAJOR 0
-#define EPX_VERSION_MINOR 1
+#define EPX_VERSION_MINOR 2
 
 typedef enum epx_status {
   EPX_OK = 0,
@@ -33,6 +33,10 @@ typedef enum epx_status {
   EPX_ERR_INTERNAL = 8,
   EPX_ERR_REMOTE = 9            /* another rank reported an error for this collective call */
 } epx_status;
+
+/* Regions of a buffer's memory on this rank (epx_buffer_region). */
+#define EPX_REGION_NVL 0  /* the high-throughput ring area: num_nvl_bytes */
+#define EPX_REGION_RDMA 1 /* the low-latency area: num_rdma_bytes */
 
 /* Data types of token rows. */
 typedef enum epx_dtype { EPX_BF16 = 0, EPX_FP8_E4M3 = 1 } epx_dtype;
@@ -202,6 +206,12 @@ epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, 
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds);
 /* Waits for the stream, then reports any error a kernel of this buffer recorded (timeouts, bad input). */
 epx_status epx_buffer_check(epx_buffer* buffer, void* stream);
+/* Where one region of this rank's memory is: a device pointer and its size in bytes, exactly as large as
+ * the buffer was created with (num_nvl_bytes for EPX_REGION_NVL, num_rdma_bytes for EPX_REGION_RDMA); a
+ * region the buffer has no bytes for gives NULL and 0. For callers that place their own data in the buffer
+ * (as deep_ep's get_local_buffer_tensor does): the memory stays valid until the buffer is destroyed, and
+ * the buffer's operations of that mode overwrite it. */
+epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t* bytes);
 
 epx_status epx_default_dispatch_config(int num_ranks, epx_config* out);
 epx_status epx_default_combine_config(int num_ranks, epx_config* out);

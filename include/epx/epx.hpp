@@ -86,6 +86,12 @@ BufferOptions default_buffer_options();
 // num_rdma_bytes for low-latency calls of up to M tokens per rank (both buffer sets).
 int64_t low_latency_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts);
 
+// One region of a buffer's memory on this rank (see epx_buffer_region).
+struct MemoryRegion {
+  void* ptr = nullptr;  // device pointer; nullptr when bytes == 0
+  int64_t bytes = 0;
+};
+
 struct DispatchCounts {
   int num_recv_tokens = -1;  // -1 in worst-case mode (not waited for)
   std::vector<int> num_recv_tokens_per_expert;
@@ -113,6 +119,9 @@ class Buffer {
 
   // Waits for `stream`, then throws any error a kernel of this buffer recorded.
   void check(cudaStream_t stream);
+  // This rank's memory of EPX_REGION_NVL (num_nvl_bytes of ring area) or EPX_REGION_RDMA (num_rdma_bytes of
+  // low-latency area). Valid until destroy(); the operations of that mode overwrite it.
+  MemoryRegion local_region(int which) const;
 
   void get_dispatch_layout(const LayoutArgs& args, const LayoutOutputs& outputs, cudaStream_t stream);
 

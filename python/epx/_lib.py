@@ -18,7 +18,7 @@ from .errors import error_for
 
 # The ABI this package was written against (epx.h EPX_VERSION_MAJOR / MINOR).
 ABI_MAJOR = 0
-ABI_MIN_MINOR = 1
+ABI_MIN_MINOR = 2  # epx_buffer_region
 
 LIBRARY_NAME = "libepx.so"
 
@@ -27,6 +27,9 @@ EPX_OK = 0
 # epx_dtype
 EPX_BF16 = 0
 EPX_FP8_E4M3 = 1
+# regions of epx_buffer_region
+EPX_REGION_NVL = 0
+EPX_REGION_RDMA = 1
 # low-latency phases
 EPX_LL_SEND = 1
 EPX_LL_RECV = 2
@@ -139,6 +142,7 @@ SIGNATURES = {
     "epx_buffer_info": (c_int, [_buffer_p, _P(c_int), _P(c_int), _P(c_int), _P(c_int)]),
     "epx_buffer_set_timeout": (c_int, [_buffer_p, c_double]),
     "epx_buffer_check": (c_int, [_buffer_p, _stream]),
+    "epx_buffer_region": (c_int, [_buffer_p, c_int, _P(c_void_p), _P(c_int64)]),
     "epx_default_dispatch_config": (c_int, [c_int, _P(Config)]),
     "epx_default_combine_config": (c_int, [c_int, _P(Config)]),
     "epx_config_nvl_size_hint": (c_int, [_P(Config), c_int64, c_int, _P(c_int64)]),
@@ -263,6 +267,13 @@ def nvl_size_hint(config: Config, hidden_bytes: int, num_ranks: int) -> int:
     out = c_int64(0)
     lib().check(lib().epx_config_nvl_size_hint(byref(config), int(hidden_bytes), int(num_ranks), byref(out)))
     return out.value
+
+
+def buffer_region(buffer: int, which: int):
+    """-> (device pointer or None, bytes) of one region of a buffer's memory on this rank."""
+    ptr, nbytes = c_void_p(), c_int64(0)
+    lib().check(lib().epx_buffer_region(buffer, int(which), byref(ptr), byref(nbytes)))
+    return ptr.value, nbytes.value
 
 
 def ll_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int) -> int:

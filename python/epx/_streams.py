@@ -1,21 +1,45 @@
-"""Stream choreography of the high-throughput calls (deep_ep's semantics).
+"""Stream choreography of every operation (deep_ep's semantics).
 
-Every operation runs on the Buffer's communication stream, which first waits for previous_event, or else
-for the current stream. Outputs are allocated on the current stream, or on the communication stream
-with allocate_on_comm_stream. Without async_finish the current stream waits for the communication
-stream at the end, so results are ready in stream order. With async_finish the caller gets an
-EventOverlap instead, and every tensor the operation touched is recorded on the streams that use it, so
-the caching allocator does not hand its memory out before the communication is done with it.
+High-throughput calls run on the Buffer's communication stream, which first waits for previous_event, or
+else for the current stream. Outputs are allocated on the current stream, or on the communication stream
+with allocate_on_comm_stream. Without async_finish the current stream waits for the communication stream
+at the end, so results are ready in stream order. With async_finish the caller gets an EventOverlap
+instead, and every tensor the operation touched is recorded on the streams that use it, so the caching
+allocator does not hand its memory out before the communication is done with it. The low-latency calls
+do the same without previous_event, or run on the current stream when they return a receive hook.
+
+This runs on every call, so it is kept cheap (docs/bench-notes.md, "Python host overhead"):
+- The two waits of a synchronous call use two events per Buffer, recorded again on every call, instead of
+  two new events. That is safe: a wait is on the record that precedes it (cudaStreamWaitEvent takes the
+  event's state at the time of the call), and every wait here directly follows its record, in or out of
+  CUDA-graph capture alike. Only async_finish, whose event the caller keeps, gets a new one.
+- The current stream is found by its raw handle, and a torch Stream object is made only when it changed.
+- The torch entry points are bound once, below, past their Python wrappers; the CPU tests replace these
+  names with fakes (tests/python/_fake_cuda.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Iterable, Optional
 
 import torch
 
 from .event import EventOverlap
+
+
+def _raw_current_stream_fallback(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_current_stream_fallback)
+_current_stream = torch.cuda.current_stream
+_new_event = torch.cuda.Event
+_stream_context = torch.cuda.stream
+_event_base = getattr(torch._C, "_CudaEventBase", None)  # absent from torch builds without CUDA
+_event_record = _event_base.record if _event_base is not None and hasattr(_event_base, "record") else \
+    (lambda event, stream: event.record(stream))
+_event_wait = _event_base.wait if _event_base is not None and hasattr(_event_base, "wait") else \
+    (lambda event, stream: event.wait(stream))
 
 
 def event_of(previous_event) -> torch.cuda.Event:
@@ -38,36 +62,65 @@ def check_stream_flags(previous_event, async_finish: bool, allocate_on_comm_stre
         raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True")
 
 
-class StreamScope:
-    """One operation's streams: call finish() after the last launch."""
+class Streams:
+    """The communication stream of one Buffer, the events of its synchronous waits, and the last current
+    stream seen. One operation: compute = begin(...), launches on .comm, then end_sync / end_async."""
 
-    __slots__ = ("compute", "comm", "async_finish", "alloc_on_comm")
+    __slots__ = ("comm", "comm_raw", "device_index", "_ready", "_done", "compute_raw", "_compute")
 
-    def __init__(self, comm: torch.cuda.Stream, device: torch.device, previous_event, async_finish: bool,
-                 allocate_on_comm_stream: bool):
-        self.compute = torch.cuda.current_stream(device)
+    def __init__(self, comm, device_index: int):
         self.comm = comm
-        self.async_finish = async_finish
-        self.alloc_on_comm = allocate_on_comm_stream
-        if previous_event is not None:
-            comm.wait_event(event_of(previous_event))
+        self.comm_raw = comm.cuda_stream
+        self.device_index = device_index
+        self._ready = _new_event()  # recorded on the current stream, waited for by comm
+        self._done = _new_event()   # recorded on comm, waited for by the current stream
+        self.compute_raw = None
+        self._compute = None
+
+    def current(self):
+        """The current stream of the Buffer's device (a torch Stream)."""
+        raw = _raw_current_stream(self.device_index)
+        if raw != self.compute_raw:
+            self._compute = _current_stream(self.device_index)
+            self.compute_raw = raw
+        return self._compute
+
+    def begin(self, previous_event=None):
+        """comm waits for previous_event, or else for the current stream. -> the current stream."""
+        compute = self.current()
+        if previous_event is None:
+            _event_record(self._ready, compute)
+            _event_wait(self._ready, self.comm)
         else:
-            comm.wait_stream(self.compute)
+            _event_wait(event_of(previous_event), self.comm)
+        return compute
 
     def allocating(self):
-        """Context in which outputs are allocated (on the stream that owns them)."""
-        return torch.cuda.stream(self.comm) if self.alloc_on_comm else contextlib.nullcontext()
+        """Context in which the outputs of allocate_on_comm_stream are allocated."""
+        return _stream_context(self.comm)
 
-    def finish(self, tensors: Iterable[Optional[torch.Tensor]]) -> EventOverlap:
-        if not self.async_finish:
-            self.compute.wait_stream(self.comm)
-            return EventOverlap()
-        event = torch.cuda.Event()
-        event.record(self.comm)
+    def end_sync(self, compute) -> EventOverlap:
+        """The current stream waits for comm."""
+        _event_record(self._done, self.comm)
+        _event_wait(self._done, compute)
+        return EventOverlap()
+
+    def end_async(self, compute, tensors: Iterable[Optional[torch.Tensor]], alloc_on_comm: bool) -> EventOverlap:
+        """A new event on comm for the caller; the tensors are recorded on the streams that use them."""
+        event = _new_event()
+        _event_record(event, self.comm)
+        comm = self.comm
         for t in tensors:
             if t is None:
                 continue
-            t.record_stream(self.comm)
-            if self.alloc_on_comm:
-                t.record_stream(self.compute)
+            t.record_stream(comm)
+            if alloc_on_comm:
+                t.record_stream(compute)
         return EventOverlap(event)
+
+    def end_async_keep(self, tensors) -> EventOverlap:
+        """The low-latency form of end_async: a new event on comm that keeps the tensors alive until the
+        caller drops it (record_stream is not allowed in CUDA-graph capture)."""
+        event = _new_event()
+        _event_record(event, self.comm)
+        return EventOverlap(event, tuple(t for t in tensors if t is not None))

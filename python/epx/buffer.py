@@ -2,11 +2,19 @@
 are in low_latency.py).
 
 Each method checks its arguments first (nothing touches CUDA until they pass), then sets up the streams
-(_streams.StreamScope), allocates the outputs with torch and calls the library with raw pointers.
+(_streams.Streams), allocates the outputs with torch and calls the library with raw pointers.
+
+The hot paths (cached dispatch, combine, and the low-latency calls) are written for host time: a handle's C
+struct, its default configs and the argument structs of its last shapes are kept (only pointers change
+from call to call), outputs are allocated with new_empty from per-dtype prototypes (cheaper to parse than
+torch.empty's keywords), and async-only work is skipped on synchronous calls. Every check still runs on
+every call. Reusing structs is safe because a C call reads them only while it runs, and the calls of one
+Buffer never overlap (they are collective, so every rank must issue them in one order).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import warnings
 import weakref
@@ -16,10 +24,11 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _checks, _lib
-from ._streams import StreamScope, check_stream_flags
+from ._memory import Views, itemsize
+from ._streams import Streams, check_stream_flags
 from .bootstrap import AllGather, from_mpi_comm, from_torch_group
 from .config import Config
-from .errors import FailedStateError, error_for
+from .errors import FailedStateError, InternalError, error_for
 from .event import EventOverlap
 from .low_latency import LowLatencyMixin
 
@@ -27,6 +36,26 @@ Handle = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 _INT32 = torch.int32
 _INT64 = torch.int64
+_BF16 = torch.bfloat16
+_FP32 = torch.float32
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
+_OUTPUT_DTYPES = (torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.bool, torch.float8_e4m3fn)
+
+
+class _HandleCache:
+    """What combine and cached dispatch reuse while they are given the same handle object: its C struct
+    (and a pointer to it), the default configs for its channel count, and the argument structs of the last
+    shapes each operation saw (their pointer fields are set on every call). The handle is referenced, so
+    that its tensors (whose addresses the structs hold) stay alive and its id is not reused."""
+
+    __slots__ = ("handle", "h", "h_ref", "num_recv", "num_tokens", "configs", "dispatch_key", "dispatch",
+                 "combine_key", "combine")
+
+    def __init__(self, handle, h):
+        self.handle, self.h, self.h_ref = handle, h, byref(h)
+        self.num_recv, self.num_tokens = h.num_recv_tokens, h.num_tokens
+        self.configs = {}  # kind -> epx_config of the default config with the handle's num_sms
+        self.dispatch_key = self.dispatch = self.combine_key = self.combine = None
 
 
 class _Native:
@@ -100,7 +129,7 @@ class Buffer(LowLatencyMixin):
         self._init_state(_Native(out.value, boot), group, comm, boot.rank, boot.size,
                          torch.device("cuda", device_index), num_nvl_bytes, num_rdma_bytes, low_latency_mode,
                          explicitly_destroy)
-        self._comm_stream = comm_stream
+        self._attach_streams(comm_stream)
         if explicitly_destroy:
             self._finalizer = weakref.finalize(self, self._native.warn_if_alive)
             self._finalizer.atexit = False
@@ -120,7 +149,16 @@ class Buffer(LowLatencyMixin):
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self._default_configs = {}  # (kind, num_sms or None) -> epx_config of the default config
-        self._last_handle = None    # (handle, epx_dispatch_handle) of the last handle checked
+        self._configs = {}          # (num_sms, send, recv) of a Config passed in -> its epx_config
+        self._last_handle = None    # _HandleCache of the last handle checked
+        self._ll_structs = None     # low-latency argument structs of the last shapes (low_latency.py)
+        self._views = Views()       # tensors handed out over this buffer's memory
+        # Zero-size tensors whose new_empty allocates outputs of their dtype on the device.
+        self._protos = {dtype: torch.empty(0, dtype=dtype, device=device) for dtype in _OUTPUT_DTYPES}
+
+    def _attach_streams(self, comm_stream) -> None:
+        self._comm_stream = comm_stream
+        self._streams = Streams(comm_stream, self._device.index if self._device.index is not None else 0)
 
     @classmethod
     def _unlaunched(cls, group_size: int, rank: int = 0, device: Union[str, torch.device] = "cpu",
@@ -132,6 +170,7 @@ class Buffer(LowLatencyMixin):
         self._init_state(None, None, None, rank, group_size, torch.device(device), num_nvl_bytes, num_rdma_bytes,
                          low_latency_mode, True)
         self._comm_stream = None
+        self._streams = None
         self._finalizer = None
         return self
 
@@ -142,11 +181,13 @@ class Buffer(LowLatencyMixin):
             return
         if self._finalizer is not None:
             self._finalizer.detach()
+        self._views.warn_if_alive("epx.Buffer.destroy")
         try:
             self._native.destroy()
         finally:
             self._native = None
             self._last_handle = None
+            self._ll_structs = None
 
     def _ptr(self) -> int:
         native = self._native
@@ -173,9 +214,43 @@ class Buffer(LowLatencyMixin):
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise NotImplementedError(
-            "epx.Buffer.get_local_buffer_tensor: the C ABI does not expose the address of the buffer's memory "
-            "(it would need an accessor such as epx_buffer_region(buffer, use_rdma, &ptr, &bytes))")
+        """A tensor over this rank's part of the buffer's memory, without a copy: the NVLink ring area
+        (num_nvl_bytes), or with use_rdma_buffer=True the low-latency area (num_rdma_bytes), from byte
+        `offset`, of `dtype`. size: its shape (a torch.Size, a tuple of ints, or an int); by default the rest
+        of the area as a 1-D tensor. offset must be a multiple of the dtype's size, and the tensor must fit.
+
+        The memory is the library's working space: the operations of that area's mode (dispatch and combine
+        for the NVLink area, the low-latency calls for the other) overwrite it, so what is put there lasts
+        until the next one. The tensor keeps the Buffer from being garbage-collected; destroy() frees the
+        memory regardless (it is collective) and warns if such a tensor is still alive: do not use it after.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        offset = _checks.integer("offset", offset, 0)
+        use_rdma_buffer = _checks.flag("use_rdma_buffer", use_rdma_buffer)
+        shape = _shape_of(size)
+        item = itemsize(dtype)
+        which, area, name = (_lib.EPX_REGION_RDMA, "low-latency (RDMA) buffer", "num_rdma_bytes") if use_rdma_buffer \
+            else (_lib.EPX_REGION_NVL, "NVLink buffer", "num_nvl_bytes")
+        total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        if total == 0:
+            raise ValueError(f"get_local_buffer_tensor: this Buffer has no {area} (it was created with {name}=0)")
+        if offset % item != 0:
+            raise ValueError(f"get_local_buffer_tensor: offset {offset} is not a multiple of the size of {dtype} "
+                             f"({item} bytes)")
+        if offset > total:
+            raise ValueError(f"get_local_buffer_tensor: offset {offset} is past the end of the {area} ({total} bytes)")
+        fit = (total - offset) // item
+        numel = fit if shape is None else _numel(shape)
+        if numel > fit:
+            raise ValueError(f"get_local_buffer_tensor: size {list(shape)} of {dtype} needs {numel * item} bytes from "
+                             f"offset {offset}, but the {area} has {total - offset} from there ({total} in all)")
+
+        ptr, nbytes = _lib.buffer_region(self._ptr(), which)
+        if nbytes != total:
+            raise InternalError(f"get_local_buffer_tensor: the library reports {nbytes} bytes for the {area}, "
+                                f"the Buffer was created with {total}", 8)
+        return self._views.tensor(ptr + offset if numel else 0, numel * item, dtype, shape, self._device, self)
 
     # ---- static helpers ---------------------------------------------------------------------------------------
     @staticmethod
@@ -213,13 +288,15 @@ class Buffer(LowLatencyMixin):
         return _lib.ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     # ---- internals shared by the operations ---------------------------------------------------------------------
-    def _scope(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> StreamScope:
-        """The first step of every operation that touches CUDA (argument checks come before it)."""
-        self._ptr()
-        return StreamScope(self._comm_stream, self._device, previous_event, async_finish, allocate_on_comm_stream)
-
     def _empty(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=self._device)
+        # new_empty of a prototype, with the sizes as separate ints: about half a microsecond cheaper than
+        # torch.empty(shape, dtype=, device=), whose keywords and tuple cost more to parse.
+        return self._protos[dtype].new_empty(*shape)
+
+    def _finish(self, compute, async_finish: bool, allocate_on_comm_stream: bool, tensors) -> EventOverlap:
+        if async_finish:
+            return self._streams.end_async(compute, tensors, allocate_on_comm_stream)
+        return self._streams.end_sync(compute)
 
     # ---- layout -------------------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
@@ -236,8 +313,10 @@ class Buffer(LowLatencyMixin):
         async_finish = _checks.flag("async_finish", async_finish)
         check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
 
-        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
-        with scope.allocating():
+        ptr = self._ptr()
+        streams = self._streams
+        compute = streams.begin(previous_event)
+        with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             num_tokens_per_rank = self._empty((R,), _INT32)
             num_tokens_per_expert = self._empty((num_experts,), _INT32)
             is_token_in_rank = self._empty((T, R), torch.bool)
@@ -245,8 +324,9 @@ class Buffer(LowLatencyMixin):
         outs = _lib.LayoutOutputs(num_tokens_per_rank.data_ptr(), None, num_tokens_per_expert.data_ptr(),
                                   is_token_in_rank.data_ptr())
         lib = _lib.lib()
-        lib.check(lib.epx_get_dispatch_layout(self._ptr(), byref(args), byref(outs), scope.comm.cuda_stream))
-        event = scope.finish((topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
+        lib.check(lib.epx_get_dispatch_layout(ptr, byref(args), byref(outs), streams.comm_raw))
+        event = self._finish(compute, async_finish, allocate_on_comm_stream,
+                             (topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
         return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
@@ -264,38 +344,54 @@ class Buffer(LowLatencyMixin):
             if scales.shape[1] < 1:
                 raise ValueError("x[1] (scales) must have at least one column")
             return data, scales, _lib.EPX_FP8_E4M3
-        _checks.tensor("x", x, torch.bfloat16, (None, None), self._device, aligned16=True)
+        _checks.tensor("x", x, _BF16, (None, None), self._device, aligned16=True)
         if x.shape[1] % 8 != 0:
             raise ValueError(f"bf16 x needs hidden % 8 == 0 (rows of 16-byte vectors), got hidden {x.shape[1]}")
         return x, None, _lib.EPX_BF16
 
-    def _check_config(self, config, kind: str, handle: Optional[Handle] = None) -> _lib.Config:
+    def _check_config(self, config, kind: str, hc: Optional[_HandleCache] = None) -> _lib.Config:
         """The C struct of the given config, or of the default one; with a handle, the default takes the
-        handle's num_sms (operations that reuse a dispatch's routing must use its channel count). Default
-        structs are cached: they are rebuilt only when the rank count or Buffer.num_sms changes."""
+        handle's num_sms (operations that reuse a dispatch's routing must use its channel count). Structs are
+        cached: defaults per handle, or per (kind, Buffer.num_sms); given configs by their values (a Config
+        is mutable, so never by identity)."""
         if config is None:
-            num_sms = 2 * handle[1].shape[1] if handle is not None else Buffer.num_sms
-            key = (kind, num_sms)
-            c_config = self._default_configs.get(key)
-            if c_config is None:
-                config = self.get_dispatch_config(self.group_size) if kind == "dispatch" else \
-                    self.get_combine_config(self.group_size)
-                if num_sms is not None:
-                    config.num_sms = num_sms
-                c_config = self._default_configs[key] = config.to_c()
-            return c_config
+            if hc is not None:
+                c_config = hc.configs.get(kind)
+                if c_config is None:
+                    c_config = hc.configs[kind] = self._default_config(kind, 2 * hc.h.num_channels)
+                return c_config
+            return self._default_config(kind, Buffer.num_sms)
         if not isinstance(config, Config):
             raise TypeError(f"config must be an epx.Config, got {type(config).__name__}")
-        if handle is not None:
-            _check_num_sms(config, handle, kind)
-        return config.to_c()
+        if hc is not None:
+            _check_num_sms(config, hc.h.num_channels, kind)
+        key = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+        c_config = self._configs.get(key)
+        if c_config is None:
+            if len(self._configs) > 64:  # configs made on the fly: keep the cache bounded
+                self._configs.clear()
+            c_config = self._configs[key] = config.to_c()
+        return c_config
 
-    def _check_handle(self, handle) -> Tuple[Handle, _lib.DispatchHandle]:
-        """-> (handle, its C struct). The last handle checked is remembered (with a reference, so that its id
-        cannot be reused): combine and cached dispatch usually reuse one handle several times."""
-        cached = self._last_handle
-        if cached is not None and cached[0] is handle:
-            return cached
+    def _default_config(self, kind: str, num_sms: Optional[int]) -> _lib.Config:
+        """Default structs are rebuilt only when the rank count or the num_sms asked for changes."""
+        key = (kind, num_sms)
+        c_config = self._default_configs.get(key)
+        if c_config is None:
+            config = self.get_dispatch_config(self.group_size) if kind == "dispatch" else \
+                self.get_combine_config(self.group_size)
+            if num_sms is not None:
+                config.num_sms = num_sms
+            c_config = self._default_configs[key] = config.to_c()
+        return c_config
+
+    def _check_handle(self, handle) -> _HandleCache:
+        """The last handle checked is remembered: combine and cached dispatch usually reuse one handle several
+        times, and its tensors were checked when it was first given (a handle is a tuple, so they cannot be
+        swapped afterwards)."""
+        hc = self._last_handle
+        if hc is not None and hc.handle is handle:
+            return hc
         if not isinstance(handle, tuple) or len(handle) != 6:
             raise TypeError("handle must be the 6-tuple returned by dispatch (rank_prefix_matrix, "
                             "channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, "
@@ -310,8 +406,8 @@ class Buffer(LowLatencyMixin):
         _checks.tensor("handle[3] (recv_src_idx)", recv_src_idx, _INT32, (None,), d)
         _checks.tensor("handle[4] (is_token_in_rank)", is_token_in_rank, torch.bool, (None, R), d)
         _checks.tensor("handle[5] (send_head)", send_head, _INT32, (is_token_in_rank.shape[0], R), d)
-        self._last_handle = (handle, self._handle_struct(handle))
-        return self._last_handle
+        hc = self._last_handle = _HandleCache(handle, self._handle_struct(handle))
+        return hc
 
     @staticmethod
     def _handle_struct(handle: Handle) -> _lib.DispatchHandle:
@@ -338,11 +434,12 @@ class Buffer(LowLatencyMixin):
         """
         data, scales, dtype = self._check_x(x)
         async_finish = _checks.flag("async_finish", async_finish)
-        check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        if previous_event is not None or allocate_on_comm_stream:
+            check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
         if handle is not None:
-            handle, h = self._check_handle(handle)
-            c_config = self._check_config(config, "dispatch", handle)
-            return self._cached_dispatch(data, scales, dtype, handle, h, c_config, previous_event, async_finish,
+            hc = self._check_handle(handle)
+            c_config = self._check_config(config, "dispatch", hc)
+            return self._cached_dispatch(data, scales, dtype, hc, c_config, previous_event, async_finish,
                                          allocate_on_comm_stream)
         c_config = self._check_config(config, "dispatch")
 
@@ -368,38 +465,38 @@ class Buffer(LowLatencyMixin):
                 raise ValueError("dispatch with topk_idx needs num_tokens_per_expert (its length is num_experts)")
         if topk_weights is not None and topk_idx is None:
             raise ValueError("topk_weights needs topk_idx")
-        _checks.optional_tensor("topk_weights", topk_weights, torch.float32, (T, K), d)
+        _checks.optional_tensor("topk_weights", topk_weights, _FP32, (T, K), d)
         expert_alignment = _checks.integer("expert_alignment", expert_alignment, 1)
         num_worst_tokens = _checks.integer("num_worst_tokens", num_worst_tokens, 0)
 
-        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        ptr = self._ptr()
+        streams = self._streams
+        compute = streams.begin(previous_event)
         C = c_config.num_sms // 2
-        with scope.allocating():
+        with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             rank_prefix_matrix = self._empty((R, R), _INT32)
             channel_prefix_matrix = self._empty((R, C), _INT32)
             recv_channel_prefix_matrix = self._empty((R, C), _INT32)
             send_head = self._empty((T, R), _INT32)
         args = _lib.DispatchArgs(
-            data.data_ptr(), dtype, T, H, scales.data_ptr() if scales is not None else None,
-            scales.shape[1] if scales is not None else 0,
-            topk_idx.data_ptr() if topk_idx is not None else None,
-            topk_weights.data_ptr() if topk_weights is not None else None, K, E,
-            num_tokens_per_rank.data_ptr(), num_tokens_per_expert.data_ptr() if E else None,
-            is_token_in_rank.data_ptr(), expert_alignment, num_worst_tokens)
+            data.data_ptr(), dtype, T, H, _ptr_or_none(scales), scales.shape[1] if scales is not None else 0,
+            _ptr_or_none(topk_idx), _ptr_or_none(topk_weights), K, E, num_tokens_per_rank.data_ptr(),
+            num_tokens_per_expert.data_ptr() if E else None, is_token_in_rank.data_ptr(), expert_alignment,
+            num_worst_tokens)
         h = _lib.DispatchHandle(0, 0, 0, 0, rank_prefix_matrix.data_ptr(), channel_prefix_matrix.data_ptr(),
                                 recv_channel_prefix_matrix.data_ptr(), None, None, send_head.data_ptr())
         counts = _lib.DispatchCounts()
-        lib, ptr, stream = _lib.lib(), self._ptr(), scope.comm.cuda_stream
+        lib, stream = _lib.lib(), streams.comm_raw
         lib.check(lib.epx_notify_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(counts), stream))
         # The counts live in library memory that the next call reuses: copy them now.
-        per_expert = [counts.num_recv_tokens_per_expert[i] for i in range(counts.num_local_experts)]
+        per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
         N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
 
-        with scope.allocating():
+        with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             recv_x = self._empty((N, H), data.dtype)
             recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None
             recv_topk_idx = self._empty((N, K), _INT64) if topk_idx is not None else None
-            recv_topk_weights = self._empty((N, K), torch.float32) if topk_weights is not None else None
+            recv_topk_weights = self._empty((N, K), _FP32) if topk_weights is not None else None
             recv_src_idx = self._empty((N,), _INT32)
         h.recv_src_idx = recv_src_idx.data_ptr()
         outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales), _ptr_or_none(recv_topk_idx),
@@ -408,31 +505,48 @@ class Buffer(LowLatencyMixin):
 
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
                   is_token_in_rank, send_head)
-        event = scope.finish((data, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
+        event = self._finish(compute, async_finish, allocate_on_comm_stream,
+                             (data, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
                               recv_x, recv_scales, recv_topk_idx, recv_topk_weights) + handle)
         recv = (recv_x, recv_scales) if scales is not None else recv_x
         return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
 
-    def _cached_dispatch(self, data, scales, dtype, handle: Handle, h: _lib.DispatchHandle, c_config: _lib.Config,
-                         previous_event, async_finish, allocate_on_comm_stream):
+    def _cached_dispatch(self, data, scales, dtype, hc: _HandleCache, c_config: _lib.Config, previous_event,
+                         async_finish, allocate_on_comm_stream):
         T, H = data.shape
-        is_token_in_rank = handle[4]
-        if is_token_in_rank.shape[0] != T:
-            raise ValueError(f"x has {T} tokens but the handle was made for {is_token_in_rank.shape[0]}")
-        N = handle[3].shape[0]
+        if hc.num_tokens != T:
+            raise ValueError(f"x has {T} tokens but the handle was made for {hc.num_tokens}")
+        N = hc.num_recv
+        S = scales.shape[1] if scales is not None else 0
 
-        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
-        with scope.allocating():
-            recv_x = self._empty((N, H), data.dtype)
-            recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None
-        args = _lib.DispatchArgs(data.data_ptr(), dtype, T, H, _ptr_or_none(scales),
-                                 scales.shape[1] if scales is not None else 0, None, None, 0, 0, None, None,
-                                 is_token_in_rank.data_ptr(), 1, 0)
-        outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales), None, None, N)
+        ptr = self._ptr()
+        key = (H, dtype, S)
+        if hc.dispatch_key != key:
+            args = _lib.DispatchArgs(None, dtype, T, H, None, S, None, None, 0, 0, None, None,
+                                     hc.handle[4].data_ptr(), 1, 0)
+            outs = _lib.DispatchOutputs(None, None, None, None, N)
+            hc.dispatch, hc.dispatch_key = (args, outs, byref(args), byref(outs)), key
+        args, outs, args_ref, outs_ref = hc.dispatch
+        streams = self._streams
+        compute = streams.begin(previous_event)
+        protos = self._protos
+        with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
+            recv_x = protos[data.dtype].new_empty(N, H)
+            recv_scales = protos[scales.dtype].new_empty(N, S) if scales is not None else None
+        args.x = data.data_ptr()
+        outs.recv_x = recv_x.data_ptr()
+        if scales is not None:
+            args.x_scales = scales.data_ptr()
+            outs.recv_x_scales = recv_scales.data_ptr()
         lib = _lib.lib()
-        lib.check(lib.epx_dispatch_cached(self._ptr(), byref(args), byref(c_config), byref(h), byref(outs),
-                                          scope.comm.cuda_stream))
-        event = scope.finish((data, scales, recv_x, recv_scales) + handle)
+        status = lib.epx_dispatch_cached(ptr, args_ref, byref(c_config), hc.h_ref, outs_ref, streams.comm_raw)
+        if status:
+            lib.check(status)
+        if async_finish:
+            event = streams.end_async(compute, (data, scales, recv_x, recv_scales) + hc.handle,
+                                      allocate_on_comm_stream)
+        else:
+            event = streams.end_sync(compute)
         recv = (recv_x, recv_scales) if scales is not None else recv_x
         return recv, None, None, None, None, event
 
@@ -448,33 +562,50 @@ class Buffer(LowLatencyMixin):
         a config with another num_sms is an error.
         """
         d = self._device
-        handle, h = self._check_handle(handle)
-        N = handle[3].shape[0]
-        T = handle[4].shape[0]
-        _checks.tensor("x", x, torch.bfloat16, (N, None), d, aligned16=True)
+        hc = self._check_handle(handle)
+        N, T = hc.num_recv, hc.num_tokens
+        _checks.tensor("x", x, _BF16, (N, None), d, aligned16=True)
         H = x.shape[1]
         if H % 8 != 0:
             raise ValueError(f"combine needs hidden % 8 == 0 (bf16 rows of 16-byte vectors), got {H}")
-        _checks.optional_tensor("topk_weights", topk_weights, torch.float32, (N, None), d)
-        K = topk_weights.shape[1] if topk_weights is not None else 0
+        K = 0
         if topk_weights is not None:
-            _checks.integer("topk_weights.shape[1] (num_topk)", K, 1, 32)
-        biases = _check_biases(bias, T, H, d)
-        c_config = self._check_config(config, "combine", handle)
+            _checks.tensor("topk_weights", topk_weights, _FP32, (N, None), d)
+            K = _checks.integer("topk_weights.shape[1] (num_topk)", topk_weights.shape[1], 1, 32)
+        bias0, bias1 = _check_biases(bias, T, H, d) if bias is not None else (None, None)
+        c_config = self._check_config(config, "combine", hc)
         async_finish = _checks.flag("async_finish", async_finish)
-        check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        if previous_event is not None or allocate_on_comm_stream:
+            check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
 
-        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
-        with scope.allocating():
-            combined_x = self._empty((T, H), torch.bfloat16)
-            combined_weights = self._empty((T, K), torch.float32) if topk_weights is not None else None
-        args = _lib.CombineArgs(x.data_ptr(), N, H, _ptr_or_none(topk_weights), K, _ptr_or_none(biases[0]),
-                                _ptr_or_none(biases[1]))
-        outs = _lib.CombineOutputs(combined_x.data_ptr(), _ptr_or_none(combined_weights))
+        ptr = self._ptr()
+        key = (H, K)
+        if hc.combine_key != key:
+            args = _lib.CombineArgs(None, N, H, None, K, None, None)
+            outs = _lib.CombineOutputs()
+            hc.combine, hc.combine_key = (args, outs, byref(args), byref(outs)), key
+        args, outs, args_ref, outs_ref = hc.combine
+        streams = self._streams
+        compute = streams.begin(previous_event)
+        protos = self._protos
+        with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
+            combined_x = protos[_BF16].new_empty(T, H)
+            combined_weights = protos[_FP32].new_empty(T, K) if K else None
+        args.x = x.data_ptr()
+        args.topk_weights = topk_weights.data_ptr() if K else None
+        args.bias0 = _ptr_or_none(bias0)
+        args.bias1 = _ptr_or_none(bias1)
+        outs.combined_x = combined_x.data_ptr()
+        outs.combined_topk_weights = combined_weights.data_ptr() if K else None
         lib = _lib.lib()
-        lib.check(lib.epx_combine(self._ptr(), byref(args), byref(c_config), byref(h), byref(outs),
-                                  scope.comm.cuda_stream))
-        event = scope.finish((x, topk_weights, biases[0], biases[1], combined_x, combined_weights) + handle)
+        status = lib.epx_combine(ptr, args_ref, byref(c_config), hc.h_ref, outs_ref, streams.comm_raw)
+        if status:
+            lib.check(status)
+        if async_finish:
+            event = streams.end_async(compute, (x, topk_weights, bias0, bias1, combined_x, combined_weights)
+                                      + hc.handle, allocate_on_comm_stream)
+        else:
+            event = streams.end_sync(compute)
         return combined_x, combined_weights, event
 
 
@@ -482,8 +613,24 @@ def _ptr_or_none(t: Optional[torch.Tensor]):
     return t.data_ptr() if t is not None else None
 
 
-def _check_num_sms(config: Config, handle: Handle, op: str) -> None:
-    channels = handle[1].shape[1]
+def _shape_of(size) -> Optional[Tuple[int, ...]]:
+    """get_local_buffer_tensor's size: None, an int, or a sequence of ints >= 0 (a torch.Size is one)."""
+    if size is None:
+        return None
+    dims = (size,) if isinstance(size, int) and not isinstance(size, bool) else size
+    if not isinstance(dims, (tuple, list, torch.Size)):
+        raise TypeError(f"size must be a torch.Size, a tuple of ints or an int, got {type(size).__name__}")
+    return tuple(_checks.integer(f"size[{i}]", d, 0) for i, d in enumerate(dims))
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_num_sms(config: Config, channels: int, op: str) -> None:
     if config.num_sms != 2 * channels:
         raise ValueError(f"{op}: config.num_sms ({config.num_sms}) must be the dispatch's ({2 * channels}: the "
                          f"handle has {channels} channels)")

@@ -23,6 +23,9 @@ _UE8M0_PER_WORD = 4   # UE8M0 exponents packed per int32
 _MAX_TOKENS = 4096    # largest num_max_dispatch_tokens_per_rank (kLowLatencyMaxTokens)
 _MAX_EXPERTS = 1024   # largest num_experts (kLowLatencyMaxExperts)
 _MAX_TOPK = 32
+# Names of the hot paths, looked up once (each torch.X or _lib.X costs an attribute lookup per use).
+_BF16, _FP8, _FP32, _INT32, _INT64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
+_SEND, _RECV, _BOTH = _lib.EPX_LL_SEND, _lib.EPX_LL_RECV, _lib.EPX_LL_BOTH
 
 
 def _noop() -> None:
@@ -43,28 +46,19 @@ class _RecvHook:
         _lib.lib().check(self._launch())
 
 
-class _DeviceMemory:
-    """Exposes library-owned device memory through __cuda_array_interface__ so that torch.as_tensor can
-    wrap it without a copy. The resulting tensor references this object, which references the owner
-    (the Buffer), so the memory outlives every view of it. bf16 has no typestr: it is exposed as int16."""
-
-    def __init__(self, ptr: int, shape: Tuple[int, ...], owner):
-        self._owner = owner
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i2", "data": (ptr, False), "strides": None,
-                                         "version": 2}
-
-
 class LowLatencyMixin:
     # ---- checks ---------------------------------------------------------------------------------------------
-    def _ll_check_shape(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+    def _ll_check_shape(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Tuple[int, int]:
+        """-> (num_max_dispatch_tokens_per_rank, num_experts) as ints."""
         R = self.group_size
-        _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, _MAX_TOKENS)
+        M = _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, _MAX_TOKENS)
         _checks.integer("hidden", hidden, 8)
         if hidden % 8 != 0:
             raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
-        _checks.integer("num_experts", num_experts, 1, _MAX_EXPERTS)
+        num_experts = _checks.integer("num_experts", num_experts, 1, _MAX_EXPERTS)
         if num_experts % R != 0:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the number of ranks ({R})")
+        return M, num_experts
 
     def _ll_check_handle(self, handle):
         if not isinstance(handle, tuple) or len(handle) != 6 or not isinstance(handle[5], _lib.LLHandle):
@@ -98,7 +92,8 @@ class LowLatencyMixin:
         lib.check(lib.epx_ll_next_combine_buffer(ptr, byref(h), byref(out)))
         L = h.num_experts // self.group_size
         shape = (L, self.group_size * h.num_max_dispatch_tokens_per_rank, h.hidden)
-        return torch.as_tensor(_DeviceMemory(out.value, shape, self), device=self._device).view(torch.bfloat16)
+        return self._views.tensor(out.value, shape[0] * shape[1] * shape[2] * 2, torch.bfloat16, shape, self._device,
+                                  self)
 
     # ---- dispatch ---------------------------------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -115,18 +110,17 @@ class LowLatencyMixin:
         dispatch_wait_recv_cost_stats is accepted and ignored (epx keeps no per-rank wait statistics).
         """
         R, d = self.group_size, self._device
-        _checks.tensor("x", x, torch.bfloat16, (None, None), d, aligned16=True)
+        _checks.tensor("x", x, _BF16, (None, None), d, aligned16=True)
         T, H = x.shape
-        self._ll_check_shape(num_max_dispatch_tokens_per_rank, H, num_experts)
-        M, num_experts = int(num_max_dispatch_tokens_per_rank), int(num_experts)
+        M, num_experts = self._ll_check_shape(num_max_dispatch_tokens_per_rank, H, num_experts)
         if T > M:
             raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank ({M})")
-        _checks.tensor("topk_idx", topk_idx, torch.int64, (T, None), d)
-        K = topk_idx.shape[1]
-        _checks.integer("topk_idx.shape[1] (num_topk)", K, 1, _MAX_TOPK)
+        _checks.tensor("topk_idx", topk_idx, _INT64, (T, None), d)
+        K = _checks.integer("topk_idx.shape[1] (num_topk)", topk_idx.shape[1], 1, _MAX_TOPK)
         L = num_experts // R
-        _checks.optional_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                torch.int32, (L,), d)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            _checks.tensor("cumulative_local_expert_recv_stats", stats, _INT32, (L,), d)
         use_fp8 = _checks.flag("use_fp8", use_fp8)
         round_scale = _checks.flag("round_scale", round_scale)
         use_ue8m0 = _checks.flag("use_ue8m0", use_ue8m0)
@@ -136,41 +130,52 @@ class LowLatencyMixin:
             raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True")
         if use_ue8m0 and H % (_FP8_GROUP * _UE8M0_PER_WORD) != 0:
             raise ValueError(f"use_ue8m0 needs hidden % {_FP8_GROUP * _UE8M0_PER_WORD} == 0, got {H}")
-        async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
+        if async_finish is not False or return_recv_hook is not False:  # both False: nothing to check
+            async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
 
+        ptr = self._ptr()
         stream, compute = self._ll_begin(return_recv_hook)
         rows = R * M
-        packed_recv_x = self._empty((L, rows, H), torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        protos = self._protos
+        packed_recv_x = protos[_FP8 if use_fp8 else _BF16].new_empty(L, rows, H)
         scales_storage = None
         if use_ue8m0:
-            scales_storage = self._empty((L, H // (_FP8_GROUP * _UE8M0_PER_WORD), rows), torch.int32)
+            scales_storage = protos[_INT32].new_empty(L, H // (_FP8_GROUP * _UE8M0_PER_WORD), rows)
         elif use_fp8:
-            scales_storage = self._empty((L, H // _FP8_GROUP, rows), torch.float32)
-        packed_recv_count = self._empty((L,), torch.int32)
-        recv_src_info = self._empty((L, rows), torch.int32)
-        recv_layout_range = self._empty((L, R), torch.int64)
+            scales_storage = protos[_FP32].new_empty(L, H // _FP8_GROUP, rows)
+        i32 = protos[_INT32]
+        packed_recv_count = i32.new_empty(L)
+        recv_src_info = i32.new_empty(L, rows)
+        recv_layout_range = protos[_INT64].new_empty(L, R)
 
-        args = _lib.LLDispatchArgs(x.data_ptr(), T, H, topk_idx.data_ptr(), K, num_experts, M, int(use_fp8),
-                                   int(round_scale), int(use_ue8m0),
-                                   cumulative_local_expert_recv_stats.data_ptr()
-                                   if cumulative_local_expert_recv_stats is not None else None)
-        outs = _lib.LLDispatchOutputs(packed_recv_x.data_ptr(),
-                                      scales_storage.data_ptr() if scales_storage is not None else None,
-                                      packed_recv_count.data_ptr(), recv_src_info.data_ptr(),
-                                      recv_layout_range.data_ptr())
+        args, outs, args_ref, outs_ref = self._ll_dispatch_structs(
+            (T, H, K, num_experts, M, use_fp8, round_scale, use_ue8m0), return_recv_hook)
+        args.x = x.data_ptr()
+        args.topk_idx = topk_idx.data_ptr()
+        args.cumulative_local_expert_recv_stats = stats.data_ptr() if stats is not None else None
+        outs.packed_recv_x = packed_recv_x.data_ptr()
+        outs.packed_recv_x_scales = scales_storage.data_ptr() if scales_storage is not None else None
+        outs.packed_recv_count = packed_recv_count.data_ptr()
+        outs.recv_src_info = recv_src_info.data_ptr()
+        outs.recv_layout_range = recv_layout_range.data_ptr()
         h = _lib.LLHandle()
-        ptr = self._ptr()
         lib = _lib.lib()
-        phases = _lib.EPX_LL_SEND if return_recv_hook else _lib.EPX_LL_BOTH
-        lib.check(lib.epx_ll_dispatch(ptr, byref(args), byref(outs), phases, byref(h), stream.cuda_stream))
+        phases = _SEND if return_recv_hook else _BOTH
+        status = lib.epx_ll_dispatch(ptr, args_ref, outs_ref, phases, byref(h), stream)
+        if status:
+            lib.check(status)
 
-        tensors = (x, topk_idx, cumulative_local_expert_recv_stats, packed_recv_x, scales_storage, packed_recv_count,
-                   recv_src_info, recv_layout_range)
-        event = self._ll_end(stream, compute, async_finish, return_recv_hook, tensors)
         hook = _noop
-        if return_recv_hook:
-            hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), byref(args), byref(outs), _lib.EPX_LL_RECV,
-                                                         byref(h), stream.cuda_stream), tensors)
+        if async_finish or return_recv_hook:
+            tensors = (x, topk_idx, stats, packed_recv_x, scales_storage, packed_recv_count, recv_src_info,
+                       recv_layout_range)
+            if return_recv_hook:
+                hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args_ref, outs_ref, _RECV,
+                                                             byref(h), stream), tensors)
+        if async_finish:
+            event = self._streams.end_async_keep(tensors)
+        else:
+            event = EventOverlap() if return_recv_hook else self._streams.end_sync(compute)
 
         handle = (recv_src_info, recv_layout_range, M, H, num_experts, h)
         recv_x = packed_recv_x
@@ -195,31 +200,72 @@ class LowLatencyMixin:
         handle = self._ll_check_handle(handle)
         h: _lib.LLHandle = handle[5]
         M, H, E = handle[2], handle[3], handle[4]
-        L = E // R
-        _checks.tensor("x", x, torch.bfloat16, (L, R * M, H), d, aligned16=True)
-        _checks.tensor("topk_idx", topk_idx, torch.int64, (h.num_tokens, h.num_topk), d)
-        _checks.tensor("topk_weights", topk_weights, torch.float32, (h.num_tokens, h.num_topk), d)
-        _checks.optional_tensor("out", out, torch.bfloat16, (h.num_tokens, H), d, aligned16=True)
+        T, K = h.num_tokens, h.num_topk
+        _checks.tensor("x", x, _BF16, (E // R, R * M, H), d, aligned16=True)
+        _checks.tensor("topk_idx", topk_idx, _INT64, (T, K), d)
+        _checks.tensor("topk_weights", topk_weights, _FP32, (T, K), d)
+        if out is not None:
+            _checks.tensor("out", out, _BF16, (T, H), d, aligned16=True)
         zero_copy = _checks.flag("zero_copy", zero_copy)
-        async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
+        if async_finish is not False or return_recv_hook is not False:  # both False: nothing to check
+            async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
 
-        stream, compute = self._ll_begin(return_recv_hook)
-        combined_x = out if out is not None else self._empty((h.num_tokens, H), torch.bfloat16)
-        args = _lib.LLCombineArgs(x.data_ptr(), int(zero_copy), topk_idx.data_ptr(), topk_weights.data_ptr())
-        buffer_set = ctypes.c_int(-1)
         ptr = self._ptr()
+        stream, compute = self._ll_begin(return_recv_hook)
+        combined_x = out if out is not None else self._protos[_BF16].new_empty(T, H)
+        args, args_ref, buffer_set_ref = self._ll_combine_structs(return_recv_hook)
+        args.x = x.data_ptr()
+        args.zero_copy = zero_copy
+        args.topk_idx = topk_idx.data_ptr()
+        args.topk_weights = topk_weights.data_ptr()
         lib = _lib.lib()
-        phases = _lib.EPX_LL_SEND if return_recv_hook else _lib.EPX_LL_BOTH
-        lib.check(lib.epx_ll_combine(ptr, byref(args), byref(h), combined_x.data_ptr(), phases, byref(buffer_set),
-                                     stream.cuda_stream))
-        tensors = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x)
-        event = self._ll_end(stream, compute, async_finish, return_recv_hook, tensors)
+        phases = _SEND if return_recv_hook else _BOTH
+        combined_ptr = combined_x.data_ptr()
+        status = lib.epx_ll_combine(ptr, args_ref, byref(h), combined_ptr, phases, buffer_set_ref, stream)
+        if status:
+            lib.check(status)
         hook = _noop
-        if return_recv_hook:
-            hook = _RecvHook(lambda: lib.epx_ll_combine(self._ptr(), byref(args), byref(h), combined_x.data_ptr(),
-                                                        _lib.EPX_LL_RECV, byref(buffer_set), stream.cuda_stream),
-                             tensors)
+        if async_finish or return_recv_hook:
+            tensors = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x)
+            if return_recv_hook:
+                hook = _RecvHook(lambda: lib.epx_ll_combine(self._ptr(), args_ref, byref(h), combined_ptr,
+                                                            _RECV, buffer_set_ref, stream), tensors)
+        if async_finish:
+            event = self._streams.end_async_keep(tensors)
+        else:
+            event = EventOverlap() if return_recv_hook else self._streams.end_sync(compute)
         return combined_x, event, hook
+
+    # ---- argument structs -----------------------------------------------------------------------------------------
+    def _ll_dispatch_structs(self, key, fresh: bool):
+        """-> (args, outputs, byref(args), byref(outputs)) of low_latency_dispatch with the shape fields of key
+        (T, H, K, E, M, use_fp8, round_scale, use_ue8m0) set; the caller sets the pointers. Calls without a hook
+        reuse one pair per Buffer (a call reads them only while it runs: building them costs about a
+        microsecond); a hook reads them again later, so fresh=True (a hook) gets its own."""
+        cache = self._ll_structs
+        if fresh or cache is None or cache[0] != key:
+            T, H, K, E, M, use_fp8, round_scale, use_ue8m0 = key
+            args = _lib.LLDispatchArgs(None, T, H, None, K, E, M, use_fp8, round_scale, use_ue8m0, None)
+            outs = _lib.LLDispatchOutputs()
+            structs = (args, outs, byref(args), byref(outs))
+            if fresh:
+                return structs
+            combine = cache[2] if cache is not None else None
+            cache = self._ll_structs = [key, structs, combine]
+        return cache[1]
+
+    def _ll_combine_structs(self, fresh: bool):
+        """-> (args, byref(args), byref(buffer_set)) of low_latency_combine; reused like _ll_dispatch_structs."""
+        cache = self._ll_structs
+        if fresh or cache is None or cache[2] is None:
+            args, buffer_set = _lib.LLCombineArgs(), ctypes.c_int(-1)
+            structs = (args, byref(args), byref(buffer_set))
+            if fresh:
+                return structs
+            if cache is None:
+                cache = self._ll_structs = [None, None, None]
+            cache[2] = structs
+        return cache[2]
 
     # ---- streams --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -232,20 +278,10 @@ class LowLatencyMixin:
         return async_finish, return_recv_hook
 
     def _ll_begin(self, return_recv_hook: bool):
-        """-> (launch stream, current stream). First step that touches CUDA."""
-        self._ptr()
-        compute = torch.cuda.current_stream(self._device)
+        """-> (raw launch stream, current stream). With a hook both phases run on the current stream;
+        otherwise the communication stream, after it waited for the current one."""
+        streams = self._streams
         if return_recv_hook:
-            return compute, compute
-        self._comm_stream.wait_stream(compute)
-        return self._comm_stream, compute
-
-    @staticmethod
-    def _ll_end(stream, compute, async_finish: bool, return_recv_hook: bool, tensors) -> EventOverlap:
-        if async_finish:
-            event = torch.cuda.Event()
-            event.record(stream)
-            return EventOverlap(event, tuple(t for t in tensors if t is not None))
-        if not return_recv_hook:
-            compute.wait_stream(stream)
-        return EventOverlap()
+            compute = streams.current()
+            return streams.compute_raw, compute
+        return streams.comm_raw, streams.begin(None)

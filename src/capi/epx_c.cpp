@@ -100,6 +100,22 @@ epx_status epx_buffer_check(epx_buffer* buffer, void* stream) {
   return guarded([&] { live(buffer).check(as_stream(stream)); });
 }
 
+epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t* bytes) {
+  return guarded([&] {
+    require_non_null(ptr, "ptr");
+    require_non_null(bytes, "bytes");
+    *ptr = nullptr;
+    *bytes = 0;
+    // Checked before the buffer, so that a bad argument says so even without one (and on a CPU).
+    if (which != EPX_REGION_NVL && which != EPX_REGION_RDMA)
+      epx::raise(epx::Status::kInvalidArgument, "which must be EPX_REGION_NVL (", EPX_REGION_NVL,
+                 ") or EPX_REGION_RDMA (", EPX_REGION_RDMA, "), got ", which);
+    const epx::MemoryRegion r = live(buffer).local_region(which);
+    *ptr = r.ptr;
+    *bytes = r.bytes;
+  });
+}
+
 epx_status epx_default_dispatch_config(int num_ranks, epx_config* out) {
   return guarded([&] {
     require_non_null(out, "out");

@@ -290,6 +290,20 @@ void Buffer::check(cudaStream_t stream) {
   }
 }
 
+MemoryRegion Buffer::local_region(int which) const {
+  const Impl& b = *impl_;
+  EPX_REQUIRE(which == EPX_REGION_NVL || which == EPX_REGION_RDMA, "local_region: which must be EPX_REGION_NVL (",
+              EPX_REGION_NVL, ") or EPX_REGION_RDMA (", EPX_REGION_RDMA, "), got ", which);
+  if (!b.alive) raise(Status::kFailedState, "local_region: the buffer was destroyed");
+  // The layout of the allocation is create()'s: control block, ring area, low-latency sets. The regions are
+  // what the caller asked for, not the padding after them.
+  const bool nvl = which == EPX_REGION_NVL;
+  MemoryRegion r;
+  r.bytes = nvl ? b.options.num_nvl_bytes : b.options.num_rdma_bytes;
+  if (r.bytes > 0) r.ptr = static_cast<uint8_t*>(b.local) + (nvl ? RingLayout::data_offset() : b.ll_offset);
+  return r;
+}
+
 BufferOptions default_buffer_options() {
   BufferOptions o{};
   o.timeout_s = kDefaultTimeoutSeconds;

@@ -149,12 +149,40 @@ TEST(CApi, EveryOperationRejectsANullBuffer) {
       {"dispatch", epx_dispatch(nullptr, &dargs, &config, &handle, &dout, nullptr)},
       {"dispatch_cached", epx_dispatch_cached(nullptr, &dargs, &config, &handle, &dout, nullptr)},
       {"combine", epx_combine(nullptr, &cargs, &config, &handle, &combine_out, nullptr)},
+      {"region", [] {
+         void* p = nullptr;
+         int64_t n = 0;
+         return epx_buffer_region(nullptr, EPX_REGION_NVL, &p, &n);
+       }()},
   };
   for (const auto& [name, status] : calls) EXPECT_EQ(status, EPX_ERR_INVALID_ARGUMENT) << name;
   // Each call overwrote the message; the last one must name the culprit.
   EXPECT_THAT(last_error(), HasSubstr("buffer"));
   EXPECT_EQ(epx_combine(nullptr, nullptr, &config, &handle, &combine_out, nullptr), EPX_ERR_INVALID_ARGUMENT);
   EXPECT_THAT(last_error(), HasSubstr("args"));
+}
+
+TEST(CApi, BufferRegionRejectsBadArgumentsBeforeTheBuffer) {
+  // The region and output checks come first: they answer the same with or without a buffer.
+  void* p = reinterpret_cast<void*>(0x10);
+  int64_t n = 42;
+  EXPECT_EQ(epx_buffer_region(nullptr, EPX_REGION_RDMA, nullptr, &n), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT_THAT(last_error(), HasSubstr("ptr"));
+  EXPECT_EQ(epx_buffer_region(nullptr, EPX_REGION_RDMA, &p, nullptr), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT_THAT(last_error(), HasSubstr("bytes"));
+  for (int which : {-1, 2, 7}) {
+    p = reinterpret_cast<void*>(0x10);
+    n = 42;
+    EXPECT_EQ(epx_buffer_region(nullptr, which, &p, &n), EPX_ERR_INVALID_ARGUMENT) << which;
+    EXPECT_THAT(last_error(), HasSubstr("EPX_REGION_NVL")) << which;
+    EXPECT_THAT(last_error(), HasSubstr("got " + std::to_string(which))) << which;
+    EXPECT_EQ(p, nullptr) << "a failed call must not leave a pointer behind";
+    EXPECT_EQ(n, 0);
+  }
+  EXPECT_EQ(epx_buffer_region(nullptr, EPX_REGION_NVL, &p, &n), EPX_ERR_INVALID_ARGUMENT);
+  EXPECT_THAT(last_error(), HasSubstr("buffer"));
+  EXPECT_EQ(p, nullptr);
+  EXPECT_EQ(n, 0);
 }
 
 TEST(CApi, DefaultConfigs) {

@@ -127,6 +127,8 @@ def test_operations_reject_a_null_buffer():
         "ll_clean": lambda: lib.epx_ll_clean(null, None),
         "ll_dispatch": lambda: lib.epx_ll_dispatch(null, _lib.LLDispatchArgs(), _lib.LLDispatchOutputs(), 3,
                                                    _lib.LLHandle(), None),
+        "region": lambda: lib.epx_buffer_region(null, _lib.EPX_REGION_NVL, ctypes.byref(ctypes.c_void_p()),
+                                                ctypes.byref(ctypes.c_int64())),
     }
     for name, call in calls.items():
         status = call()
@@ -134,6 +136,14 @@ def test_operations_reject_a_null_buffer():
         with pytest.raises(epx.InvalidArgumentError, match="buffer"):
             lib.check(status)
     assert lib.epx_buffer_destroy(None) == 0
+
+
+def test_buffer_region_checks_its_arguments_before_the_buffer():
+    for which in (-1, 2):
+        with pytest.raises(epx.InvalidArgumentError, match=f"EPX_REGION_NVL .*got {which}"):
+            _lib.buffer_region(None, which)
+    with pytest.raises(epx.InvalidArgumentError, match="buffer"):
+        _lib.buffer_region(None, _lib.EPX_REGION_RDMA)
 
 
 def test_create_rejects_a_bad_bootstrap_before_touching_cuda():

@@ -362,6 +362,67 @@ def case_check_reports_a_layout_error_first(ctx):
     case_dispatch_combine_bf16(ctx)
 
 
+def case_local_buffer_tensor(ctx):
+    """Views of the NVLink ring area: shapes, dtypes and addresses as asked, writes read back (the same bytes
+    through another dtype too), range errors; the buffer works as before afterwards (the ring area holds no
+    state between operations)."""
+    buf, nvl = ctx.buffer, ctx.extra["nvl_bytes"]
+    whole = buf.get_local_buffer_tensor(torch.bfloat16)
+    assert whole.dtype == torch.bfloat16 and whole.shape == (nvl // 2,), (whole.dtype, whole.shape)
+    assert whole.device == ctx.device and whole.is_contiguous()
+    base = whole.data_ptr()
+    assert base % 16 == 0
+    t = buf.get_local_buffer_tensor(torch.float32, torch.Size([4, 8]), offset=64)
+    assert t.shape == (4, 8) and t.dtype == torch.float32 and t.data_ptr() == base + 64
+    want = torch.arange(32, dtype=torch.float32).view(4, 8) + 100 * ctx.rank
+    t.copy_(want.to(ctx.device))
+    assert_bitwise("read back", buf.get_local_buffer_tensor(torch.float32, (4, 8), offset=64), want)
+    as_int = buf.get_local_buffer_tensor(torch.int32, 32, offset=64)
+    assert as_int.data_ptr() == base + 64
+    assert_bitwise("the same bytes as int32", as_int, want.view(-1).view(torch.int32))
+    tail = buf.get_local_buffer_tensor(torch.uint8, offset=nvl - 16)
+    assert tail.shape == (16,) and tail.data_ptr() == base + nvl - 16
+    tail.fill_(7)
+    assert int(tail.sum()) == 7 * 16
+    assert buf.get_local_buffer_tensor(torch.uint8, 0, offset=nvl).numel() == 0
+    with pytest.raises(ValueError, match="needs"):
+        buf.get_local_buffer_tensor(torch.float32, (nvl // 4 + 1,))
+    with pytest.raises(ValueError, match="multiple"):
+        buf.get_local_buffer_tensor(torch.float32, offset=2)
+    with pytest.raises(ValueError, match="no low-latency"):
+        buf.get_local_buffer_tensor(torch.bfloat16, use_rdma_buffer=True)
+    del whole, t, as_int, tail
+    case_dispatch_combine_bf16(ctx)
+
+
+def case_local_buffer_tensor_keeps_the_buffer_alive(ctx):
+    """A view keeps a dropped Buffer from being garbage-collected (which would free the memory under it)."""
+    import epx
+    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+    native = buffer._native
+    view = buffer.get_local_buffer_tensor(torch.int32, (16,))
+    view.fill_(ctx.rank)
+    ref = weakref.ref(buffer)
+    del buffer
+    gc.collect()
+    assert ref() is not None and native.ptr is not None, "the Buffer was destroyed under a live view"
+    assert int(view.sum()) == 16 * ctx.rank
+    del view  # the last reference: every rank at the same point, destruction is collective
+    gc.collect()
+    assert ref() is None and native.ptr is None
+
+
+def case_destroy_warns_about_live_views(ctx):
+    import epx
+    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, explicitly_destroy=True)
+    view = buffer.get_local_buffer_tensor(torch.uint8)
+    with pytest.warns(RuntimeWarning, match="still alive"):
+        buffer.destroy()
+    with pytest.raises(epx.FailedStateError):
+        buffer.get_local_buffer_tensor(torch.uint8)
+    del view
+
+
 CASES = [name for name in list(globals()) if name.startswith("case_")]
 
 

@@ -270,6 +270,31 @@ def case_cuda_graph(ctx):
         assert_bitwise(f"combined_x (graph replay, seed {seed})", static_out, combine_reference(ctx, data[ctx.rank]))
 
 
+def case_local_buffer_tensor_of_the_low_latency_area(ctx):
+    """Views of the low-latency (RDMA) area: size as created, addresses, write and read back; the buffer
+    has no NVLink area. Writing there clobbers the low-latency signals: clean, then the calls work again."""
+    import epx
+    buf = ctx.buffer
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, H, ctx.world, E)
+    whole = buf.get_local_buffer_tensor(torch.bfloat16, use_rdma_buffer=True)
+    assert whole.shape == (rdma // 2,) and whole.device == ctx.device and whole.data_ptr() % 16 == 0
+    sub = buf.get_local_buffer_tensor(torch.int64, (3, 5), offset=128, use_rdma_buffer=True)
+    assert sub.shape == (3, 5) and sub.data_ptr() == whole.data_ptr() + 128
+    want = torch.arange(15, dtype=torch.int64).view(3, 5) - 7 * ctx.rank
+    sub.copy_(want.to(ctx.device))
+    assert_bitwise("read back", buf.get_local_buffer_tensor(torch.int64, (3, 5), offset=128, use_rdma_buffer=True),
+                   want)
+    end = buf.get_local_buffer_tensor(torch.int32, offset=rdma - 64, use_rdma_buffer=True)
+    assert end.shape == (16,) and end.data_ptr() == whole.data_ptr() + rdma - 64
+    end.fill_(-1)
+    with pytest.raises(ValueError, match="no NVLink buffer"):
+        buf.get_local_buffer_tensor(torch.bfloat16)
+    with pytest.raises(ValueError, match="needs"):
+        buf.get_local_buffer_tensor(torch.uint8, (rdma - 127,), offset=128, use_rdma_buffer=True)
+    del whole, sub, end
+    case_clean_then_reuse(ctx)
+
+
 CASES = [name for name in list(globals()) if name.startswith("case_")]
 
 

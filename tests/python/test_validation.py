@@ -127,9 +127,40 @@ def test_event_overlap_without_event():
         pass
 
 
-def test_unsupported_features(buf):
-    with pytest.raises(NotImplementedError, match="address"):
-        buf.get_local_buffer_tensor(torch.bfloat16)
+def test_local_buffer_tensor_checks():
+    """Everything but the pointer is checked before the library is asked for it (the GPU suites check the
+    tensor itself)."""
+    buf = epx.Buffer._unlaunched(R, num_nvl_bytes=1024, num_rdma_bytes=0)
+    for kwargs in (dict(dtype=torch.bfloat16), dict(dtype=torch.float32, size=torch.Size([16, 16])),
+                   dict(dtype=torch.int64, size=(2, 3), offset=1024 - 48), dict(dtype=torch.uint8, size=0, offset=1024),
+                   dict(dtype=torch.float8_e4m3fn, size=[4, 4], offset=7)):
+        with launched:
+            buf.get_local_buffer_tensor(**kwargs)
+    with pytest.raises(ValueError, match="no low-latency"):
+        buf.get_local_buffer_tensor(torch.bfloat16, use_rdma_buffer=True)
+    with pytest.raises(ValueError, match="multiple of the size"):
+        buf.get_local_buffer_tensor(torch.float32, offset=2)
+    with pytest.raises(ValueError, match="needs 1028 bytes"):
+        buf.get_local_buffer_tensor(torch.float32, (257,))
+    with pytest.raises(ValueError, match="needs 16 bytes from offset 1016"):
+        buf.get_local_buffer_tensor(torch.int64, (2,), offset=1016)
+    with pytest.raises(ValueError, match="past the end"):
+        buf.get_local_buffer_tensor(torch.uint8, offset=1025)
+    with pytest.raises(ValueError, match="offset"):
+        buf.get_local_buffer_tensor(torch.uint8, offset=-1)
+    with pytest.raises(TypeError, match="dtype"):
+        buf.get_local_buffer_tensor("bfloat16")
+    with pytest.raises(TypeError, match="size"):
+        buf.get_local_buffer_tensor(torch.uint8, size=2.0)
+    with pytest.raises(ValueError, match=r"size\[1\]"):
+        buf.get_local_buffer_tensor(torch.uint8, size=(2, -1))
+    with pytest.raises(TypeError, match="use_rdma_buffer"):
+        buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer="yes")
+    ll = epx.Buffer._unlaunched(R, num_nvl_bytes=0, num_rdma_bytes=4096)
+    with pytest.raises(ValueError, match="no NVLink buffer"):
+        ll.get_local_buffer_tensor(torch.uint8)
+    with launched:
+        ll.get_local_buffer_tensor(torch.uint8, (64, 64), use_rdma_buffer=True)
 
 
 # ---- layout -----------------------------------------------------------------------------------------------------

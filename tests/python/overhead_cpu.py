@@ -1,0 +1,187 @@
+"""Host cost of epx.Buffer's Python methods alone, on a CPU: the GPU measurement (overhead.py) with the GPU taken
+out, so that a change to the Python layer can be timed on any machine.
+
+    python tests/python/overhead_cpu.py [--calls 2000] [--reps 7] [--json out.json]
+
+The library is tests/python/stub_epx.c (every C function returns at once) and torch's streams and events are
+fakes (_fake_cuda.py) that do no CUDA work, so what is left is the Python layer's own work: argument checks,
+ctypes structs, torch allocations (on the CPU here), stream bookkeeping. Each method is timed against a
+direct ctypes call of the same stub function with prebuilt structs, as overhead.py does on GPUs. Where the
+code calls torch's Python wrappers (torch.cuda.current_stream, Stream.wait_stream, Event(), ...) the fakes
+are Python functions too; where it calls torch's C entry points directly (epx._streams) they are C builtins
+that do nothing (FakeCuda.builtin_noops). The torch.cuda column counts the stream and event calls one
+method call makes: on a GPU machine each also does CUDA work (a microsecond or so, with its GIL release),
+which this table does not show.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from ctypes import byref, c_int
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+try:
+    import epx
+except ImportError:  # a source checkout: the package is in python/
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+    import epx
+from epx import _lib  # noqa: E402
+
+from _fake_cuda import FakeCuda, fake_buffer, stub_library  # noqa: E402
+
+# overhead.py's shapes, on 2 ranks
+WORLD, TOKENS, HIDDEN, EXPERTS, TOPK, M = 2, 128, 2048, 32, 4, 128
+
+
+def timed(fn, calls, reps):
+    """Best microseconds per call over reps runs of calls calls."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def cuda_calls(cuda, fn):
+    """torch.cuda stream/event calls and events created by one call of fn."""
+    fn()  # warm any per-shape cache first: the steady state is what counts
+    calls, events = cuda.calls, cuda.events_created
+    fn()
+    return cuda.calls - calls, cuda.events_created - events
+
+
+def measure(calls, reps):
+    rows = {}
+    with FakeCuda(ordering=False) as cuda, stub_library() as lib:
+        # ---- high-throughput ----------------------------------------------------------------------------------
+        buf = fake_buffer(cuda, WORLD)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
+        idx = torch.rand(TOKENS, EXPERTS, generator=g).topk(TOPK, dim=1).indices
+        w = torch.rand(TOKENS, TOPK, generator=g)
+        ntr = torch.zeros(WORLD, dtype=torch.int32)
+        nte = torch.zeros(EXPERTS, dtype=torch.int32)
+        itr = torch.ones(TOKENS, WORLD, dtype=torch.bool)
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                                       num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
+        N = recv_x.shape[0]
+
+        def py_dispatch():
+            buf.dispatch(x, handle=handle)
+
+        def py_combine():
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+
+        ptr, stream = buf._ptr(), buf.get_comm_stream().cuda_stream
+        c_config = buf.get_dispatch_config(WORLD).to_c()
+        c_config.num_sms = 2 * handle[1].shape[1]
+        h = epx.Buffer._handle_struct(handle)
+        out_x = torch.empty_like(recv_x)
+        d_args = _lib.DispatchArgs(x.data_ptr(), _lib.EPX_BF16, TOKENS, HIDDEN, None, 0, None, None, 0, 0, None, None,
+                                   itr.data_ptr(), 1, 0)
+        d_outs = _lib.DispatchOutputs(out_x.data_ptr(), None, None, None, N)
+        combined, combined_w = torch.empty_like(x), torch.empty_like(w)
+        c_args = _lib.CombineArgs(recv_x.data_ptr(), N, HIDDEN, recv_w.data_ptr(), TOPK, None, None)
+        c_outs = _lib.CombineOutputs(combined.data_ptr(), combined_w.data_ptr())
+        refs = [byref(v) for v in (d_args, c_config, h, d_outs, c_args, c_outs)]
+        dispatch_cached, combine = lib.epx_dispatch_cached, lib.epx_combine
+
+        def raw_dispatch():
+            if dispatch_cached(ptr, refs[0], refs[1], refs[2], refs[3], stream):
+                lib.check(1)
+
+        def raw_combine():
+            if combine(ptr, refs[4], refs[1], refs[2], refs[5], stream):
+                lib.check(1)
+
+        rows["dispatch (cached)"] = (py_dispatch, raw_dispatch)
+        rows["combine"] = (py_combine, raw_combine)
+
+        # ---- low-latency ----------------------------------------------------------------------------------------
+        ll = fake_buffer(cuda, WORLD)
+        L = EXPERTS // WORLD
+        lx = torch.randn(M, HIDDEN, generator=g).to(torch.bfloat16)
+        lidx = torch.rand(M, EXPERTS, generator=g).topk(TOPK, dim=1).indices
+        lw = torch.rand(M, TOPK, generator=g)
+        lrecv, _, lhandle, _, _ = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
+        y = lrecv.clone()
+
+        def py_ll_dispatch():
+            ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
+
+        def py_ll_combine():
+            ll.low_latency_combine(y, lidx, lw, lhandle)
+
+        def py_ll_pair():
+            _, _, hd, _, _ = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
+            ll.low_latency_combine(y, lidx, lw, hd)
+
+        lptr, lstream = ll._ptr(), ll.get_comm_stream().cuda_stream
+        packed = torch.empty(L, WORLD * M, HIDDEN, dtype=torch.bfloat16)
+        count = torch.empty(L, dtype=torch.int32)
+        src_info = torch.empty(L, WORLD * M, dtype=torch.int32)
+        layout_range = torch.empty(L, WORLD, dtype=torch.int64)
+        out = torch.empty_like(lx)
+        ld_args = _lib.LLDispatchArgs(lx.data_ptr(), M, HIDDEN, lidx.data_ptr(), TOPK, EXPERTS, M, 0, 0, 0, None)
+        ld_outs = _lib.LLDispatchOutputs(packed.data_ptr(), None, count.data_ptr(), src_info.data_ptr(),
+                                         layout_range.data_ptr())
+        lh = _lib.LLHandle()
+        lc_args = _lib.LLCombineArgs(y.data_ptr(), 0, lidx.data_ptr(), lw.data_ptr())
+        buffer_set = c_int(0)
+        lrefs = [byref(v) for v in (ld_args, ld_outs, lh, lc_args, buffer_set)]
+        ll_dispatch, ll_combine, out_ptr = lib.epx_ll_dispatch, lib.epx_ll_combine, out.data_ptr()
+
+        def raw_ll_dispatch():
+            if ll_dispatch(lptr, lrefs[0], lrefs[1], _lib.EPX_LL_BOTH, lrefs[2], lstream):
+                lib.check(1)
+
+        def raw_ll_combine():
+            if ll_combine(lptr, lrefs[3], lrefs[2], out_ptr, _lib.EPX_LL_BOTH, lrefs[4], lstream):
+                lib.check(1)
+
+        def raw_ll_pair():
+            raw_ll_dispatch()
+            raw_ll_combine()
+
+        rows["low-latency dispatch"] = (py_ll_dispatch, raw_ll_dispatch)
+        rows["low-latency combine"] = (py_ll_combine, raw_ll_combine)
+        rows["low-latency dispatch + combine"] = (py_ll_pair, raw_ll_pair)
+
+        results = {}
+        for name, (py, raw) in rows.items():
+            n_calls, n_events = cuda_calls(cuda, py)
+            with cuda.builtin_noops():
+                results[name] = {"python_us": timed(py, calls, reps), "ctypes_us": timed(raw, calls, reps),
+                                 "torch_cuda_calls": n_calls, "events_created": n_events}
+            results[name]["overhead_us"] = results[name]["python_us"] - results[name]["ctypes_us"]
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = measure(args.calls, args.reps)
+    print(f"stub library, fake streams; {args.calls} calls x {args.reps} repetitions (best); tokens {TOKENS}, "
+          f"hidden {HIDDEN}, experts {EXPERTS}, top-{TOPK}, {WORLD} ranks; microseconds per call")
+    print(f"{'operation':32} {'python':>8} {'ctypes':>8} {'overhead':>9} {'torch.cuda calls':>17} {'new events':>11}")
+    for name, r in results.items():
+        print(f"{name:32} {r['python_us']:8.2f} {r['ctypes_us']:8.2f} {r['overhead_us']:9.2f} "
+              f"{r['torch_cuda_calls']:17d} {r['events_created']:11d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

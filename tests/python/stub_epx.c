@@ -1,0 +1,105 @@
+/*
+ * A libepx look-alike for timing the Python layer on a CPU (tests/python/overhead_cpu.py): every function of
+ * epx.h, with the header's prototypes, doing no work. Only what the Python layer reads back is filled in
+ * (the version, the low-latency handle, the dispatch counts), so that the measured time is Python's and
+ * ctypes' alone. Never a real library: it launches nothing and checks nothing.
+ */
+#include "epx/epx.h"
+
+static int g_counts[64];
+
+const char* epx_last_error(void) { return ""; }
+const char* epx_status_string(epx_status status) { return status == EPX_OK ? "ok" : "stub error"; }
+int epx_version(void) { return EPX_VERSION_MAJOR * 100 + EPX_VERSION_MINOR; }
+
+epx_status epx_buffer_create(const epx_bootstrap* b, const epx_buffer_options* o, epx_buffer** out) {
+  (void)b, (void)o;
+  *out = (epx_buffer*)0x1000;
+  return EPX_OK;
+}
+epx_status epx_buffer_destroy(epx_buffer* buffer) { (void)buffer; return EPX_OK; }
+epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, int* device, int* num_nvl_ranks) {
+  (void)buffer, (void)rank, (void)num_ranks, (void)device, (void)num_nvl_ranks;
+  return EPX_OK;
+}
+epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) { (void)buffer, (void)seconds; return EPX_OK; }
+epx_status epx_buffer_check(epx_buffer* buffer, void* stream) { (void)buffer, (void)stream; return EPX_OK; }
+epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t* bytes) {
+  (void)buffer, (void)which;
+  *ptr = 0, *bytes = 0;
+  return EPX_OK;
+}
+
+epx_status epx_default_dispatch_config(int num_ranks, epx_config* out) {
+  (void)num_ranks;
+  out->num_sms = 24, out->num_max_send_tokens = 6, out->num_max_recv_tokens = 256;
+  return EPX_OK;
+}
+epx_status epx_default_combine_config(int num_ranks, epx_config* out) { return epx_default_dispatch_config(num_ranks, out); }
+epx_status epx_config_nvl_size_hint(const epx_config* c, int64_t hidden_bytes, int num_ranks, int64_t* bytes) {
+  (void)c, (void)hidden_bytes, (void)num_ranks;
+  *bytes = 1 << 20;
+  return EPX_OK;
+}
+
+epx_status epx_get_dispatch_layout(epx_buffer* buffer, const epx_layout_args* args, const epx_layout_outputs* outputs,
+                                   void* stream) {
+  (void)buffer, (void)args, (void)outputs, (void)stream;
+  return EPX_OK;
+}
+epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                               epx_dispatch_handle* handle, epx_dispatch_counts* counts, void* stream) {
+  (void)buffer, (void)args, (void)config, (void)handle, (void)stream;
+  counts->num_recv_tokens = args->num_tokens;
+  counts->num_local_experts = 4;
+  counts->num_recv_tokens_per_expert = g_counts;
+  return EPX_OK;
+}
+epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                        const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream) {
+  (void)buffer, (void)args, (void)config, (void)handle, (void)outputs, (void)stream;
+  return EPX_OK;
+}
+epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                               const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream) {
+  (void)buffer, (void)args, (void)config, (void)handle, (void)outputs, (void)stream;
+  return EPX_OK;
+}
+epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
+                       const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream) {
+  (void)buffer, (void)args, (void)config, (void)handle, (void)outputs, (void)stream;
+  return EPX_OK;
+}
+
+epx_status epx_ll_size_hint(int m, int hidden, int num_ranks, int num_experts, int64_t* bytes) {
+  (void)m, (void)hidden, (void)num_ranks, (void)num_experts;
+  *bytes = 1 << 30;
+  return EPX_OK;
+}
+epx_status epx_ll_clean(epx_buffer* buffer, void* stream) { (void)buffer, (void)stream; return EPX_OK; }
+epx_status epx_ll_dispatch(epx_buffer* buffer, const epx_ll_dispatch_args* args, const epx_ll_dispatch_outputs* outputs,
+                           int phases, epx_ll_handle* handle, void* stream) {
+  (void)buffer, (void)stream;
+  if (phases != EPX_LL_RECV) {  /* what combine checks its arguments against */
+    handle->buffer_set = 0;
+    handle->num_tokens = args->num_tokens;
+    handle->hidden = args->hidden;
+    handle->num_topk = args->num_topk;
+    handle->num_experts = args->num_experts;
+    handle->num_max_dispatch_tokens_per_rank = args->num_max_dispatch_tokens_per_rank;
+    handle->recv_src_info = outputs->recv_src_info;
+    handle->recv_layout_range = outputs->recv_layout_range;
+  }
+  return EPX_OK;
+}
+epx_status epx_ll_combine(epx_buffer* buffer, const epx_ll_combine_args* args, const epx_ll_handle* handle,
+                          void* combined_x, int phases, int* buffer_set, void* stream) {
+  (void)buffer, (void)args, (void)handle, (void)combined_x, (void)phases, (void)stream;
+  *buffer_set = 0;
+  return EPX_OK;
+}
+epx_status epx_ll_next_combine_buffer(epx_buffer* buffer, const epx_ll_handle* handle, void** ptr) {
+  (void)buffer, (void)handle;
+  *ptr = 0;
+  return EPX_OK;
+}
