@@ -55,6 +55,10 @@ def test_struct_mirrors_match_the_c_layout(tmp_path):
             assert getattr(cls, field).offset == c_layout[(cname, field)], f"{cname}.{field}"
 
 
+def test_build_flag_is_zero_or_one():
+    assert epx.lib().epx_built_with_nvshmem() in (0, 1)
+
+
 def test_status_strings_are_distinct():
     lib = epx.lib()
     texts = [lib.status_string(s) for s in ALL_STATUSES]
@@ -127,6 +131,7 @@ def test_operations_reject_a_null_buffer():
         "ll_clean": lambda: lib.epx_ll_clean(null, None),
         "ll_dispatch": lambda: lib.epx_ll_dispatch(null, _lib.LLDispatchArgs(), _lib.LLDispatchOutputs(), 3,
                                                    _lib.LLHandle(), None),
+        "ll_transport": lambda: lib.epx_buffer_ll_transport(null, _lib.LLTransportInfo()),
     }
     for name, call in calls.items():
         status = call()
