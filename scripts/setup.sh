@@ -63,8 +63,10 @@ case "${EPX_NVSHMEM:-auto}" in
 esac
 if [ -n "$nvshmem_dir" ]; then
   echo "setup: NVSHMEM at $nvshmem_dir"
+  nvshmem_mode=ON
   nvshmem_flags=(-DEPX_NVSHMEM=ON "-DEPX_NVSHMEM_DIR=$nvshmem_dir")
 else
+  nvshmem_mode=OFF
   echo "setup: building without NVSHMEM (the low-latency mode uses the CUDA IPC buffer)"
   nvshmem_flags=(-DEPX_NVSHMEM=OFF -DEPX_NVSHMEM_DIR=)
 fi
@@ -83,7 +85,8 @@ configure() {
 }
 # A build folder configured with another NVSHMEM choice is configured again (the cache keeps the rest).
 if [ -f "$BUILD_DIR/CMakeCache.txt" ] &&
-   ! grep -qx "EPX_NVSHMEM_DIR:PATH=$nvshmem_dir" "$BUILD_DIR/CMakeCache.txt"; then
+   { ! grep -qx "EPX_NVSHMEM:STRING=$nvshmem_mode" "$BUILD_DIR/CMakeCache.txt" ||
+     ! grep -qx "EPX_NVSHMEM_DIR:PATH=$nvshmem_dir" "$BUILD_DIR/CMakeCache.txt"; }; then
   echo "setup: $BUILD_DIR was configured with another NVSHMEM choice; configuring it again"
   cmake -S . -B "$BUILD_DIR" "${nvshmem_flags[@]}" >/dev/null
 fi
