@@ -2,9 +2,17 @@
 # The whole GPU check in one call: the GPU test suite on 2 GPUs and on all local GPUs, then the benchmark,
 # full logs under OUT_DIR, a short summary table last.
 #   scripts/gpu-check.sh OUT_DIR [STEPS]
-# STEPS (default "tests bench"): any of tests, tests-all, tests-2, bench, bench-all, bench-2, ll, python,
-# separated by spaces. Uses BUILD_DIR (default build) if its binaries are there (built elsewhere and carried),
-# else builds into build-gpu.
+# STEPS (default "tests bench"): any of tests, tests-all, tests-2, bench, bench-all, bench-2, ll, ll-nvshmem,
+# python, and the low-latency suite per transport (below), separated by spaces. Uses BUILD_DIR (default build)
+# if its binaries are there (built elsewhere and carried), else builds into build-gpu.
+#
+# Low-latency transports (docs/design.md): ll-ipc, ll-nvshmem-ptr, ll-nvshmem-forced run the low-latency part
+# of the GPU suite (cases "ll:") on 2 GPUs and on all GPUs with, in turn, the CUDA IPC buffer
+# (EPX_DISABLE_NVSHMEM=1), NVSHMEM memory through peer pointers (the default of an NVSHMEM build), and NVSHMEM
+# puts to every other rank (EPX_LL_FORCE_NVSHMEM=1); each run fails unless that transport ran
+# (--expect-transport). Append -2 or -all for one rank count (ll-ipc-2, ll-nvshmem-forced-all, ...);
+# ll-transports is all three. The NVSHMEM ones say SKIPPED on a build without NVSHMEM. ll-nvshmem is the
+# low-latency benchmark with EPX_LL_FORCE_NVSHMEM=1 (ll is the same with the default transport).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -31,12 +39,43 @@ run_tests() {  # ranks
   summary+=("tests    R=$r  rc=$rc  ${line:-no summary}  ($((SECONDS - start)) s)")
   grep -E "^\[FAIL\]|^  rank|error" "$log" | head -20
 }
+has_nvshmem=$("$BUILD_DIR/tests/epx_gpu_tests" --build-info 2>/dev/null | grep -c "nvshmem: yes" || true)
+run_ll() {  # transport ranks
+  local t=$1 r=$2 log="$OUT/ll-$1-$2.log" start=$SECONDS
+  local env_vars=()
+  case $t in
+    ipc) [ "$has_nvshmem" = 1 ] && env_vars=(EPX_DISABLE_NVSHMEM=1); expect=cuda-ipc ;;
+    nvshmem-ptr) expect=nvshmem ;;
+    nvshmem-forced) env_vars=(EPX_LL_FORCE_NVSHMEM=1); expect=nvshmem-forced ;;
+  esac
+  if [ "$t" != ipc ] && [ "$has_nvshmem" != 1 ]; then
+    summary+=("ll       R=$r  $t  SKIPPED: $BUILD_DIR was built without NVSHMEM")
+    return
+  fi
+  env "${env_vars[@]}" timeout ${TEST_TIMEOUT:-280} "$BUILD_DIR/tests/epx_gpu_tests" --gpus "$r" \
+    --filter "ll:" --expect-transport "$expect" >"$log" 2>&1
+  local rc=$?
+  local line transport
+  line=$(grep -E "suite on .* cases passed" "$log" | tail -1)
+  transport=$(grep -m1 "^low-latency transport:" "$log" | sed 's/^low-latency transport: //')
+  local took=$((SECONDS - start))
+  summary+=("ll       R=$r  $t rc=$rc  ${line:-no summary}  [${transport:-transport unknown}]  ($took s)")
+  grep -E "^\[FAIL\]|^  rank|error" "$log" | head -20
+}
+run_ll_counts() {  # transport [2|all]
+  local which=${2:-both}
+  [ "$which" != all ] && run_ll "$1" 2
+  [ "$which" != 2 ] && [ "$ngpu" -gt 2 ] && run_ll "$1" "$ngpu"
+  [ "$which" = all ] && [ "$ngpu" -le 2 ] && run_ll "$1" "$ngpu"
+  return 0
+}
 run_bench() {  # ranks mode [args]
   local r=$1 mode=$2; shift 2
-  local log="$OUT/bench-$mode-$r.log" start=$SECONDS
-  timeout ${BENCH_TIMEOUT:-240} "$BUILD_DIR/tools/bench/epx-bench" "$mode" --gpus "$r" --json "$OUT/bench-$mode-$r.json" "$@" >"$log" 2>&1
+  local tag=${BENCH_TAG:-} log="$OUT/bench-$mode${BENCH_TAG:-}-$r.log" start=$SECONDS
+  timeout ${BENCH_TIMEOUT:-240} "$BUILD_DIR/tools/bench/epx-bench" "$mode" --gpus "$r" \
+    --json "$OUT/bench-$mode$tag-$r.json" "$@" >"$log" 2>&1
   local rc=$?
-  summary+=("bench    R=$r  $mode rc=$rc ($((SECONDS - start)) s)")
+  summary+=("bench    R=$r  $mode$tag rc=$rc ($((SECONDS - start)) s)")
   cat "$log"
 }
 
@@ -49,6 +88,16 @@ for step in $STEPS; do
     bench-all) run_bench "$ngpu" intranode ;;
     bench-2) run_bench 2 intranode --sms 24 ;;
     ll) run_bench "$ngpu" low-latency ;;
+    ll-nvshmem)
+      if [ "$has_nvshmem" = 1 ]; then
+        BENCH_TAG=-nvshmem-forced EPX_LL_FORCE_NVSHMEM=1 run_bench "$ngpu" low-latency
+      else
+        summary+=("bench    ll-nvshmem SKIPPED: $BUILD_DIR was built without NVSHMEM")
+      fi ;;
+    ll-transports) for t in ipc nvshmem-ptr nvshmem-forced; do run_ll_counts "$t"; done ;;
+    ll-ipc|ll-nvshmem-ptr|ll-nvshmem-forced) run_ll_counts "${step#ll-}" ;;
+    ll-ipc-2|ll-nvshmem-ptr-2|ll-nvshmem-forced-2) t=${step#ll-}; run_ll_counts "${t%-2}" 2 ;;
+    ll-ipc-all|ll-nvshmem-ptr-all|ll-nvshmem-forced-all) t=${step#ll-}; run_ll_counts "${t%-all}" all ;;
     *) echo "unknown step $step" ;;
   esac
 done

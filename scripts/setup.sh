@@ -2,6 +2,10 @@
 # Installs what the build needs when it is missing (Debian packages, PyPI), then configures and builds epx.
 # Uses what is already installed; on machines without network (the GPU machines) it installs nothing.
 #   scripts/setup.sh [BUILD_DIR]      (default: build)
+# NVSHMEM (optional, the low-latency mode's NVSHMEM transport): EPX_NVSHMEM=0 builds without it, EPX_NVSHMEM=1
+# requires it; by default it is used when found (EPX_NVSHMEM_DIR, .nvshmem/ of an earlier run, python3's
+# site-packages, the GPU machines' torch venv) and, outside CI, installed into .nvshmem/ from PyPI when the
+# network allows. CI builds without it unless EPX_NVSHMEM=1 (keeps the CPU build fast).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build}
@@ -26,6 +30,47 @@ if ! command -v nvcc >/dev/null 2>&1; then
 fi
 command -v nvcc >/dev/null 2>&1 || { echo "setup: nvcc (CUDA 13) not found: install the CUDA toolkit" >&2; exit 1; }
 
+NVSHMEM_PIP=nvidia-nvshmem-cu13==3.4.5  # the version the GPU machines have
+nvshmem_usable() { [ -n "$1" ] && [ -f "$1/include/nvshmem.h" ] && [ -f "$1/lib/libnvshmem_device.a" ]; }
+find_nvshmem() {
+  local from_python=""
+  # The pip package is a namespace package (no __init__.py): ask for its search location.
+  local probe="import importlib.util as u; s = u.find_spec('nvidia.nvshmem')
+print(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else '')"
+  command -v python3 >/dev/null 2>&1 && from_python=$(python3 -c "$probe" 2>/dev/null || true)
+  for d in "${EPX_NVSHMEM_DIR:-}" "$PWD/.nvshmem/nvidia/nvshmem" "$from_python" \
+           /opt/torch/.venv/lib/python3.12/site-packages/nvidia/nvshmem; do
+    if nvshmem_usable "$d"; then echo "$d"; return 0; fi
+  done
+  return 1
+}
+nvshmem_dir=""
+case "${EPX_NVSHMEM:-auto}" in
+  0|off|OFF) ;;
+  *)
+    nvshmem_dir=$(find_nvshmem || true)
+    if [ -z "$nvshmem_dir" ] && { [ -z "${CI:-}" ] || [ "${EPX_NVSHMEM:-auto}" = 1 ]; } &&
+       command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then
+      echo "setup: installing $NVSHMEM_PIP into .nvshmem/ (EPX_NVSHMEM=0 skips this)"
+      timeout 600 python3 -m pip install --quiet --disable-pip-version-check --target .nvshmem "$NVSHMEM_PIP" \
+        >/dev/null 2>&1 || echo "setup: could not install $NVSHMEM_PIP (no network?); building without NVSHMEM"
+      nvshmem_dir=$(find_nvshmem || true)
+    fi
+    if [ -z "$nvshmem_dir" ] && [ "${EPX_NVSHMEM:-auto}" = 1 ]; then
+      echo "setup: EPX_NVSHMEM=1 but NVSHMEM was not found (set EPX_NVSHMEM_DIR)" >&2
+      exit 1
+    fi ;;
+esac
+if [ -n "$nvshmem_dir" ]; then
+  echo "setup: NVSHMEM at $nvshmem_dir"
+  nvshmem_mode=ON
+  nvshmem_flags=(-DEPX_NVSHMEM=ON "-DEPX_NVSHMEM_DIR=$nvshmem_dir")
+else
+  nvshmem_mode=OFF
+  echo "setup: building without NVSHMEM (the low-latency mode uses the CUDA IPC buffer)"
+  nvshmem_flags=(-DEPX_NVSHMEM=OFF -DEPX_NVSHMEM_DIR=)
+fi
+
 generator=()
 command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
 jobs=$(nproc 2>/dev/null || echo 2)
@@ -35,7 +80,16 @@ if [ -f "$BUILD_DIR/CMakeCache.txt" ] &&
   echo "setup: $BUILD_DIR was configured for another source folder; configuring it again"
   rm -rf "$BUILD_DIR"
 fi
-configure() { cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null; }
+configure() {
+  cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release "${nvshmem_flags[@]}" >/dev/null
+}
+# A build folder configured with another NVSHMEM choice is configured again (the cache keeps the rest).
+if [ -f "$BUILD_DIR/CMakeCache.txt" ] &&
+   { ! grep -qx "EPX_NVSHMEM:STRING=$nvshmem_mode" "$BUILD_DIR/CMakeCache.txt" ||
+     ! grep -qx "EPX_NVSHMEM_DIR:PATH=$nvshmem_dir" "$BUILD_DIR/CMakeCache.txt"; }; then
+  echo "setup: $BUILD_DIR was configured with another NVSHMEM choice; configuring it again"
+  cmake -S . -B "$BUILD_DIR" "${nvshmem_flags[@]}" >/dev/null
+fi
 if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
   configure
   cmake --build "$BUILD_DIR" -j "$jobs"

@@ -191,11 +191,26 @@ typedef struct epx_ll_combine_args {
   const float* topk_weights; /* [num_tokens, num_topk] */
 } epx_ll_combine_args;
 
+/* How a buffer's low-latency mode reaches the other ranks (docs/design.md, "Low-latency transports"). Chosen at
+ * creation: without NVSHMEM in the build, or with EPX_DISABLE_NVSHMEM=1, the region is part of the CUDA IPC
+ * buffer; otherwise it is NVSHMEM symmetric memory, written through peer pointers where nvshmem_ptr gives one and
+ * through NVSHMEM puts elsewhere (everywhere but this rank with EPX_LL_FORCE_NVSHMEM=1). */
+#define EPX_LL_TRANSPORT_NONE 0     /* the buffer has no low-latency region (num_rdma_bytes == 0) */
+#define EPX_LL_TRANSPORT_CUDA_IPC 1 /* the region is in the CUDA IPC buffer */
+#define EPX_LL_TRANSPORT_NVSHMEM 2  /* the region is NVSHMEM symmetric memory */
+
+typedef struct epx_ll_transport_info {
+  int transport;              /* EPX_LL_TRANSPORT_* */
+  int num_peer_pointer_ranks; /* ranks (this one included) written with the kernels' own stores */
+  int num_nvshmem_ranks;      /* ranks written through NVSHMEM puts and atomics */
+} epx_ll_transport_info;
+
 typedef struct epx_buffer epx_buffer;
 
 const char* epx_last_error(void);
 const char* epx_status_string(epx_status status);
 int epx_version(void); /* major * 100 + minor */
+int epx_built_with_nvshmem(void); /* nonzero when this libepx has the NVSHMEM transport */
 
 /* Creation and destruction are collective over the bootstrap's ranks. */
 epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_options* options,
@@ -204,6 +219,7 @@ epx_status epx_buffer_destroy(epx_buffer* buffer);
 epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, int* device,
                            int* num_nvl_ranks);
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds);
+epx_status epx_buffer_ll_transport(const epx_buffer* buffer, epx_ll_transport_info* info);
 /* Waits for the stream, then reports any error a kernel of this buffer recorded (timeouts, bad input). */
 epx_status epx_buffer_check(epx_buffer* buffer, void* stream);
 /* Where one region of this rank's memory is: a device pointer and its size in bytes, exactly as large as

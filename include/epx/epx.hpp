@@ -73,6 +73,7 @@ using LowLatencyDispatchArgs = epx_ll_dispatch_args;
 using LowLatencyDispatchOutputs = epx_ll_dispatch_outputs;
 using LowLatencyHandle = epx_ll_handle;
 using LowLatencyCombineArgs = epx_ll_combine_args;
+using LowLatencyTransportInfo = epx_ll_transport_info;
 constexpr int kLowLatencySendPhase = EPX_LL_SEND;
 constexpr int kLowLatencyRecvPhase = EPX_LL_RECV;
 constexpr int kLowLatencyBothPhases = EPX_LL_BOTH;
@@ -85,6 +86,10 @@ int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks)
 BufferOptions default_buffer_options();
 // num_rdma_bytes for low-latency calls of up to M tokens per rank (both buffer sets).
 int64_t low_latency_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts);
+// Whether this libepx has the NVSHMEM transport of the low-latency mode.
+bool built_with_nvshmem();
+// E.g. "nvshmem: 1 rank through peer pointers, 3 through NVSHMEM puts", "cuda-ipc: 4 ranks through peer pointers".
+std::string describe_low_latency_transport(const LowLatencyTransportInfo& info);
 
 // One region of a buffer's memory on this rank (see epx_buffer_region).
 struct MemoryRegion {
@@ -116,6 +121,8 @@ class Buffer {
   int num_sms_on_device() const;
   void set_timeout(double seconds);
   double timeout() const;
+  // Where the low-latency region lives and how each rank is reached (fixed at creation).
+  LowLatencyTransportInfo low_latency_transport() const;
 
   // Waits for `stream`, then throws any error a kernel of this buffer recorded.
   void check(cudaStream_t stream);

@@ -34,6 +34,10 @@ EPX_REGION_RDMA = 1
 EPX_LL_SEND = 1
 EPX_LL_RECV = 2
 EPX_LL_BOTH = 3
+# low-latency transports (epx_ll_transport_info.transport)
+EPX_LL_TRANSPORT_NONE = 0
+EPX_LL_TRANSPORT_CUDA_IPC = 1
+EPX_LL_TRANSPORT_NVSHMEM = 2
 
 # int (*)(void* ctx, const void* send, void* recv, size_t bytes)
 ALLGATHER_FN = CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t)
@@ -118,6 +122,10 @@ class LLCombineArgs(Structure):
     _fields_ = [("x", c_void_p), ("zero_copy", c_int), ("topk_idx", c_void_p), ("topk_weights", c_void_p)]
 
 
+class LLTransportInfo(Structure):
+    _fields_ = [("transport", c_int), ("num_peer_pointer_ranks", c_int), ("num_nvshmem_ranks", c_int)]
+
+
 # Every struct of epx.h, by its C name (the ABI test compares each with the C compiler's layout).
 STRUCTS = {
     "epx_bootstrap": Bootstrap, "epx_buffer_options": BufferOptions, "epx_config": Config,
@@ -125,7 +133,7 @@ STRUCTS = {
     "epx_dispatch_handle": DispatchHandle, "epx_dispatch_outputs": DispatchOutputs,
     "epx_dispatch_counts": DispatchCounts, "epx_combine_args": CombineArgs, "epx_combine_outputs": CombineOutputs,
     "epx_ll_dispatch_args": LLDispatchArgs, "epx_ll_dispatch_outputs": LLDispatchOutputs,
-    "epx_ll_handle": LLHandle, "epx_ll_combine_args": LLCombineArgs,
+    "epx_ll_handle": LLHandle, "epx_ll_combine_args": LLCombineArgs, "epx_ll_transport_info": LLTransportInfo,
 }
 
 _P = POINTER
@@ -137,10 +145,12 @@ SIGNATURES = {
     "epx_last_error": (c_char_p, []),
     "epx_status_string": (c_char_p, [c_int]),
     "epx_version": (c_int, []),
+    "epx_built_with_nvshmem": (c_int, []),
     "epx_buffer_create": (c_int, [_P(Bootstrap), _P(BufferOptions), _P(c_void_p)]),
     "epx_buffer_destroy": (c_int, [_buffer_p]),
     "epx_buffer_info": (c_int, [_buffer_p, _P(c_int), _P(c_int), _P(c_int), _P(c_int)]),
     "epx_buffer_set_timeout": (c_int, [_buffer_p, c_double]),
+    "epx_buffer_ll_transport": (c_int, [_buffer_p, _P(LLTransportInfo)]),
     "epx_buffer_check": (c_int, [_buffer_p, _stream]),
     "epx_buffer_region": (c_int, [_buffer_p, c_int, _P(c_void_p), _P(c_int64)]),
     "epx_default_dispatch_config": (c_int, [c_int, _P(Config)]),

@@ -58,6 +58,8 @@ const char* epx_status_string(epx_status status) { return epx::status_string(sta
 
 int epx_version(void) { return EPX_VERSION_MAJOR * 100 + EPX_VERSION_MINOR; }
 
+int epx_built_with_nvshmem(void) { return epx::built_with_nvshmem() ? 1 : 0; }
+
 epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_options* options, epx_buffer** out) {
   return guarded([&] {
     require_non_null(bootstrap, "bootstrap");
@@ -94,6 +96,13 @@ epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, 
 
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) {
   return guarded([&] { live(buffer).set_timeout(seconds); });
+}
+
+epx_status epx_buffer_ll_transport(const epx_buffer* buffer, epx_ll_transport_info* info) {
+  return guarded([&] {
+    require_non_null(info, "info");
+    *info = live(const_cast<epx_buffer*>(buffer)).low_latency_transport();
+  });
 }
 
 epx_status epx_buffer_check(epx_buffer* buffer, void* stream) {

@@ -2,7 +2,9 @@
 //
 // Send phase: one warp per row; a row goes back into its source rank's receive area at [global expert][source
 // token] once the source has cleared its flag for the expert (it consumed the last call on this buffer set);
-// the last row of an (expert, source) pair raises the flag.
+// the last row of an (expert, source) pair raises the flag. Writes into other ranks go through
+// kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is not already in the
+// symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
 // Receive phase: warps wait for every expert's flag, a grid barrier, then block b reduces tokens b, b+G, ...:
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
 // a second grid barrier, then the flags are cleared.
@@ -14,6 +16,7 @@
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/ll_params.hpp"
+#include "kernels/ll_transport.cuh"
 
 namespace epx {
 namespace {
@@ -34,7 +37,10 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
   const int64_t rows_per_expert = int64_t(R) * M;
   // Completion counters per (local expert, source): the set's `sent` area, unused by combine otherwise and left
   // at zero by every call.
-  int32_t* done = p.layout.sent(p.regions[me], p.set);
+  int32_t* done = p.layout.sent(p.peers.local, p.set);
+  int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);  // addresses here = offsets at every peer
+  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
+  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.local, p.set));
   if (warp == 0) {  // exclusive prefix of rows per local expert
     int carry = 0;
     for (int base = 0; base < L; base += 32) {
@@ -73,37 +79,41 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
       if (n >= begin && n < begin + count) break;
     }
     const int e = me * L + i;
-    int32_t* flag = p.layout.combine_flag(p.regions[s], p.set) + e;
     // Back-pressure: s clears the flag only after it reduced the rows of the last call on this set.
-    if (lane == 0) wait_zero(flag, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
+    if (lane == 0) wait_peer_zero(p.peers, s, flags + e, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
     __syncwarp();
     const int t = p.recv_src_info[int64_t(i) * rows_per_expert + n];
-    int4* dst = reinterpret_cast<int4*>(p.layout.receive(p.regions[s], p.set)) + (int64_t(e) * M + t) * row_int4;
+    const int64_t row = int64_t(i) * rows_per_expert + n;
     const int first = row_int4 * part / parts, last = row_int4 * (part + 1) / parts;
-    warp_copy<4>(dst + first, p.x + (int64_t(i) * rows_per_expert + n) * row_int4 + first, last - first, lane,
-                 LoadNc{}, StoreNa{});
+    const int4* src = p.x + row * row_int4 + first;
+    if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
+      warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
+      __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
+      __syncwarp();
+      src = stage + row * row_int4 + first;
+    }
+    put_warp<4>(p.peers, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first, lane, LoadNc{});
     __syncwarp();  // every lane's part is written before lane 0's release below
     // acq_rel: releases this warp's part and, for the last one, acquires every other part of the pair, so the
-    // flag's st_release_sys publishes all of them (release is cumulative).
+    // flag's signal (a release) publishes all of them (release is cumulative).
     if (lane == 0 && atomic_add_acq_rel_gpu(&done[i * R + s], 1) + 1 == count * parts) {
       done[i * R + s] = 0;
-      st_release_sys(flag, 1);  // pairs with the receiver's wait_nonzero
+      signal(p.peers, s, flags + e, 1);  // pairs with the receiver's wait_nonzero
     }
   }
   // Pairs with no rows still tell the source that nothing more comes from this expert.
   for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
     const int i = pair / R, s = pair % R;
     if ((p.recv_layout_range[int64_t(i) * R + s] & 0xffffffff) != 0 || lane != 0) continue;
-    int32_t* flag = p.layout.combine_flag(p.regions[s], p.set) + me * L + i;
-    wait_zero(flag, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
-    st_release_sys(flag, 1);
+    wait_peer_zero(p.peers, s, flags + me * L + i, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
+    signal(p.peers, s, flags + me * L + i, 1);
   }
 }
 
 __device__ void receive_phase(const LowLatencyCombineParams& p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int M = p.max_tokens, K = p.num_topk, me = p.env.rank;
-  int32_t* flags = p.layout.combine_flag(p.regions[me], p.set);
+  const int M = p.max_tokens, K = p.num_topk;
+  int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);
   for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
     if (lane == 0)
       wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, e / (p.num_experts / p.num_ranks), e});
@@ -111,7 +121,7 @@ __device__ void receive_phase(const LowLatencyCombineParams& p) {
   grid_barrier(&p.env.self->grid_barrier, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, -1, -1});
 
   const int row_int4 = p.hidden / 8;
-  const uint8_t* recv = p.layout.receive(p.regions[me], p.set);
+  const uint8_t* recv = p.layout.receive(p.peers.local, p.set);
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     for (int h = threadIdx.x; h < row_int4; h += kThreads) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

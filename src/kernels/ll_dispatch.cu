@@ -5,7 +5,9 @@
 // (local expert, this rank, position of (t, k) among this rank's selections of that expert in (t, k) order):
 // rows arrive in token order with no atomics (kWarps / K warps share a slot, each writing part of the record).
 // Each part bumps a local per-expert counter; the warp that owns expert e waits for all parts of its
-// selections, then sends count + 1 to e's rank.
+// selections, then sends count + 1 to e's rank. Writes into other ranks go through kernels/ll_transport.cuh
+// (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is also copied to symmetric memory, where
+// puts can read it.
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
 // rank ascending and copies them into the packed outputs (FP8 scales token-minor).
 #include <cuda_runtime.h>
@@ -16,6 +18,7 @@
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/ll_params.hpp"
+#include "kernels/ll_transport.cuh"
 
 namespace epx {
 namespace {
@@ -86,17 +89,30 @@ __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyR
   if (threadIdx.x == 0) *reinterpret_cast<int32_t*>(s_rec + rec.meta_offset) = t;
 }
 
+// Token t's record in symmetric memory, the source of NVSHMEM puts.
+__device__ __forceinline__ int4* staged_record(const LowLatencyDispatchParams& p, const LowLatencyRecord& rec, int t) {
+  return reinterpret_cast<int4*>(p.layout.dispatch_stage(p.peers.local, p.set) + int64_t(t) * rec.bytes);
+}
+
 __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, int16_t* s_topk) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk, me = p.env.rank;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
-  int32_t* sent = p.layout.sent(p.regions[me], p.set);
+  int32_t* sent = p.layout.sent(p.peers.local, p.set);
+  // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging
 
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
     __syncthreads();
+    if (uses_nvshmem(p.peers)) {  // NVSHMEM puts read their source from symmetric memory: a copy there
+      int4* staged = staged_record(p, rec, t);
+      for (int i = threadIdx.x; i < int(rec.bytes / 16); i += kThreads)
+        staged[i] = reinterpret_cast<const int4*>(s_rec)[i];
+      __threadfence();  // before any warp of the block hands the record to NVSHMEM
+      __syncthreads();
+    }
     // kWarps / K warps per top-k slot, each writing a contiguous part of the record.
     const int parts = kWarps / K, k = warp / parts, part = warp % parts;
     if (k < K) {
@@ -109,15 +125,18 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
         // Back-pressure: the slot's count is cleared by the receiver only after it copied the rows of the last
         // call on this set, so rows are never overwritten while a slow peer still reads them.
         if (lane == 0)
-          wait_zero(p.layout.dispatch_count(p.regions[dest], p.set) + local * R + me, p.env,
-                    WaitSite{kRoleLowLatencySend, -1, dest, e});
+          wait_peer_zero(p.peers, dest, p.layout.dispatch_count(p.peers.local, p.set) + local * R + me, p.env,
+                         WaitSite{kRoleLowLatencySend, -1, dest, e});
         __syncwarp();
-        uint8_t* dst = p.layout.receive(p.regions[dest], p.set) + ((int64_t(local) * R + me) * M + slot) * rec.bytes;
+        int4* dst = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set) +
+                                            ((int64_t(local) * R + me) * M + slot) * rec.bytes);
+        const int4* src =
+            has_peer_pointer(p.peers, dest) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
         const int n = int(rec.bytes / 16), first = n * part / parts, last = n * (part + 1) / parts;
-        warp_copy<2>(reinterpret_cast<int4*>(dst) + first, reinterpret_cast<const int4*>(s_rec) + first, last - first,
-                     lane, [](const int4* q) { return *q; }, StoreNa{});
+        // On return this lane's part of the record is written (peer pointer) or complete at dest (NVSHMEM).
+        put_warp<2>(p.peers, dest, dst + first, src + first, last - first, lane, [](const int4* q) { return *q; });
         __syncwarp();  // every lane's part is written before lane 0's release below
-        // One per part; the count sender acquires it, then its st_release_sys publishes these rows too.
+        // One per part; the count sender acquires it, then its signal (a release) publishes these rows too.
         if (lane == 0) atomic_add_release_gpu(&sent[e], 1);
       }
     }
@@ -132,10 +151,12 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       if (expected > 0)  // every part of every row
         wait_at_least_i32(&sent[e], expected * (kWarps / K), p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
       sent[e] = 0;  // only this warp reads it; the next use of this set is two calls away
-      int32_t* count = p.layout.dispatch_count(p.regions[e / L], p.set) + (e % L) * R + me;
+      const int dest = e / L;
+      int32_t* count = p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me;
       if (expected == 0)  // no row went there, so no token warp waited for the slot to be free
-        wait_zero(count, p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
-      st_release_sys(count, expected + 1);  // pairs with the receiver's acquire
+        wait_peer_zero(p.peers, dest, count, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
+      // After the acquire above saw every part complete at dest; pairs with the receiver's wait_nonzero.
+      signal(p.peers, dest, count, expected + 1);
     }
   }
 }
@@ -143,7 +164,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
 __device__ void receive_phase(const LowLatencyDispatchParams& p) {
   __shared__ int s_begin[kMaxNvlRanks + 1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
+  const int R = p.num_ranks, M = p.max_tokens;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   const int groups = p.hidden / kFp8GroupSize;
@@ -153,7 +174,7 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
     if (warp == 0) {
       int count = 0;
       if (lane < R) {
-        int32_t* c = p.layout.dispatch_count(p.regions[me], p.set) + i * R + lane;
+        int32_t* c = p.layout.dispatch_count(p.peers.local, p.set) + i * R + lane;
         count = wait_nonzero(c, p.env, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;  // pairs with the sender
       }
       int incl = count;  // inclusive scan over source ranks
@@ -179,7 +200,7 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
       int s = 0;
       while (n >= s_begin[s + 1]) ++s;
       const int slot = n - s_begin[s];
-      const uint8_t* src = p.layout.receive(p.regions[me], p.set) + ((int64_t(i) * R + s) * M + slot) * rec.bytes;
+      const uint8_t* src = p.layout.receive(p.peers.local, p.set) + ((int64_t(i) * R + s) * M + slot) * rec.bytes;
       const int64_t row = int64_t(i) * rows_per_expert + n;
       warp_copy<4>(static_cast<int4*>(p.packed_recv_x) + row * (rec.row_bytes / 16), reinterpret_cast<const int4*>(src),
                    int(rec.row_bytes / 16), lane, LoadCg{}, StoreNa{});
@@ -204,7 +225,7 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
     }
     __syncthreads();  // every row of expert i is copied (and s_begin may be reused)
     if (warp == 0 && lane < R)  // release: senders of the next call on this set wait for 0 before writing rows
-      st_release_sys(p.layout.dispatch_count(p.regions[me], p.set) + i * R + lane, 0);
+      st_release_sys(p.layout.dispatch_count(p.peers.local, p.set) + i * R + lane, 0);
   }
 }
 

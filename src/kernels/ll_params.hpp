@@ -15,10 +15,19 @@ namespace epx {
 constexpr int kLowLatencySend = 1;
 constexpr int kLowLatencyRecv = 2;
 
+// How the kernels reach every rank's low-latency region (kernels/ll_transport.cuh). Rank r is reached through
+// direct[r] when it is set, else through NVSHMEM at the same offset of the symmetric region. This rank's own
+// region is always direct (it is local memory).
+struct LowLatencyPeers {
+  uint8_t* local;                 // this rank's region (with NVSHMEM: its symmetric address)
+  uint8_t* direct[kMaxNvlRanks];  // rank r's region as mapped here, or nullptr: NVSHMEM
+  int num_nvshmem;                // ranks with direct[r] == nullptr
+};
+
 struct LowLatencyDispatchParams {
   FailEnv env;
   LowLatencyLayout layout;
-  void* regions[kMaxNvlRanks];  // every rank's low-latency region as mapped here
+  LowLatencyPeers peers;
   int set;                      // buffer set of this call
   int phases;                   // kLowLatencySend | kLowLatencyRecv
   int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
@@ -36,11 +45,12 @@ struct LowLatencyDispatchParams {
 struct LowLatencyCombineParams {
   FailEnv env;
   LowLatencyLayout layout;
-  void* regions[kMaxNvlRanks];
+  LowLatencyPeers peers;
   int set;
   int phases;
   int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
   const int4* x;                    // bf16 [L, R*M, H] expert outputs (a user tensor, or the zero-copy area)
+  int x_in_region;                  // x is this set's combine-send area (zero-copy): NVSHMEM can put from it
   const int64_t* topk_idx;          // [T, K]
   const float* topk_weights;        // [T, K]
   const int* recv_src_info;         // [L, R*M]

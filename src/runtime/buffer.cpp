@@ -1,17 +1,16 @@
 // Buffer creation and teardown (CUDA IPC mapping of every peer's NVLink buffer), failure reporting.
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/diagnostics.hpp"
-#include "runtime/ll_layout.hpp"
 
 namespace epx {
 namespace {
@@ -26,6 +25,8 @@ struct PeerInfo {
   int32_t pci_domain, pci_bus, pci_device;
   int32_t num_nvl_ranks;
   int32_t low_latency_mode;
+  int32_t ll_transport;  // LowLatencyTransport: the same build and switches on every rank
+  int32_t ll_force_nvshmem;
   int64_t alloc_bytes;
   char hostname[64];
   cudaIpcMemHandle_t handle;
@@ -169,12 +170,13 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
 
   ll_offset = RingLayout::data_offset() + align_up(opts.num_nvl_bytes, kAlign);
   ll_set_bytes = align_up(opts.num_rdma_bytes, 2 * kAlign) / 2;
-  alloc_bytes = ll_offset + 2 * ll_set_bytes;
+  const LowLatencyTransportChoice transport = choose_low_latency_transport_from_env(ll_set_bytes > 0);
+  ll_transport = transport.transport;
+  ll_force_nvshmem = transport.force_nvshmem;
+  // With NVSHMEM the low-latency region is a symmetric allocation of its own (attach_low_latency_region).
+  alloc_bytes = ll_offset + (ll_transport == LowLatencyTransport::kCudaIpc ? 2 * ll_set_bytes : 0);
   EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));
   EPX_CUDA_CHECK(cudaMemset(local, 0, RingLayout::data_offset()));
-  for (int set = 0; set < 2 && ll_set_bytes > 0; ++set)
-    EPX_CUDA_CHECK(cudaMemset(static_cast<uint8_t*>(local) + ll_offset + set * ll_set_bytes, 0,
-                              std::min<int64_t>(LowLatencyLayout::kSignalsBytes, ll_set_bytes)));
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(HostShared), cudaHostAllocMapped));
   std::memset(host, 0, sizeof(HostShared));
   EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
@@ -189,6 +191,8 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   mine.pci_device = prop.pciDeviceID;
   mine.num_nvl_ranks = num_nvl_ranks;
   mine.low_latency_mode = opts.low_latency_mode;
+  mine.ll_transport = int32_t(ll_transport);
+  mine.ll_force_nvshmem = ll_force_nvshmem;
   mine.alloc_bytes = alloc_bytes;
   gethostname(mine.hostname, sizeof(mine.hostname) - 1);
   EPX_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, local));
@@ -204,6 +208,12 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
                     p.low_latency_mode == mine.low_latency_mode,
                 "buffer options differ between ranks: rank ", i, " has ", p.alloc_bytes, " bytes / num_nvl_ranks ",
                 p.num_nvl_ranks, ", rank ", rank, " has ", alloc_bytes, " / ", num_nvl_ranks);
+    EPX_REQUIRE(p.ll_transport == mine.ll_transport && p.ll_force_nvshmem == mine.ll_force_nvshmem,
+                "ranks disagree on the low-latency transport: rank ", i, " chose ",
+                transport_name(LowLatencyTransport(p.ll_transport)), p.ll_force_nvshmem ? " (forced)" : "", ", rank ",
+                rank, " chose ", transport_name(ll_transport), ll_force_nvshmem ? " (forced)" : "",
+                " (EPX_DISABLE_NVSHMEM and EPX_LL_FORCE_NVSHMEM must be the same on every rank, and libepx the same"
+                " build)");
   }
   for (int j = 0; j < num_nvl_ranks; ++j) {
     const PeerInfo& p = all[domain_first + j];
@@ -223,6 +233,12 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
             ") directly: epx needs NVLink or PCIe peer access inside a domain");
     EPX_CUDA_CHECK(cudaIpcOpenMemHandle(&peers[j], p.handle, cudaIpcMemLazyEnablePeerAccess));
   }
+  try {
+    attach_low_latency_region();
+  } catch (...) {
+    release_ipc_buffer();  // its errors are raised on every rank alike, so every rank gets here
+    throw;
+  }
   alive = true;
   bs.barrier();  // no rank writes into a peer's buffer before every rank has mapped and zeroed its own
 }
@@ -232,8 +248,14 @@ void Buffer::Impl::destroy() {
   alive = false;
   DeviceGuard guard(device);
   // A failed (trapped) context answers every call with an error; free what can be freed, keep the barriers.
-  cudaDeviceSynchronize();
-  bootstrap->barrier();  // every rank's kernels are done with every buffer
+  const char context_ok = cudaDeviceSynchronize() == cudaSuccess ? 1 : 0;
+  std::string ok(size_t(num_ranks), '\0');
+  bootstrap->all_gather(&context_ok, ok.data(), 1);  // every rank's kernels are done with every buffer
+  detach_low_latency_region(ok.find('\0') == std::string::npos);
+  release_ipc_buffer();
+}
+
+void Buffer::Impl::release_ipc_buffer() {
   for (int j = 0; j < num_nvl_ranks; ++j)
     if (j != nvl_rank && peers[j] != nullptr) cudaIpcCloseMemHandle(peers[j]);
   bootstrap->barrier();  // nobody maps this rank's buffer any more

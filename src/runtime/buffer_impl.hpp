@@ -9,6 +9,7 @@
 #include "epx/epx.hpp"
 #include "runtime/fail_env.hpp"
 #include "runtime/host_shared.hpp"
+#include "runtime/ll_transport.hpp"
 #include "runtime/nvl_layout.hpp"
 
 namespace epx {
@@ -31,11 +32,16 @@ struct Buffer::Impl {
   HostShared* host_dev = nullptr;  // device view
   int host_seq = 0;                // sequence numbers of notify calls waited for by the host
 
-  // Low-latency region (after the ring region): two buffer sets of ll_set_bytes each.
+  // Low-latency region: two buffer sets of ll_set_bytes each, after the ring region of the IPC buffer
+  // (kCudaIpc) or in NVSHMEM symmetric memory (kNvshmem). See runtime/ll_transport.hpp.
   int64_t ll_offset = 0;
   int64_t ll_set_bytes = 0;
   int ll_next_set = 0;             // alternates on every low-latency call (dispatch or combine)
-  void* ll_region(int nvl) const { return static_cast<uint8_t*>(peers[nvl]) + ll_offset; }
+  LowLatencyTransport ll_transport = LowLatencyTransport::kNone;
+  bool ll_force_nvshmem = false;
+  uint8_t* ll_local = nullptr;                // this rank's region
+  uint8_t* ll_direct[kMaxNvlRanks] = {};      // rank r's region as mapped here; nullptr: through NVSHMEM
+  int ll_num_nvshmem = 0;                     // ranks reached through NVSHMEM
 
   bool alive = false;
   bool failed = false;
@@ -57,6 +63,12 @@ struct Buffer::Impl {
 
   void create(Bootstrap& bs, const BufferOptions& opts);
   void destroy();
+  // The low-latency region's memory and peer access (runtime/ll_region.cpp): after the IPC mapping in create,
+  // before the barrier in destroy. Collective.
+  void attach_low_latency_region();
+  void detach_low_latency_region(bool usable);
+  // Unmaps the peers' buffers, then (after a barrier) frees this rank's. Collective.
+  void release_ipc_buffer();
 };
 
 }  // namespace epx

@@ -1,5 +1,6 @@
-// Layout of the low-latency region of a rank's buffer (after the high-throughput ring region, inside the same
-// IPC allocation, so every peer maps it). Two buffer sets alternate between calls (double buffering):
+// Layout of the low-latency region of a rank: after the high-throughput ring region inside the CUDA IPC
+// allocation (so every peer maps it), or, in builds with NVSHMEM, a separate allocation in NVSHMEM symmetric
+// memory (runtime/symmetric_memory.hpp). Two buffer sets alternate between calls (double buffering):
 //
 //   set s: [ signals | receive area | combine send area ]
 //     signals        dispatch_count[E]: at the receiver, index local_expert * R + src_rank; count + 1, cleared by
@@ -11,7 +12,9 @@
 //                    sent[E]:           at the sender, tokens already written for expert e (local counter)
 //     receive area   dispatch: [local expert][src rank][M] records (token row, scales, source token index)
 //                    combine:  [global expert][M] bf16 rows (expert outputs for this rank's tokens)
-//     combine send   [local expert][R * M] bf16 rows: where zero-copy combine reads expert outputs from
+//     combine send   [local expert][R * M] bf16 rows: where zero-copy combine reads expert outputs from;
+//                    with NVSHMEM peers also the staging of dispatch records and of combine rows (sources of
+//                    NVSHMEM puts must be symmetric memory)
 //
 // Signals sit at fixed offsets so that calls with other sizes never misread them.
 #pragma once
@@ -91,6 +94,14 @@ struct LowLatencyLayout {
   EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
   EPX_HD uint8_t* combine_send(void* region, int set) const {
     return set_base(region, set) + kSignalsBytes + receive_bytes;
+  }
+  // Where a dispatch stages token t's record (at t * record bytes) for NVSHMEM puts, whose sources must be
+  // symmetric memory. It is the combine-send area of the same set, which only a combine's send phase on that
+  // set reads: a zero-copy input written there is for the very next call, and a dispatch on this set is not
+  // that call; the puts are complete before the dispatch kernel ends.
+  EPX_HD uint8_t* dispatch_stage(void* region, int set) const { return combine_send(region, set); }
+  EPX_HD bool dispatch_stage_fits(int max_tokens, int64_t record_bytes) const {
+    return int64_t(max_tokens) * record_bytes <= combine_send_bytes;
   }
 };
 

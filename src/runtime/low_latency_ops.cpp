@@ -10,7 +10,7 @@
 namespace epx {
 namespace {
 
-constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;  // peers reached through the IPC mapping
+constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;  // one NVLink domain (LowLatencyPeers holds one per rank)
 constexpr int kLowLatencyMaxTopk = 32;             // one warp per top-k slot of a token
 
 void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
@@ -39,8 +39,21 @@ void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_t
           2 * LowLatencyLayout::required_set_bytes(max_tokens, hidden, num_experts), " (low_latency_size_hint)");
 }
 
-void fill_regions(const Buffer::Impl& b, void** regions) {
-  for (int r = 0; r < b.num_nvl_ranks; ++r) regions[r] = b.ll_region(r);
+LowLatencyPeers peers_of(const Buffer::Impl& b) {
+  LowLatencyPeers peers{};
+  peers.local = b.ll_local;
+  for (int r = 0; r < b.num_nvl_ranks; ++r) peers.direct[r] = b.ll_direct[r];
+  peers.num_nvshmem = b.ll_num_nvshmem;
+  return peers;
+}
+
+// NVSHMEM puts read dispatch records staged in the combine-send area (LowLatencyLayout::dispatch_stage).
+void check_staging(const Buffer::Impl& b, const LowLatencyLayout& layout, int max_tokens, int hidden, bool fp8,
+                   const char* op) {
+  const int64_t record = LowLatencyRecord::make(hidden, fp8).bytes;
+  if (b.ll_num_nvshmem > 0 && !layout.dispatch_stage_fits(max_tokens, record))
+    raise(Status::kNotSupported, op, ": the NVSHMEM transport stages ", max_tokens, " records of ", record,
+          " bytes in the combine-send area of ", layout.combine_send_bytes, " bytes; use more experts");
 }
 
 }  // namespace
@@ -61,8 +74,7 @@ void Buffer::clean_low_latency_buffer(cudaStream_t stream) {
   b.enter(op);
   EPX_REQUIRE(b.ll_set_bytes > 0, op, ": the buffer has no low-latency region");
   for (int set = 0; set < 2; ++set)
-    b.check_launch(cudaMemsetAsync(static_cast<uint8_t*>(b.ll_region(b.nvl_rank)) + set * b.ll_set_bytes, 0,
-                                   LowLatencyLayout::kSignalsBytes, stream),
+    b.check_launch(cudaMemsetAsync(b.ll_local + set * b.ll_set_bytes, 0, LowLatencyLayout::kSignalsBytes, stream),
                    op);
   NotifyParams p{};
   p.env = b.fail_env();
@@ -112,7 +124,8 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
   LowLatencyDispatchParams p{};
   p.env = b.fail_env();
   p.layout = LowLatencyLayout::make(b.ll_set_bytes, a.num_max_dispatch_tokens_per_rank, a.hidden, a.num_experts);
-  fill_regions(b, p.regions);
+  check_staging(b, p.layout, a.num_max_dispatch_tokens_per_rank, a.hidden, a.use_fp8 != 0, op);
+  p.peers = peers_of(b);
   p.set = set;
   p.phases = phases;
   p.num_ranks = b.num_ranks;
@@ -164,7 +177,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   LowLatencyCombineParams p{};
   p.env = b.fail_env();
   p.layout = LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
-  fill_regions(b, p.regions);
+  p.peers = peers_of(b);
   p.set = set;
   p.phases = phases;
   p.num_ranks = b.num_ranks;
@@ -173,8 +186,8 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   p.hidden = h.hidden;
   p.num_topk = h.num_topk;
   p.num_experts = h.num_experts;
-  p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.ll_region(b.nvl_rank), set))
-                                              : a.x);
+  p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.ll_local, set)) : a.x);
+  p.x_in_region = a.zero_copy ? 1 : 0;
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;
   p.recv_src_info = h.recv_src_info;
@@ -193,7 +206,7 @@ void* Buffer::next_low_latency_combine_buffer(const LowLatencyHandle& h) {
                  false, op);
   const LowLatencyLayout layout =
       LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
-  return layout.combine_send(b.ll_region(b.nvl_rank), b.ll_next_set);
+  return layout.combine_send(b.ll_local, b.ll_next_set);
 }
 
 }  // namespace epx

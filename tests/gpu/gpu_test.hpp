@@ -31,8 +31,16 @@ struct Case {
 std::vector<Case> intranode_cases();
 std::vector<Case> low_latency_cases();
 std::vector<Case> lifecycle_cases();
+// Which low-latency transport runs (checked against `expected`: "", "cuda-ipc", "nvshmem" or "nvshmem-forced"),
+// and a second low-latency buffer beside the first.
+std::vector<Case> low_latency_transport_cases(const LowLatencyTransportInfo& info, const std::string& expected);
+// "" when info is what `expected` names, else what differs.
+std::string transport_mismatch(const LowLatencyTransportInfo& info, int num_ranks, const std::string& expected);
 
 // Runs the timeout scenario in its own processes (a timed-out rank's CUDA context is lost).
 int run_timeout_suite(int num_ranks);
+// Low-latency buffers created and destroyed several times in one process, and a missing rank on the
+// low-latency transport, each in its own processes.
+int run_low_latency_process_suites(int num_ranks, const std::string& expected);
 
 }  // namespace epx::gpu_test

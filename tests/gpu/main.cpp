@@ -1,5 +1,8 @@
 // epx_gpu_tests: the GPU test suite, one process per GPU through the local launcher.
 //   epx_gpu_tests [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]
+//                 [--expect-transport cuda-ipc|nvshmem|nvshmem-forced] [--build-info]
+// The low-latency transport follows the build and EPX_DISABLE_NVSHMEM / EPX_LL_FORCE_NVSHMEM (docs/design.md);
+// the suite prints it, and --expect-transport makes a different one a failure.
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -25,9 +28,12 @@ struct Result {
 struct Options {
   int gpus = 0;
   std::string filter;
-  bool timeout_suite = true;
+  bool timeout_suite = true;  // and the other suites that run in their own processes
   double budget_s = 20;
+  std::string expect_transport;
 };
+
+constexpr const char* kLowLatencyProcessSuites = "ll: create / destroy cycles and missing ranks (own processes)";
 
 int suite(Bootstrap& bs, const Options& opt) {
   const int rank = bs.rank(), R = bs.size();
@@ -43,8 +49,11 @@ int suite(Bootstrap& bs, const Options& opt) {
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   Context ctx{bs, buffer, stream, rank, R, o.num_nvl_bytes, dcfg, ccfg};
+  const LowLatencyTransportInfo transport = buffer.low_latency_transport();
+  if (rank == 0) std::printf("low-latency transport: %s\n", describe_low_latency_transport(transport).c_str());
 
   std::vector<Case> cases = intranode_cases();
+  for (auto& c : low_latency_transport_cases(transport, opt.expect_transport)) cases.push_back(std::move(c));
   for (auto& c : low_latency_cases()) cases.push_back(std::move(c));
   for (auto& c : lifecycle_cases()) cases.push_back(std::move(c));
   int failed = 0, run = 0;
@@ -102,12 +111,21 @@ int main(int argc, char** argv) {
       opt.gpus = std::atoi(argv[++i]);
     } else if (a == "--filter" && i + 1 < argc) {
       opt.filter = argv[++i];
+    } else if (a == "--build-info") {  // for scripts: what this build has, without touching a GPU
+      std::printf("nvshmem: %s\n", built_with_nvshmem() ? "yes" : "no");
+      return 0;
     } else if (a == "--no-timeout-suite") {
       opt.timeout_suite = false;
     } else if (a == "--budget" && i + 1 < argc) {
       opt.budget_s = std::atof(argv[++i]);
+    } else if (a == "--expect-transport" && i + 1 < argc &&
+               (std::string(argv[i + 1]) == "cuda-ipc" || std::string(argv[i + 1]) == "nvshmem" ||
+                std::string(argv[i + 1]) == "nvshmem-forced")) {
+      opt.expect_transport = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]\n"
+                   "       [--expect-transport cuda-ipc|nvshmem|nvshmem-forced]\n",
                    argv[0]);
       return 2;
     }
@@ -126,6 +144,9 @@ int main(int argc, char** argv) {
   int rc = res.num_failed == 0 ? 0 : 1;
   if (res.num_failed) std::printf("%s", res.summary.c_str());
   if (opt.timeout_suite && opt.filter.empty() && R >= 2) rc |= gpu_test::run_timeout_suite(R);
+  if (opt.timeout_suite && std::string(gpu_test::kLowLatencyProcessSuites).find(opt.filter) != std::string::npos &&
+      R >= 2)
+    rc |= gpu_test::run_low_latency_process_suites(R, opt.expect_transport);
   std::printf("epx_gpu_tests on %d GPUs: %s\n", R, rc == 0 ? "ALL PASSED" : "FAILURES");
   return rc;
 }

@@ -55,6 +55,10 @@ def test_struct_mirrors_match_the_c_layout(tmp_path):
             assert getattr(cls, field).offset == c_layout[(cname, field)], f"{cname}.{field}"
 
 
+def test_build_flag_is_zero_or_one():
+    assert epx.lib().epx_built_with_nvshmem() in (0, 1)
+
+
 def test_status_strings_are_distinct():
     lib = epx.lib()
     texts = [lib.status_string(s) for s in ALL_STATUSES]
@@ -129,6 +133,7 @@ def test_operations_reject_a_null_buffer():
                                                    _lib.LLHandle(), None),
         "region": lambda: lib.epx_buffer_region(null, _lib.EPX_REGION_NVL, ctypes.byref(ctypes.c_void_p()),
                                                 ctypes.byref(ctypes.c_int64())),
+        "ll_transport": lambda: lib.epx_buffer_ll_transport(null, _lib.LLTransportInfo()),
     }
     for name, call in calls.items():
         status = call()

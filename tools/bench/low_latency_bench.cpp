@@ -118,6 +118,7 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
     std::printf("epx-bench low-latency: %d ranks x %s, %d tokens/rank, hidden %d, top-%d of %d experts, %s dispatch, "
                 "median of %d iterations after %d warm-up\n",
                 R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.iters, o.warmup);
+    std::printf("low-latency transport: %s\n", describe_low_latency_transport(buffer.low_latency_transport()).c_str());
     std::printf("check vs reference model: %s\n", ok ? "PASS" : "FAIL");
     for (int r = 0; r < R && !ok; ++r)
       if (all[size_t(r) * sizeof(mine)]) std::printf("rank %d:\n%s\n", r, &all[size_t(r) * sizeof(mine)]);
@@ -217,8 +218,9 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
   if (rank == 0 && !o.json.empty()) {
     if (std::FILE* f = std::fopen(o.json.c_str(), "w")) {
       std::fprintf(f, "{\"mode\": \"low-latency\", \"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, "
-                   "\"experts\": %d, \"fp8\": %s, \"rows\": [", R, o.tokens, o.hidden, o.topk, experts,
-                   o.fp8 ? "true" : "false");
+                   "\"experts\": %d, \"fp8\": %s, \"transport\": \"%s\", \"rows\": [", R, o.tokens, o.hidden, o.topk,
+                   experts, o.fp8 ? "true" : "false",
+                   describe_low_latency_transport(buffer.low_latency_transport()).c_str());
       for (size_t i = 0; i < rows.size(); ++i) {
         std::fprintf(f, "%s{\"op\": \"%s\", \"median_us\": [", i ? ", " : "", rows[i].what.c_str());
         for (int r = 0; r < R; ++r) std::fprintf(f, "%s%.2f", r ? ", " : "", rows[i].median_us[r]);

@@ -1,0 +1,119 @@
+// How a low-latency kernel writes into another rank's low-latency region. Per peer, one of two ways:
+//
+//  - peer pointer (LowLatencyPeers::direct[peer] != nullptr): the region mapped here through CUDA IPC or
+//    returned by nvshmem_ptr; the kernel's own stores move the data over NVLink.
+//  - NVSHMEM (direct[peer] == nullptr; builds with EPX_HAVE_NVSHMEM only): puts and atomics on the symmetric
+//    address; the NVSHMEM library moves the data (P2P stores inside a node, RDMA through its proxy or IBGDA
+//    between nodes). Sources of puts must then be in the symmetric heap (callers stage them there): remote
+//    transports read them with the NIC.
+//
+// Every address below is an address in *this* rank's region; the same offset is meant in the peer's region.
+// Receivers only ever poll their own memory with acquire loads (device/wait.cuh); the only remote reads are the
+// back-pressure polls of wait_peer_zero.
+//
+// Ordering contract, the same on both paths:
+//   put_warp  : peer pointer: on return this lane's stores are issued; they become visible at the peer with
+//               the release chain that follows (__syncwarp, lane 0's GPU-scope release of a completion counter,
+//               the publisher's acquire of it and its signal). No fence per lane: many warps issuing
+//               fence.sc.sys at once were measured ~100 us on H200. NVSHMEM: complete at the peer on return.
+//   signal    : the value lands after everything this thread has observed to be complete (cumulative), so a
+//               receiver whose acquire load sees it also sees the data that was announced before it.
+#pragma once
+
+#include <cstdint>
+
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "device/warp_copy.cuh"
+#include "kernels/ll_params.hpp"
+
+#if EPX_HAVE_NVSHMEM
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
+
+namespace epx::dev {
+
+// Constant true without NVSHMEM (the host gives every rank a pointer), so that build compiles to stores only and
+// the NVSHMEM branches below are never reached there.
+__device__ __forceinline__ bool has_peer_pointer(const LowLatencyPeers& peers, int peer) {
+#if EPX_HAVE_NVSHMEM
+  return peers.direct[peer] != nullptr;
+#else
+  return true;
+#endif
+}
+
+// Whether any rank is reached through NVSHMEM (then put sources are staged in symmetric memory).
+__device__ __forceinline__ bool uses_nvshmem(const LowLatencyPeers& peers) {
+#if EPX_HAVE_NVSHMEM
+  return peers.num_nvshmem > 0;
+#else
+  return false;
+#endif
+}
+
+// The address in peer's region of `mine` (an address in this rank's region).
+template <typename T>
+__device__ __forceinline__ T* at_peer(const LowLatencyPeers& peers, int peer, T* mine) {
+  const auto offset = reinterpret_cast<const uint8_t*>(mine) - peers.local;
+  return reinterpret_cast<T*>(peers.direct[peer] + offset);
+}
+
+// Warp-collective (all 32 lanes, same arguments): n int4 from src to `dst` in peer's region.
+template <int kUnroll, typename Load>
+__device__ __forceinline__ void put_warp(const LowLatencyPeers& peers, int peer, int4* dst, const int4* src, int n,
+                                         int lane, Load load) {
+  if (has_peer_pointer(peers, peer)) {
+    warp_copy<kUnroll>(at_peer(peers, peer, dst), src, n, lane, load, StoreNa{});
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  if (n > 0) nvshmemx_putmem_nbi_warp(dst, src, size_t(n) * sizeof(int4), peer);
+  // Every lane: between P2P GPUs quiet is this lane's fence.sys after its share of the stores; through a
+  // proxy or IBGDA it waits until the puts are complete at the peer. Either way the data is there before this
+  // lane announces it.
+  nvshmem_quiet();
+#endif
+}
+
+// Sets the 32-bit signal `mine` (an address in this rank's region) to value in peer's region. Pairs with the
+// peer's acquire load of that slot (wait_nonzero / wait_zero on its own memory).
+__device__ __forceinline__ void signal(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
+  if (has_peer_pointer(peers, peer)) {
+    st_release_sys(at_peer(peers, peer, mine), value);
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  // fence.sc.sys is cumulative: the data this thread saw announced (put_warp completed it before the
+  // announcement) is ordered before the atomic, which lands in the peer's memory as one 32-bit write.
+  __threadfence_system();
+  nvshmem_int_atomic_set(mine, value, peer);
+#endif
+}
+
+// Back-pressure: waits (bounded) until the 32-bit slot `mine` reads 0 in peer's region, i.e. the peer has
+// consumed what the slot announced last time. Acquire: nothing this thread writes afterwards (new rows for the
+// slot) can land before the read.
+__device__ __forceinline__ void wait_peer_zero(const LowLatencyPeers& peers, int peer, int32_t* mine,
+                                               const FailEnv& env, const WaitSite& site) {
+  if (has_peer_pointer(peers, peer)) {
+    wait_zero(at_peer(peers, peer, mine), env, site);
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  // A remote read per poll (a load between P2P GPUs, a network round trip otherwise): the slot is normally
+  // free already, so one poll is the common case.
+  int32_t v = nvshmem_int_atomic_fetch(mine, peer);
+  if (v != 0) {
+    const uint64_t start = globaltimer_ns();
+    while ((v = nvshmem_int_atomic_fetch(mine, peer)) != 0) {
+      check_abort(env, site);
+      if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, v, 0);
+    }
+  }
+  fence_acq_rel_sys();  // acquire: the rows written after this read cannot land before it
+#endif
+}
+
+}  // namespace epx::dev
