@@ -16,6 +16,12 @@ int default_chunk(int num_ranks) {
   return 2 * (kDataWarps / r);
 }
 
+// Dispatch senders also scan the routing once per chunk, so a longer chunk pays off sooner. At 4 ranks on
+// 4 x H200 (24 SMs), 16 against 12 measured dispatch FP8 269.5 vs 263.6 GB/s and BF16 329.6 vs 325.0, while
+// combine was best at 12 (363.3 vs 349.7 GB/s at 16); docs/bench-notes.md. Other rank counts keep two tokens
+// per warp (2 ranks: 24, measured; 8 ranks: 6, not measured yet).
+int default_dispatch_chunk(int num_ranks) { return num_ranks == 4 ? 16 : default_chunk(num_ranks); }
+
 // The defaults must pass validate_config: a rank count the kernels cannot run is an error here, not a config.
 void require_default_ranks(int num_ranks) {
   EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxNvlRanks, "default configs are for 1..", kMaxNvlRanks,
@@ -26,7 +32,7 @@ void require_default_ranks(int num_ranks) {
 
 Config default_dispatch_config(int num_ranks) {
   require_default_ranks(num_ranks);
-  return Config{kDefaultNumSms, default_chunk(num_ranks), kDefaultRingTokens};
+  return Config{kDefaultNumSms, default_dispatch_chunk(num_ranks), kDefaultRingTokens};
 }
 
 Config default_combine_config(int num_ranks) {

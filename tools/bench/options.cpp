@@ -67,8 +67,8 @@ const char* intranode_usage() {
          "  --sms LIST         num_sms values to sweep, e.g. 24 or 16,24,32\n"
          "  --chunks LIST      num_max_send_tokens values to sweep\n"
          "  --ring LIST        num_max_recv_tokens values to sweep\n"
-         "                     (none of the three: sms 16,24,32 x chunk {default, 2 x default} x ring 256;\n"
-         "                      a list left out takes its default value)\n"
+         "                     (none of the three: sms 16,24,32 x chunk {dispatch default, combine default,\n"
+         "                      2 x combine default} x ring 256; a list left out takes its default values)\n"
          "  --iters N          timed iterations per measurement (30)\n"
          "  --warmup N         untimed iterations first (5)\n"
          "  --refresh-every N  regenerate x every N timed iterations; 0: once per measurement (1)\n"
@@ -146,13 +146,14 @@ void validate_intranode_options(const IntranodeOptions& o, int num_ranks) {
 }
 
 std::vector<Config> sweep_configs(const IntranodeOptions& o, int num_ranks, std::vector<std::string>* skipped) {
-  const Config d = default_dispatch_config(num_ranks);
+  const Config d = default_dispatch_config(num_ranks), dc = default_combine_config(num_ranks);
   const bool any_given = !o.sms.empty() || !o.chunks.empty() || !o.rings.empty();
   std::vector<int> sms = o.sms, chunks = o.chunks, rings = o.rings;
   if (sms.empty()) sms = any_given ? std::vector<int>{d.num_sms} : kDefaultSweepSms;
+  // Both ops' default chunks (they differ at some rank counts), so each op is timed at its own default.
   if (chunks.empty())
-    chunks = any_given ? std::vector<int>{d.num_max_send_tokens}
-                       : std::vector<int>{d.num_max_send_tokens, 2 * d.num_max_send_tokens};
+    chunks = any_given ? std::vector<int>{d.num_max_send_tokens, dc.num_max_send_tokens}
+                       : std::vector<int>{d.num_max_send_tokens, dc.num_max_send_tokens, 2 * dc.num_max_send_tokens};
   if (rings.empty()) rings = {d.num_max_recv_tokens};
 
   std::vector<Config> out;
