@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 import time
-from ctypes import byref, c_int
+from ctypes import byref
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ except ImportError:  # a source checkout: the package is in python/
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
     import epx
 from epx import _lib  # noqa: E402
+
+sys.path.insert(0, HERE)
+from _raw_calls import low_latency_calls  # noqa: E402
 
 TOKENS, HIDDEN, EXPERTS, TOPK, M = 128, 2048, 32, 4, 128
 
@@ -152,36 +155,13 @@ def low_latency(rank, world, calls, reps):
     py_halves = timed_halves(py_dispatch, py_combine, calls, reps)
 
     lib, ptr, stream = epx.lib(), buffer._ptr(), buffer.get_comm_stream().cuda_stream
-    L = EXPERTS // world
-    packed = torch.empty(L, world * M, HIDDEN, dtype=torch.bfloat16, device=x.device)
-    count = torch.empty(L, dtype=torch.int32, device=x.device)
-    src_info = torch.empty(L, world * M, dtype=torch.int32, device=x.device)
-    layout_range = torch.empty(L, world, dtype=torch.int64, device=x.device)
-    out = torch.empty_like(x)
-    d_args = _lib.LLDispatchArgs(x.data_ptr(), M, HIDDEN, idx.data_ptr(), TOPK, EXPERTS, M, 0, 0, 0, None)
-    d_outs = _lib.LLDispatchOutputs(packed.data_ptr(), None, count.data_ptr(), src_info.data_ptr(),
-                                    layout_range.data_ptr())
-    h = _lib.LLHandle()
-    c_args = _lib.LLCombineArgs(y.data_ptr(), 0, idx.data_ptr(), w.data_ptr())
-    buffer_set = c_int(0)
-    refs = [byref(v) for v in (d_args, d_outs, h, c_args, buffer_set)]
-    ll_dispatch, ll_combine, out_ptr = lib.epx_ll_dispatch, lib.epx_ll_combine, out.data_ptr()
+    raw_dispatch, raw_combine = low_latency_calls(lib, ptr, stream, x, idx, w, y, HIDDEN, TOPK, EXPERTS, M, world)
 
     def raw_pair():
-        if ll_dispatch(ptr, refs[0], refs[1], _lib.EPX_LL_BOTH, refs[2], stream):
-            lib.check(1)
-        if ll_combine(ptr, refs[3], refs[2], out_ptr, _lib.EPX_LL_BOTH, refs[4], stream):
-            lib.check(1)
+        raw_dispatch()
+        raw_combine()
 
     rows["low-latency dispatch + combine"].append(timed(raw_pair, calls, reps))
-
-    def raw_dispatch():
-        if ll_dispatch(ptr, refs[0], refs[1], _lib.EPX_LL_BOTH, refs[2], stream):
-            lib.check(1)
-
-    def raw_combine():
-        if ll_combine(ptr, refs[3], refs[2], out_ptr, _lib.EPX_LL_BOTH, refs[4], stream):
-            lib.check(1)
 
     raw_halves = timed_halves(raw_dispatch, raw_combine, calls, reps)
     nan = float("nan")  # the halves have no GPU time of their own (they run interleaved)

@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from ctypes import byref, c_int
+from ctypes import byref
 
 import torch
 
@@ -33,6 +33,7 @@ except ImportError:  # a source checkout: the package is in python/
 from epx import _lib  # noqa: E402
 
 from _fake_cuda import FakeCuda, fake_buffer, stub_library  # noqa: E402
+from _raw_calls import low_latency_calls  # noqa: E402
 
 # overhead.py's shapes, on 2 ranks
 WORLD, TOKENS, HIDDEN, EXPERTS, TOPK, M = 2, 128, 2048, 32, 4, 128
@@ -106,7 +107,6 @@ def measure(calls, reps):
 
         # ---- low-latency ----------------------------------------------------------------------------------------
         ll = fake_buffer(cuda, WORLD)
-        L = EXPERTS // WORLD
         lx = torch.randn(M, HIDDEN, generator=g).to(torch.bfloat16)
         lidx = torch.rand(M, EXPERTS, generator=g).topk(TOPK, dim=1).indices
         lw = torch.rand(M, TOPK, generator=g)
@@ -123,28 +123,8 @@ def measure(calls, reps):
             _, _, hd, _, _ = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
             ll.low_latency_combine(y, lidx, lw, hd)
 
-        lptr, lstream = ll._ptr(), ll.get_comm_stream().cuda_stream
-        packed = torch.empty(L, WORLD * M, HIDDEN, dtype=torch.bfloat16)
-        count = torch.empty(L, dtype=torch.int32)
-        src_info = torch.empty(L, WORLD * M, dtype=torch.int32)
-        layout_range = torch.empty(L, WORLD, dtype=torch.int64)
-        out = torch.empty_like(lx)
-        ld_args = _lib.LLDispatchArgs(lx.data_ptr(), M, HIDDEN, lidx.data_ptr(), TOPK, EXPERTS, M, 0, 0, 0, None)
-        ld_outs = _lib.LLDispatchOutputs(packed.data_ptr(), None, count.data_ptr(), src_info.data_ptr(),
-                                         layout_range.data_ptr())
-        lh = _lib.LLHandle()
-        lc_args = _lib.LLCombineArgs(y.data_ptr(), 0, lidx.data_ptr(), lw.data_ptr())
-        buffer_set = c_int(0)
-        lrefs = [byref(v) for v in (ld_args, ld_outs, lh, lc_args, buffer_set)]
-        ll_dispatch, ll_combine, out_ptr = lib.epx_ll_dispatch, lib.epx_ll_combine, out.data_ptr()
-
-        def raw_ll_dispatch():
-            if ll_dispatch(lptr, lrefs[0], lrefs[1], _lib.EPX_LL_BOTH, lrefs[2], lstream):
-                lib.check(1)
-
-        def raw_ll_combine():
-            if ll_combine(lptr, lrefs[3], lrefs[2], out_ptr, _lib.EPX_LL_BOTH, lrefs[4], lstream):
-                lib.check(1)
+        raw_ll_dispatch, raw_ll_combine = low_latency_calls(lib, ll._ptr(), ll.get_comm_stream().cuda_stream, lx, lidx,
+                                                            lw, y, HIDDEN, TOPK, EXPERTS, M, WORLD)
 
         def raw_ll_pair():
             raw_ll_dispatch()

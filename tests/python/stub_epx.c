@@ -11,6 +11,7 @@ static int g_counts[64];
 const char* epx_last_error(void) { return ""; }
 const char* epx_status_string(epx_status status) { return status == EPX_OK ? "ok" : "stub error"; }
 int epx_version(void) { return EPX_VERSION_MAJOR * 100 + EPX_VERSION_MINOR; }
+int epx_built_with_nvshmem(void) { return 0; }
 
 epx_status epx_buffer_create(const epx_bootstrap* b, const epx_buffer_options* o, epx_buffer** out) {
   (void)b, (void)o;
@@ -23,6 +24,11 @@ epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, 
   return EPX_OK;
 }
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) { (void)buffer, (void)seconds; return EPX_OK; }
+epx_status epx_buffer_ll_transport(const epx_buffer* buffer, epx_ll_transport_info* info) {
+  (void)buffer;
+  if (info) info->transport = EPX_LL_TRANSPORT_CUDA_IPC, info->num_peer_pointer_ranks = 0, info->num_nvshmem_ranks = 0;
+  return EPX_OK;
+}
 epx_status epx_buffer_check(epx_buffer* buffer, void* stream) { (void)buffer, (void)stream; return EPX_OK; }
 epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t* bytes) {
   (void)buffer, (void)which;

@@ -1,0 +1,42 @@
+"""Direct ctypes calls of the low-latency C functions with prebuilt structs and preallocated outputs: the baseline
+that both host-overhead timers (overhead.py on GPUs, overhead_cpu.py with the stub library) hold the Python API
+against."""
+
+from ctypes import byref, c_int
+
+import torch
+
+from epx import _lib
+
+
+def low_latency_calls(lib, ptr, stream, x, idx, w, y, hidden, topk, experts, max_tokens, world):
+    """-> (dispatch, combine): each makes one C call (bf16 dispatch / combine, both phases) on `stream`.
+    x [M, hidden] bf16, idx [M, topk], w [M, topk] float32 and y (expert outputs, [L, world * M, hidden]) are
+    the caller's; the outputs and structs made here live as long as the two callables."""
+    L = experts // world
+    packed = torch.empty(L, world * max_tokens, hidden, dtype=torch.bfloat16, device=x.device)
+    count = torch.empty(L, dtype=torch.int32, device=x.device)
+    src_info = torch.empty(L, world * max_tokens, dtype=torch.int32, device=x.device)
+    layout_range = torch.empty(L, world, dtype=torch.int64, device=x.device)
+    out = torch.empty_like(x)
+    d_args = _lib.LLDispatchArgs(x.data_ptr(), max_tokens, hidden, idx.data_ptr(), topk, experts, max_tokens, 0, 0, 0,
+                                 None)
+    d_outs = _lib.LLDispatchOutputs(packed.data_ptr(), None, count.data_ptr(), src_info.data_ptr(),
+                                    layout_range.data_ptr())
+    handle = _lib.LLHandle()
+    c_args = _lib.LLCombineArgs(y.data_ptr(), 0, idx.data_ptr(), w.data_ptr())
+    buffer_set = c_int(0)
+    refs = [byref(v) for v in (d_args, d_outs, handle, c_args, buffer_set)]
+    keep = (packed, count, src_info, layout_range, out)
+    ll_dispatch, ll_combine, out_ptr = lib.epx_ll_dispatch, lib.epx_ll_combine, out.data_ptr()
+
+    def dispatch():
+        if ll_dispatch(ptr, refs[0], refs[1], _lib.EPX_LL_BOTH, refs[2], stream):
+            lib.check(1)
+
+    def combine():
+        if ll_combine(ptr, refs[3], refs[2], out_ptr, _lib.EPX_LL_BOTH, refs[4], stream):
+            lib.check(1)
+
+    dispatch.keep = combine.keep = keep
+    return dispatch, combine
