@@ -14,8 +14,8 @@
 // Ordering contract, the same on both paths:
 //   put_warp  : peer pointer: on return this lane's stores are issued; they become visible at the peer with
 //               the release chain that follows (__syncwarp, lane 0's GPU-scope release of a completion counter,
-//               the publisher's acquire of it and its signal). No fence per lane: many warps issuing
-//               fence.sc.sys at once were measured ~100 us on H200. NVSHMEM: complete at the peer on return.
+//               the publisher's acquire of it and its signal), so no lane needs a fence of its own.
+//               NVSHMEM: complete at the peer on return.
 //   signal    : the value lands after everything this thread has observed to be complete (cumulative), so a
 //               receiver whose acquire load sees it also sees the data that was announced before it.
 #pragma once

@@ -116,8 +116,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
     p.env.peers[j]->notify_msg[parity][me][field] = message_field(p, j, field, error, error_rank, s_counts);
   }
   // Every thread's message stores precede the flag stores through the block barrier; one release store per
-  // peer carries them (release is cumulative). No block-wide system fence: 32 warps issuing one each cost
-  // ~100 us on H200, twice per notify (docs/bench-notes.md).
+  // peer carries them (release is cumulative), so no thread needs a fence of its own.
   __syncthreads();
   if (tid < R) st_release_sys(&p.env.peers[tid]->notify_flag[me], epoch);  // pairs with wait_equal below
   // Acquire: peer tid's messages to this rank are visible to this thread, and after the barrier below to
