@@ -38,7 +38,8 @@ const char* kUsage =
     "                             [--iters 200] [--warmup 20] [--no-nccl] [--seed S] [--json FILE]\n"
     "Times low-latency dispatch (FP8 unless --bf16), combine, dispatch + combine, and the send / receive\n"
     "phases with the receive hook, per rank (CUDA events, median), after checking one step against the\n"
-    "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline.\n";
+    "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline.\n"
+    "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n";
 
 LowLatencyOptions parse(int argc, char** argv, bool* help) {
   LowLatencyOptions o;
@@ -76,6 +77,20 @@ Row measure(Bootstrap& bs, cudaStream_t stream, const std::string& what, const T
   const Stats mine = summarize(time_iterations(bs, stream, plan, prepare, op));
   Row r{what, std::vector<double>(bs.size())};
   bs.all_gather(&mine.median_us, r.median_us.data(), sizeof(double));
+  return r;
+}
+
+// Steady state: kInARow calls back to back inside one pair of events, reported per call. A decoding step runs
+// layer after layer, so a call there rarely starts on an idle GPU; each single-call row above does (the ranks
+// meet at a ~1 ms start barrier first) and also carries the launch latency.
+constexpr int kInARow = 10;
+
+Row measure_in_a_row(Bootstrap& bs, cudaStream_t stream, const std::string& what, const TimingPlan& plan,
+                     const std::function<void()>& op) {
+  Row r = measure(bs, stream, what + ", " + std::to_string(kInARow) + " in a row", plan, [](int) {}, [&] {
+    for (int i = 0; i < kInARow; ++i) op();
+  });
+  for (double& v : r.median_us) v /= kInARow;
   return r;
 }
 
@@ -133,6 +148,13 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
                          [&](int) {}, [&] { s.dispatch(kLowLatencyBothPhases); }));
   rows.push_back(measure(bs, stream, "combine bf16", plan, none, [&] { s.combine(kLowLatencyBothPhases); }));
   rows.push_back(measure(bs, stream, "dispatch + combine", plan, none, [&] {
+    s.dispatch(kLowLatencyBothPhases);
+    s.combine(kLowLatencyBothPhases);
+  }));
+  rows.push_back(measure_in_a_row(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan,
+                                  [&] { s.dispatch(kLowLatencyBothPhases); }));
+  rows.push_back(measure_in_a_row(bs, stream, "combine bf16", plan, [&] { s.combine(kLowLatencyBothPhases); }));
+  rows.push_back(measure_in_a_row(bs, stream, "dispatch + combine", plan, [&] {
     s.dispatch(kLowLatencyBothPhases);
     s.combine(kLowLatencyBothPhases);
   }));
@@ -199,6 +221,10 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
       send2.fill_bytes(0x3c, stream);
       rows.push_back(measure(bs, stream, "nccl all-to-all (combine bytes)", plan, none,
                              [&] { comm.all_to_all(send2.get(), back, recv2.get(), back, stream); }));
+      rows.push_back(measure_in_a_row(bs, stream, "nccl (dispatch bytes)", plan,
+                                      [&] { comm.all_to_all(send.get(), bytes, recv.get(), bytes, stream); }));
+      rows.push_back(measure_in_a_row(bs, stream, "nccl (combine bytes)", plan,
+                                      [&] { comm.all_to_all(send2.get(), back, recv2.get(), back, stream); }));
       nccl_note = "NCCL " + lib->version() + ": " + lib->path() + " (T rows to every rank: an upper bound on bytes)";
     } else {
       nccl_note = "NCCL: not found (set EPX_NCCL_LIB)";
