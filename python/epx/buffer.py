@@ -210,6 +210,7 @@ class Buffer(LowLatencyMixin):
             lib.check(lib.epx_buffer_check(ptr, stream.cuda_stream))
 
     def get_comm_stream(self) -> torch.cuda.Stream:
+        self._streams.exposed = True  # the caller may queue work on it: every operation goes through it again
         return self._comm_stream
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,

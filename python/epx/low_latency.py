@@ -134,7 +134,7 @@ class LowLatencyMixin:
             async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
 
         ptr = self._ptr()
-        stream, compute = self._ll_begin(return_recv_hook)
+        stream, compute = self._ll_begin(return_recv_hook, async_finish)
         rows = R * M
         protos = self._protos
         packed_recv_x = protos[_FP8 if use_fp8 else _BF16].new_empty(L, rows, H)
@@ -175,7 +175,7 @@ class LowLatencyMixin:
         if async_finish:
             event = self._streams.end_async_keep(tensors)
         else:
-            event = EventOverlap() if return_recv_hook else self._streams.end_sync(compute)
+            event = EventOverlap() if return_recv_hook or compute is None else self._streams.end_sync(compute)
 
         handle = (recv_src_info, recv_layout_range, M, H, num_experts, h)
         recv_x = packed_recv_x
@@ -211,7 +211,7 @@ class LowLatencyMixin:
             async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
 
         ptr = self._ptr()
-        stream, compute = self._ll_begin(return_recv_hook)
+        stream, compute = self._ll_begin(return_recv_hook, async_finish)
         combined_x = out if out is not None else self._protos[_BF16].new_empty(T, H)
         args, args_ref, buffer_set_ref = self._ll_combine_structs(return_recv_hook)
         args.x = x.data_ptr()
@@ -233,7 +233,7 @@ class LowLatencyMixin:
         if async_finish:
             event = self._streams.end_async_keep(tensors)
         else:
-            event = EventOverlap() if return_recv_hook else self._streams.end_sync(compute)
+            event = EventOverlap() if return_recv_hook or compute is None else self._streams.end_sync(compute)
         return combined_x, event, hook
 
     # ---- argument structs -----------------------------------------------------------------------------------------
@@ -277,11 +277,16 @@ class LowLatencyMixin:
                              "phase on the current stream; there is nothing to wait for asynchronously)")
         return async_finish, return_recv_hook
 
-    def _ll_begin(self, return_recv_hook: bool):
-        """-> (raw launch stream, current stream). With a hook both phases run on the current stream;
+    def _ll_begin(self, return_recv_hook: bool, async_finish: bool):
+        """-> (raw launch stream, current stream or None). With a hook both phases run on the current stream;
+        a synchronous call runs there too when Streams.direct allows (then None: no wait to add at the end);
         otherwise the communication stream, after it waited for the current one."""
         streams = self._streams
         if return_recv_hook:
             compute = streams.current()
             return streams.compute_raw, compute
+        if not async_finish:
+            raw = streams.direct()
+            if raw is not None:
+                return raw, None
         return streams.comm_raw, streams.begin(None)

@@ -96,7 +96,8 @@ def intranode(rank, world, calls, reps):
     rows["combine"] = [timed(lambda: buffer.combine(recv_x, handle, topk_weights=recv_w), calls, reps)]
 
     # Direct ctypes, on the communication stream, with everything prebuilt
-    lib, ptr, stream = epx.lib(), buffer._ptr(), buffer.get_comm_stream().cuda_stream
+    # comm by its raw handle: get_comm_stream() would hand comm out and turn off the low-latency shortcut
+    lib, ptr, stream = epx.lib(), buffer._ptr(), buffer._streams.comm_raw
     c_config = config.to_c()
     h = epx.Buffer._handle_struct(handle)
     out_x = torch.empty_like(recv_x)
@@ -154,7 +155,8 @@ def low_latency(rank, world, calls, reps):
 
     py_halves = timed_halves(py_dispatch, py_combine, calls, reps)
 
-    lib, ptr, stream = epx.lib(), buffer._ptr(), buffer.get_comm_stream().cuda_stream
+    # comm by its raw handle: get_comm_stream() would hand comm out and turn off the low-latency shortcut
+    lib, ptr, stream = epx.lib(), buffer._ptr(), buffer._streams.comm_raw
     raw_dispatch, raw_combine = low_latency_calls(lib, ptr, stream, x, idx, w, y, HIDDEN, TOPK, EXPERTS, M, world)
 
     def raw_pair():

@@ -80,7 +80,7 @@ def measure(calls, reps):
         def py_combine():
             buf.combine(recv_x, handle, topk_weights=recv_w)
 
-        ptr, stream = buf._ptr(), buf.get_comm_stream().cuda_stream
+        ptr, stream = buf._ptr(), buf._streams.comm_raw
         c_config = buf.get_dispatch_config(WORLD).to_c()
         c_config.num_sms = 2 * handle[1].shape[1]
         h = epx.Buffer._handle_struct(handle)
@@ -123,7 +123,7 @@ def measure(calls, reps):
             _, _, hd, _, _ = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
             ll.low_latency_combine(y, lidx, lw, hd)
 
-        raw_ll_dispatch, raw_ll_combine = low_latency_calls(lib, ll._ptr(), ll.get_comm_stream().cuda_stream, lx, lidx,
+        raw_ll_dispatch, raw_ll_combine = low_latency_calls(lib, ll._ptr(), ll._streams.comm_raw, lx, lidx,
                                                             lw, y, HIDDEN, TOPK, EXPERTS, M, WORLD)
 
         def raw_ll_pair():

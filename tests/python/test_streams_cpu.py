@@ -245,15 +245,61 @@ def test_low_latency_streams(env, which, mode):
         recv = [o for o in cuda.compute.ops[n:] if o.name.startswith("epx_")]
         assert len(recv) == 1 and after(recv[0], op)
         return
-    assert op.stream is buf.get_comm_stream() and after(op, before)
-    if mode == "sync":
+    assert after(op, before)
+    if mode == "sync":  # on comm or, once comm is settled, on the current stream (Streams.direct)
         assert after(end, op) and event.event is None
         return
+    assert op.stream is buf.get_comm_stream()
     assert not after(end, op), "async_finish must not make the current stream wait"
     assert event.event is not None
     assert all(any(t is k for k in event.extra_tensors) for t in outputs), "outputs not kept alive by the event"
     event.current_stream_wait()
     assert after(cuda.compute.enqueue("waited"), op)
+
+
+def test_low_latency_sync_calls_run_on_the_current_stream_once_comm_is_settled(env):
+    """A synchronous low-latency call goes through comm until the last operation there ended with the current
+    stream waiting for it; from then on it launches on the current stream with no stream or event calls of its
+    own. An async call, another current stream or handing comm out (get_comm_stream) brings comm back."""
+    cuda, new_buffer = env
+    buf = new_buffer()
+    x, idx, w = inputs()
+    comm = buf._streams.comm  # not get_comm_stream(): handing comm out turns the shortcut off
+
+    def pair(**kw):
+        recv, _, h, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False, **kw)
+        return buf.low_latency_combine(recv, idx, w, h, **kw)
+
+    _, _, ops, end = launches_of(cuda, pair)  # nothing known about comm yet
+    assert ops[0].stream is comm and all(after(end, op) for op in ops)
+    calls = cuda.calls
+    before, _, ops, end = launches_of(cuda, pair)  # settled: straight onto the current stream
+    assert [op.stream for op in ops] == [cuda.compute, cuda.compute]
+    assert all(after(op, before) and after(end, op) for op in ops)
+    assert cuda.calls - calls == 2, "one current-stream lookup per call, no event record or wait"
+
+    _, _, ops, _ = launches_of(cuda, lambda: pair(async_finish=True))
+    assert all(op.stream is comm for op in ops)
+    # Async work on comm: the next call goes through comm again (and its end settles comm for the one after).
+    before, (_, event, _), ops, end = launches_of(cuda, pair)
+    assert [op.stream for op in ops] == [comm, cuda.compute] and event.event is None
+    assert all(after(op, before) and after(end, op) for op in ops) and after(ops[1], ops[0])
+
+    other = cuda.new_stream("other")
+    with torch.cuda.stream(other):
+        first = other.enqueue("first on other")
+        n = len(comm.ops)
+        buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        ops = [op for op in comm.ops[n:] if op.name.startswith("epx_")]
+        later = other.enqueue("after on other")
+    assert len(ops) == 1 and after(ops[0], first) and after(later, ops[0]), "another current stream goes through comm"
+    recv, _, h, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)  # back on compute: comm first
+    buf.low_latency_combine(recv, idx, w, h)
+
+    pair()  # settled on compute again
+    buf.get_comm_stream()
+    _, _, ops, end = launches_of(cuda, pair)
+    assert all(op.stream is comm and after(end, op) for op in ops), "after get_comm_stream every call uses comm"
 
 
 def test_cpu_overhead_harness_runs():
