@@ -94,6 +94,16 @@ for step in $STEPS; do
       else
         summary+=("bench    ll-nvshmem SKIPPED: $BUILD_DIR was built without NVSHMEM")
       fi ;;
+    python)  # the pytest suites against this build's libepx, then the host overhead per call (2 GPUs)
+      start=$SECONDS
+      EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" timeout ${PYTHON_TIMEOUT:-300} bash python/tests/run.sh >"$OUT/python.log" 2>&1
+      rc=$?
+      summary+=("python   rc=$rc  $(tail -1 "$OUT/python.log")  ($((SECONDS - start)) s)")
+      grep -E "FAILED|Error" "$OUT/python.log" | head -10
+      EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" PYTHONPATH=python timeout 120 python3 tests/python/overhead.py --nproc 2 \
+        --json "$OUT/overhead.json" >"$OUT/overhead.log" 2>&1
+      summary+=("overhead rc=$?  (python host us per call over ctypes: $OUT/overhead.log)")
+      tail -8 "$OUT/overhead.log" ;;
     ll-transports) for t in ipc nvshmem-ptr nvshmem-forced; do run_ll_counts "$t"; done ;;
     ll-ipc|ll-nvshmem-ptr|ll-nvshmem-forced) run_ll_counts "${step#ll-}" ;;
     ll-ipc-2|ll-nvshmem-ptr-2|ll-nvshmem-forced-2) t=${step#ll-}; run_ll_counts "${t%-2}" 2 ;;
