@@ -1,4 +1,4 @@
-"""Direct ctypes calls of the low-latency C functions with prebuilt structs and preallocated outputs: the baseline
+"""Direct ctypes calls of the C functions with prebuilt structs and preallocated outputs: the baseline
 that both host-overhead timers (overhead.py on GPUs, overhead_cpu.py with the stub library) hold the Python API
 against."""
 
@@ -7,6 +7,34 @@ from ctypes import byref, c_int
 import torch
 
 from epx import _lib
+
+
+def intranode_calls(lib, ptr, stream, c_config, handle_struct, x, is_token_in_rank, recv_x, recv_w, w, hidden, topk):
+    """-> (dispatch, combine): each makes one C call on `stream` (cached bf16 dispatch of x with the handle,
+    combine of recv_x with recv_w); c_config must have the dispatch's num_sms. Outputs and structs made here
+    live as long as the two callables."""
+    tokens, rows = x.shape[0], recv_x.shape[0]
+    out_x = torch.empty_like(recv_x)
+    combined, combined_w = torch.empty_like(x), torch.empty_like(w)
+    d_args = _lib.DispatchArgs(x.data_ptr(), _lib.EPX_BF16, tokens, hidden, None, 0, None, None, 0, 0, None, None,
+                               is_token_in_rank.data_ptr(), 1, 0)
+    d_outs = _lib.DispatchOutputs(out_x.data_ptr(), None, None, None, rows)
+    c_args = _lib.CombineArgs(recv_x.data_ptr(), rows, hidden, recv_w.data_ptr(), topk, None, None)
+    c_outs = _lib.CombineOutputs(combined.data_ptr(), combined_w.data_ptr())
+    refs = [byref(v) for v in (d_args, c_config, handle_struct, d_outs, c_args, c_outs)]
+    keep = (out_x, combined, combined_w)
+    dispatch_cached, combine_fn = lib.epx_dispatch_cached, lib.epx_combine
+
+    def dispatch():
+        if dispatch_cached(ptr, refs[0], refs[1], refs[2], refs[3], stream):
+            lib.check(1)
+
+    def combine():
+        if combine_fn(ptr, refs[4], refs[1], refs[2], refs[5], stream):
+            lib.check(1)
+
+    dispatch.keep = combine.keep = keep
+    return dispatch, combine
 
 
 def low_latency_calls(lib, ptr, stream, x, idx, w, y, hidden, topk, experts, max_tokens, world):

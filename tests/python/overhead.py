@@ -19,7 +19,6 @@ import os
 import sys
 import tempfile
 import time
-from ctypes import byref
 
 import torch
 import torch.distributed as dist
@@ -30,10 +29,9 @@ try:
 except ImportError:  # a source checkout: the package is in python/
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
     import epx
-from epx import _lib  # noqa: E402
 
 sys.path.insert(0, HERE)
-from _raw_calls import low_latency_calls  # noqa: E402
+from _raw_calls import intranode_calls, low_latency_calls  # noqa: E402
 
 TOKENS, HIDDEN, EXPERTS, TOPK, M = 128, 2048, 32, 4, 128
 
@@ -95,30 +93,11 @@ def intranode(rank, world, calls, reps):
     rows["dispatch (cached)"] = [timed(lambda: buffer.dispatch(x, handle=handle), calls, reps)]
     rows["combine"] = [timed(lambda: buffer.combine(recv_x, handle, topk_weights=recv_w), calls, reps)]
 
-    # Direct ctypes, on the communication stream, with everything prebuilt
-    # comm by its raw handle: get_comm_stream() would hand comm out and turn off the low-latency shortcut
+    # Direct ctypes, on the communication stream, with everything prebuilt (comm by its raw handle:
+    # get_comm_stream() would hand comm out and turn the low-latency shortcut off)
     lib, ptr, stream = epx.lib(), buffer._ptr(), buffer._streams.comm_raw
-    c_config = config.to_c()
-    h = epx.Buffer._handle_struct(handle)
-    out_x = torch.empty_like(recv_x)
-    d_args = _lib.DispatchArgs(x.data_ptr(), _lib.EPX_BF16, TOKENS, HIDDEN, None, 0, None, None, 0, 0, None, None,
-                               itr.data_ptr(), 1, 0)
-    d_outs = _lib.DispatchOutputs(out_x.data_ptr(), None, None, None, recv_x.shape[0])
-    combined = torch.empty_like(x)
-    combined_w = torch.empty_like(w)
-    c_args = _lib.CombineArgs(recv_x.data_ptr(), recv_x.shape[0], HIDDEN, recv_w.data_ptr(), TOPK, None, None)
-    c_outs = _lib.CombineOutputs(combined.data_ptr(), combined_w.data_ptr())
-    refs = [byref(v) for v in (d_args, c_config, h, d_outs, c_args, c_outs)]
-    dispatch_cached, combine = lib.epx_dispatch_cached, lib.epx_combine
-
-    def raw_dispatch():
-        if dispatch_cached(ptr, refs[0], refs[1], refs[2], refs[3], stream):
-            lib.check(1)
-
-    def raw_combine():
-        if combine(ptr, refs[4], refs[1], refs[2], refs[5], stream):
-            lib.check(1)
-
+    raw_dispatch, raw_combine = intranode_calls(lib, ptr, stream, config.to_c(), epx.Buffer._handle_struct(handle), x,
+                                                itr, recv_x, recv_w, w, HIDDEN, TOPK)
     rows["dispatch (cached)"].append(timed(raw_dispatch, calls, reps))
     rows["combine"].append(timed(raw_combine, calls, reps))
     torch.cuda.synchronize()

@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-from ctypes import byref
 
 import torch
 
@@ -30,10 +29,9 @@ try:
 except ImportError:  # a source checkout: the package is in python/
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
     import epx
-from epx import _lib  # noqa: E402
 
 from _fake_cuda import FakeCuda, fake_buffer, stub_library  # noqa: E402
-from _raw_calls import low_latency_calls  # noqa: E402
+from _raw_calls import intranode_calls, low_latency_calls  # noqa: E402
 
 # overhead.py's shapes, on 2 ranks
 WORLD, TOKENS, HIDDEN, EXPERTS, TOPK, M = 2, 128, 2048, 32, 4, 128
@@ -72,7 +70,6 @@ def measure(calls, reps):
         itr = torch.ones(TOKENS, WORLD, dtype=torch.bool)
         recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
                                                        num_tokens_per_expert=nte, topk_idx=idx, topk_weights=w)
-        N = recv_x.shape[0]
 
         def py_dispatch():
             buf.dispatch(x, handle=handle)
@@ -80,27 +77,11 @@ def measure(calls, reps):
         def py_combine():
             buf.combine(recv_x, handle, topk_weights=recv_w)
 
-        ptr, stream = buf._ptr(), buf._streams.comm_raw
         c_config = buf.get_dispatch_config(WORLD).to_c()
         c_config.num_sms = 2 * handle[1].shape[1]
-        h = epx.Buffer._handle_struct(handle)
-        out_x = torch.empty_like(recv_x)
-        d_args = _lib.DispatchArgs(x.data_ptr(), _lib.EPX_BF16, TOKENS, HIDDEN, None, 0, None, None, 0, 0, None, None,
-                                   itr.data_ptr(), 1, 0)
-        d_outs = _lib.DispatchOutputs(out_x.data_ptr(), None, None, None, N)
-        combined, combined_w = torch.empty_like(x), torch.empty_like(w)
-        c_args = _lib.CombineArgs(recv_x.data_ptr(), N, HIDDEN, recv_w.data_ptr(), TOPK, None, None)
-        c_outs = _lib.CombineOutputs(combined.data_ptr(), combined_w.data_ptr())
-        refs = [byref(v) for v in (d_args, c_config, h, d_outs, c_args, c_outs)]
-        dispatch_cached, combine = lib.epx_dispatch_cached, lib.epx_combine
-
-        def raw_dispatch():
-            if dispatch_cached(ptr, refs[0], refs[1], refs[2], refs[3], stream):
-                lib.check(1)
-
-        def raw_combine():
-            if combine(ptr, refs[4], refs[1], refs[2], refs[5], stream):
-                lib.check(1)
+        raw_dispatch, raw_combine = intranode_calls(lib, buf._ptr(), buf._streams.comm_raw, c_config,
+                                                    epx.Buffer._handle_struct(handle), x, itr, recv_x, recv_w, w,
+                                                    HIDDEN, TOPK)
 
         rows["dispatch (cached)"] = (py_dispatch, raw_dispatch)
         rows["combine"] = (py_combine, raw_combine)
