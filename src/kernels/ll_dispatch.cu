@@ -155,7 +155,8 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       int32_t* count = p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me;
       if (expected == 0)  // no row went there, so no token warp waited for the slot to be free
         wait_peer_zero(p.peers, dest, count, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
-      // After the acquire above saw every part complete at dest; pairs with the receiver's wait_nonzero.
+      // The acquire above saw every part announced; this release publishes them. Pairs with the receiver's
+      // wait_nonzero.
       signal(p.peers, dest, count, expected + 1);
     }
   }
