@@ -270,18 +270,20 @@ class Buffer(LowLatencyMixin):
         return EventOverlap(event)
 
     @staticmethod
-    def get_dispatch_config(num_ranks: int) -> Config:
-        config = Config.from_c(_lib.default_config("dispatch", num_ranks))
+    def _default_config(kind: str, num_ranks: int) -> Config:
+        """The library's default config of `kind` ("dispatch" or "combine"), with set_num_sms applied."""
+        config = Config.from_c(_lib.default_config(kind, num_ranks))
         if Buffer.num_sms is not None:
             config.num_sms = Buffer.num_sms
         return config
 
     @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Buffer._default_config("dispatch", num_ranks)
+
+    @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        config = Config.from_c(_lib.default_config("combine", num_ranks))
-        if Buffer.num_sms is not None:
-            config.num_sms = Buffer.num_sms
-        return config
+        return Buffer._default_config("combine", num_ranks)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
