@@ -270,7 +270,7 @@ class Buffer(LowLatencyMixin):
         return EventOverlap(event)
 
     @staticmethod
-    def _default_config(kind: str, num_ranks: int) -> Config:
+    def _library_config(kind: str, num_ranks: int) -> Config:
         """The library's default config of `kind` ("dispatch" or "combine"), with set_num_sms applied."""
         config = Config.from_c(_lib.default_config(kind, num_ranks))
         if Buffer.num_sms is not None:
@@ -279,11 +279,11 @@ class Buffer(LowLatencyMixin):
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        return Buffer._default_config("dispatch", num_ranks)
+        return Buffer._library_config("dispatch", num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        return Buffer._default_config("combine", num_ranks)
+        return Buffer._library_config("combine", num_ranks)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
