@@ -9,6 +9,9 @@ Environment:
   EPX_PREBUILT_LIBRARY  an existing libepx.so to ship instead of building one
   EPX_CMAKE_BUILD_DIR   the CMake build folder (default: build-python in the repository)
   EPX_BUILD_JOBS        parallel build jobs (default: the CPU count)
+  EPX_CMAKE, EPX_NINJA  the cmake / ninja executables (default: the first on PATH that runs; a virtual
+                        environment's pip-installed `cmake` script fails inside pip's isolated build, whose
+                        sys.path hides the module it imports, so a later one on PATH is used then)
 """
 
 import base64
@@ -61,19 +64,45 @@ def _tag():
 
 
 # ---- libepx.so ------------------------------------------------------------------------------------------------
+def _working_tool(name, override=None):
+    """The first `name` on PATH whose `--version` succeeds (or $override if set), else None."""
+    explicit = os.environ.get(override) if override else None
+    if explicit:
+        return explicit
+    seen = set()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = shutil.which(name, path=directory or ".")
+        if not candidate or os.path.realpath(candidate) in seen:
+            continue
+        seen.add(os.path.realpath(candidate))
+        try:
+            ok = subprocess.run([candidate, "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                timeout=60).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if ok:
+            return candidate
+    return None
+
+
 def _library():
     prebuilt = os.environ.get("EPX_PREBUILT_LIBRARY")
     if prebuilt:
         return prebuilt
     build_dir = os.environ.get("EPX_CMAKE_BUILD_DIR", os.path.join(ROOT, "build-python"))
-    configure = ["cmake", "-S", ROOT, "-B", build_dir, "-DEPX_BUILD_TESTS=OFF", "-DEPX_BUILD_TOOLS=OFF",
+    cmake = _working_tool("cmake", "EPX_CMAKE")
+    if cmake is None:
+        raise RuntimeError("epx: building libepx.so needs CMake >= 3.24 on PATH (none found that runs); "
+                           "set EPX_CMAKE, or EPX_PREBUILT_LIBRARY to ship an existing libepx.so")
+    configure = [cmake, "-S", ROOT, "-B", build_dir, "-DEPX_BUILD_TESTS=OFF", "-DEPX_BUILD_TOOLS=OFF",
                  "-DCMAKE_BUILD_TYPE=Release"]
     # The generator can only be chosen when the folder is configured for the first time.
-    if shutil.which("ninja") and not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
-        configure += ["-G", "Ninja"]
+    ninja = _working_tool("ninja", "EPX_NINJA")
+    if ninja and not os.path.exists(os.path.join(build_dir, "CMakeCache.txt")):
+        configure += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
     jobs = os.environ.get("EPX_BUILD_JOBS", str(os.cpu_count() or 1))
     subprocess.check_call(configure)
-    subprocess.check_call(["cmake", "--build", build_dir, "--target", "epx", "--parallel", jobs])
+    subprocess.check_call([cmake, "--build", build_dir, "--target", "epx", "--parallel", jobs])
     return os.path.join(build_dir, "libepx.so")
 
 

@@ -62,3 +62,39 @@ def test_editable_wheel_points_at_the_source_tree(tmp_path, monkeypatch):
     with zipfile.ZipFile(tmp_path / name) as whl:
         pth = whl.read("epx_editable.pth").decode().strip()
     assert pth == os.path.join(REPO, "python")
+
+
+def _script(directory, name, body):
+    directory.mkdir(exist_ok=True)
+    path = directory / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_broken_tool_on_path_is_skipped(tmp_path, monkeypatch):
+    # A virtual environment's pip-installed `cmake` is a Python script that fails under pip's build isolation;
+    # the backend must use the next cmake on PATH that runs instead of failing the install.
+    _script(tmp_path / "venv", "cmake", "echo 'ModuleNotFoundError: No module named cmake' >&2; exit 1")
+    good = _script(tmp_path / "system", "cmake", "echo 'cmake version 3.31.0'")
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tmp_path / "venv"), str(tmp_path / "system")]))
+    monkeypatch.delenv("EPX_CMAKE", raising=False)
+    backend = _backend()
+    assert backend._working_tool("cmake", "EPX_CMAKE") == good
+    assert backend._working_tool("ninja", "EPX_NINJA") is None  # none on this PATH
+    monkeypatch.setenv("EPX_CMAKE", "/opt/my/cmake")
+    assert backend._working_tool("cmake", "EPX_CMAKE") == "/opt/my/cmake"
+
+
+def test_no_working_cmake_is_a_clear_error(tmp_path, monkeypatch):
+    _script(tmp_path / "venv", "cmake", "exit 1")
+    monkeypatch.setenv("PATH", str(tmp_path / "venv"))
+    for var in ("EPX_CMAKE", "EPX_PREBUILT_LIBRARY"):
+        monkeypatch.delenv(var, raising=False)
+    backend = _backend()
+    try:
+        backend._library()
+    except RuntimeError as e:
+        assert "CMake" in str(e) and "EPX_CMAKE" in str(e)
+    else:
+        raise AssertionError("_library() built without a working cmake")
