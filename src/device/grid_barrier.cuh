@@ -20,4 +20,15 @@ __device__ __forceinline__ void grid_barrier(uint64_t* counter, const FailEnv& e
   __syncthreads();
 }
 
+// Arrival without waiting, on the same counter: called by one thread per block after the block's work (and a
+// __syncthreads); true in the block that arrives last, which then sees every block's work before its arrival.
+// Keeps the counter at a multiple of gridDim.x after every block has arrived, as grid_barrier expects.
+__device__ __forceinline__ bool grid_arrive_is_last(uint64_t* counter) {
+  __threadfence();  // release: this block's work (ordered before by the caller's __syncthreads) before the arrival
+  const uint64_t arrived = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull);
+  const bool last = arrived % gridDim.x == gridDim.x - 1;
+  if (last) __threadfence();  // acquire: the other arrivals (an RMW chain on one counter) and their work
+  return last;
+}
+
 }  // namespace epx::dev

@@ -5,9 +5,9 @@
 // the last row of an (expert, source) pair raises the flag. Writes into other ranks go through
 // kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is not already in the
 // symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
-// Receive phase: warps wait for every expert's flag, a grid barrier, then block b reduces tokens b, b+G, ...:
+// Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up:
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
-// a second grid barrier, then the flags are cleared.
+// the last block to finish clears the flags.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -17,6 +17,7 @@
 #include "device/warp_copy.cuh"
 #include "kernels/ll_params.hpp"
 #include "kernels/ll_transport.cuh"
+#include "runtime/limits.hpp"
 
 namespace epx {
 namespace {
@@ -29,7 +30,7 @@ constexpr int kWarps = kThreads / 32;
 // Rows this rank sends back, spread one per warp over the whole grid. Row g of the concatenation of every local
 // expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and source rank s (from the
 // layout range). The last warp to finish a (expert, source) pair raises that pair's flag at the source.
-__device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
+__device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
   const int L = p.num_experts / R;
@@ -41,13 +42,20 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
   int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);  // addresses here = offsets at every peer
   int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
   int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.local, p.set));
-  if (warp == 0) {  // exclusive prefix of rows per local expert
+  // Rows per (local expert, source) and their begins, from the layout ranges: one load per pair, all threads
+  // at once, into shared memory; then warp 0 turns the per-expert totals into the exclusive prefix s_first.
+  for (int pair = threadIdx.x; pair < L * R; pair += kThreads) {
+    const int64_t range = p.recv_layout_range[pair];
+    s_range[pair] = int2{int(range >> 32), int(range & 0xffffffff)};
+  }
+  __syncthreads();
+  if (warp == 0) {
     int carry = 0;
     for (int base = 0; base < L; base += 32) {
       const int i = base + lane;
       int n = 0;
       if (i < L)
-        for (int s = 0; s < R; ++s) n += int(p.recv_layout_range[int64_t(i) * R + s] & 0xffffffff);
+        for (int s = 0; s < R; ++s) n += s_range[i * R + s].y;
       int incl = n;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -71,19 +79,15 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
       if (s_first[mid] <= g) lo = mid; else hi = mid;
     }
     const int i = lo, n = g - s_first[i];
-    int s = 0, count = 0;
-    for (; s < R; ++s) {
-      const int64_t range = p.recv_layout_range[int64_t(i) * R + s];
-      const int begin = int(range >> 32);
-      count = int(range & 0xffffffff);
-      if (n >= begin && n < begin + count) break;
-    }
+    int s = 0;
+    while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;  // rows are by source, ascending
+    const int count = s_range[i * R + s].y;
     const int e = me * L + i;
+    const int64_t row = int64_t(i) * rows_per_expert + n;
+    const int t = p.recv_src_info[row];  // issued before the poll below, so the two latencies overlap
     // Back-pressure: s clears the flag only after it reduced the rows of the last call on this set.
     if (lane == 0) wait_peer_zero(p.peers, s, flags + e, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
     __syncwarp();
-    const int t = p.recv_src_info[int64_t(i) * rows_per_expert + n];
-    const int64_t row = int64_t(i) * rows_per_expert + n;
     const int first = row_int4 * part / parts, last = row_int4 * (part + 1) / parts;
     const int4* src = p.x + row * row_int4 + first;
     if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
@@ -104,51 +108,75 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first) {
   // Pairs with no rows still tell the source that nothing more comes from this expert.
   for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
     const int i = pair / R, s = pair % R;
-    if ((p.recv_layout_range[int64_t(i) * R + s] & 0xffffffff) != 0 || lane != 0) continue;
+    if (s_range[pair].y != 0 || lane != 0) continue;
     wait_peer_zero(p.peers, s, flags + me * L + i, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
     signal(p.peers, s, flags + me * L + i, 1);
   }
 }
 
+// Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait);
+// the last block to finish clears every flag once it is up, which frees the set for the call after next.
 __device__ void receive_phase(const LowLatencyCombineParams& p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int M = p.max_tokens, K = p.num_topk;
+  __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
+  __shared__ float s_weight[kMaxTopk];
+  __shared__ int s_last;
+  const int M = p.max_tokens, K = p.num_topk, E = p.num_experts;
+  const int L = E / p.num_ranks;
   int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);
-  for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
-    if (lane == 0)
-      wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, e / (p.num_experts / p.num_ranks), e});
-  }
-  grid_barrier(&p.env.self->grid_barrier, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, -1, -1});
-
   const int row_int4 = p.hidden / 8;
-  const uint8_t* recv = p.layout.receive(p.peers.local, p.set);
+  const int4* recv = reinterpret_cast<const int4*>(p.layout.receive(p.peers.local, p.set));
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    if (threadIdx.x < K) {
+      const int k = threadIdx.x;
+      const int64_t e = p.topk_idx[int64_t(t) * K + k];
+      const bool valid = e >= 0 && e < E;
+      s_expert[k] = valid ? int(e) : -1;
+      s_weight[k] = valid ? p.topk_weights[int64_t(t) * K + k] : 0.f;
+      // Acquire; pairs with the signal of e's rank after its last row for this rank. The __syncthreads below
+      // orders every thread's row loads after it.
+      if (valid) wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)});
+    }
+    __syncthreads();
     for (int h = threadIdx.x; h < row_int4; h += kThreads) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = p.topk_idx[int64_t(t) * K + k];
-        if (e < 0 || e >= p.num_experts) continue;
-        const float w = p.topk_weights[int64_t(t) * K + k];
-        const int4 v = ld_cg(reinterpret_cast<const int4*>(recv) + (e * M + t) * row_int4 + h);
-        const uint32_t words[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+      for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows' loads in flight, then k ascending as the reference adds
+        int4 v[8];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
-          acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
-          acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
+        for (int j = 0; j < 8; ++j)
+          if (k0 + j < K && s_expert[k0 + j] >= 0)
+            v[j] = ld_cg(recv + (int64_t(s_expert[k0 + j]) * M + t) * row_int4 + h);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (k0 + j >= K || s_expert[k0 + j] < 0) continue;
+          const float w = s_weight[k0 + j];
+          const uint32_t words[4] = {uint32_t(v[j].x), uint32_t(v[j].y), uint32_t(v[j].z), uint32_t(v[j].w)};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
+            acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
+            acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
+          }
         }
       }
       st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
     }
+    __syncthreads();  // s_expert / s_weight are rewritten for the next token
   }
-  // Every block has read its rows: clear the flags (release), which lets the next call on this set write.
-  grid_barrier(&p.env.self->grid_barrier, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, -1, -2});
-  for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps)
-    if (lane == 0) st_release_sys(flags + e, 0);
+  // The last block to get here clears the flags: every block's row loads are done by then (each arrival
+  // releases its block's loads; the last arrival acquires them all). A flag no token here waited for may still
+  // be on its way: it is waited for first, so that no late signal survives into the next call on this set.
+  if (threadIdx.x == 0) s_last = grid_arrive_is_last(&p.env.self->grid_barrier) ? 1 : 0;
+  __syncthreads();
+  if (!s_last) return;
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, e / L, e});
+    st_release_sys(flags + e, 0);  // release: senders of the call after next wait for 0 (wait_peer_zero)
+  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(LowLatencyCombineParams p) {
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
-  if (p.phases & kLowLatencySend) send_phase(p, s_first);
+  __shared__ int2 s_range[kLowLatencyMaxExperts];  // [L * R] (begin, count) of every (local expert, source)
+  if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range);
   if (p.phases & kLowLatencyRecv) receive_phase(p);
 }
 
@@ -160,7 +188,8 @@ void launch_low_latency_combine(const LowLatencyCombineParams& p, int grid, cuda
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;  // the receive phase has a grid barrier
+  // Co-resident blocks: receiving blocks wait for flags that sending blocks of the same launch raise.
+  attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   config.attrs = attr;
   config.numAttrs = 1;
