@@ -2,12 +2,14 @@
 # pointer cannot reach (docs/design.md, "Low-latency transports"). Without it everything builds as before and
 # the low-latency mode works inside one NVLink domain through the CUDA IPC buffer.
 #
-#   -DEPX_NVSHMEM=AUTO (default): use NVSHMEM when EPX_NVSHMEM_DIR or python3's site-packages has it
-#   -DEPX_NVSHMEM=ON: require it;  -DEPX_NVSHMEM=OFF: never use it
+#   -DEPX_NVSHMEM=OFF (default): never use it (an NVSHMEM build still has known defects on the GPU machines:
+#    docs/design.md, "Low-latency transports")
+#   -DEPX_NVSHMEM=ON: require it;  -DEPX_NVSHMEM=AUTO: use NVSHMEM when EPX_NVSHMEM_DIR or python3's
+#    site-packages has it
 #   -DEPX_NVSHMEM_DIR=<root with include/ and lib/>, e.g. .../site-packages/nvidia/nvshmem (the pip package
 #    nvidia-nvshmem-cu13)
 # Sets EPX_HAVE_NVSHMEM and the imported targets epx::nvshmem_host and epx::nvshmem_device.
-set(EPX_NVSHMEM AUTO CACHE STRING "Build the NVSHMEM transport of the low-latency mode: AUTO, ON or OFF")
+set(EPX_NVSHMEM OFF CACHE STRING "Build the NVSHMEM transport of the low-latency mode: OFF, ON or AUTO")
 set_property(CACHE EPX_NVSHMEM PROPERTY STRINGS AUTO ON OFF)
 set(EPX_NVSHMEM_DIR "" CACHE PATH "NVSHMEM root (include/, lib/): e.g. site-packages/nvidia/nvshmem")
 # Where the GPU machines keep NVSHMEM: binaries are built on CPU machines and carried there, so libepx.so
