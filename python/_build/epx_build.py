@@ -11,10 +11,12 @@ Environment:
   EPX_BUILD_JOBS        parallel build jobs (default: the CPU count)
   EPX_CMAKE, EPX_NINJA  the cmake / ninja executables (default: the first on PATH that runs; a virtual
                         environment's pip-installed `cmake` script fails inside pip's isolated build, whose
-                        sys.path hides the module it imports, so a later one on PATH is used then)
+                        sys.path hides the module it imports: then the binary that package ships is used,
+                        or a later one on PATH)
 """
 
 import base64
+import glob
 import hashlib
 import os
 import re
@@ -64,8 +66,29 @@ def _tag():
 
 
 # ---- libepx.so ------------------------------------------------------------------------------------------------
+def _runs(path):
+    try:
+        return subprocess.run([path, "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _pip_package_binary(script, name):
+    """For a console script of the PyPI package `name` (cmake, ninja) in <env>/bin: the real binary the package
+    ships in <env>/lib/python*/site-packages/<name>/data/bin, which runs without importing anything."""
+    root = os.path.dirname(os.path.dirname(os.path.realpath(script)))
+    for site in sorted(glob.glob(os.path.join(root, "lib", "python*", "site-packages"))):
+        binary = os.path.join(site, name, "data", "bin", name)
+        if os.path.isfile(binary) and os.access(binary, os.X_OK):
+            return binary
+    return None
+
+
 def _working_tool(name, override=None):
-    """The first `name` on PATH whose `--version` succeeds (or $override if set), else None."""
+    """The first `name` on PATH whose `--version` succeeds (or $override if set), else None. A pip-installed
+    console script that fails (pip's isolated build hides the module it imports) is replaced by the binary its
+    package ships, when that runs."""
     explicit = os.environ.get(override) if override else None
     if explicit:
         return explicit
@@ -75,13 +98,11 @@ def _working_tool(name, override=None):
         if not candidate or os.path.realpath(candidate) in seen:
             continue
         seen.add(os.path.realpath(candidate))
-        try:
-            ok = subprocess.run([candidate, "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                timeout=60).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            ok = False
-        if ok:
+        if _runs(candidate):
             return candidate
+        binary = _pip_package_binary(candidate, name)
+        if binary and _runs(binary):
+            return binary
     return None
 
 

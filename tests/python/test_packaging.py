@@ -65,7 +65,7 @@ def test_editable_wheel_points_at_the_source_tree(tmp_path, monkeypatch):
 
 
 def _script(directory, name, body):
-    directory.mkdir(exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
     path.write_text("#!/bin/sh\n" + body + "\n")
     path.chmod(0o755)
@@ -98,3 +98,15 @@ def test_no_working_cmake_is_a_clear_error(tmp_path, monkeypatch):
         assert "CMake" in str(e) and "EPX_CMAKE" in str(e)
     else:
         raise AssertionError("_library() built without a working cmake")
+
+
+def test_a_pip_console_script_is_replaced_by_the_binary_its_package_ships(tmp_path, monkeypatch):
+    # The GPU machines: the only cmake on PATH is the torch venv's console script (`from cmake import cmake`),
+    # which fails under pip's build isolation; the cmake package ships the real binary in site-packages.
+    script = _script(tmp_path / "venv" / "bin", "cmake", "exit 1")
+    (tmp_path / "venv" / "lib" / "python3.12" / "site-packages" / "cmake" / "data").mkdir(parents=True)
+    real = _script(tmp_path / "venv" / "lib" / "python3.12" / "site-packages" / "cmake" / "data" / "bin", "cmake",
+                   "echo 'cmake version 3.31.0'")
+    monkeypatch.setenv("PATH", os.path.dirname(script))
+    monkeypatch.delenv("EPX_CMAKE", raising=False)
+    assert _backend()._working_tool("cmake", "EPX_CMAKE") == real
