@@ -2,7 +2,7 @@
 # pointer cannot reach (docs/design.md, "Low-latency transports"). Without it everything builds as before and
 # the low-latency mode works inside one NVLink domain through the CUDA IPC buffer.
 #
-#   -DEPX_NVSHMEM=OFF (default): never use it (an NVSHMEM build still has known defects on the GPU machines:
+#   -DEPX_NVSHMEM=OFF (default): never use it (an NVSHMEM build still has a known defect on the GPU machines:
 #    docs/design.md, "Low-latency transports")
 #   -DEPX_NVSHMEM=ON: require it;  -DEPX_NVSHMEM=AUTO: use NVSHMEM when EPX_NVSHMEM_DIR or python3's
 #    site-packages has it

@@ -5,7 +5,7 @@
 # NVSHMEM (optional, the low-latency mode's NVSHMEM transport) is opt-in: EPX_NVSHMEM=1 requires it (found in
 # EPX_NVSHMEM_DIR, .nvshmem/ of an earlier run, python3's site-packages or the GPU machines' torch venv, else
 # installed into .nvshmem/ from PyPI when the network allows); EPX_NVSHMEM=auto uses it when found. The default
-# (0) builds without it: an NVSHMEM build still has known defects on the GPU machines (docs/design.md,
+# (0) builds without it: an NVSHMEM build still has a known defect on the GPU machines (docs/design.md,
 # "Low-latency transports"), and inside one NVLink domain the CUDA IPC buffer does the same job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
