@@ -47,9 +47,14 @@ class _RecvHook:
 
 
 class LowLatencyMixin:
+    _ll_shape_ok = None  # the (M, hidden, num_experts) that last passed _ll_check_shape
     # ---- checks ---------------------------------------------------------------------------------------------
     def _ll_check_shape(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Tuple[int, int]:
-        """-> (num_max_dispatch_tokens_per_rank, num_experts) as ints."""
+        """-> (num_max_dispatch_tokens_per_rank, num_experts) as ints. The last shape that passed is remembered:
+        a decoding loop passes the same plain ints every call (hidden comes from a tensor's shape)."""
+        key = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if key == self._ll_shape_ok and type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int:
+            return num_max_dispatch_tokens_per_rank, num_experts
         R = self.group_size
         M = _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, _MAX_TOKENS)
         _checks.integer("hidden", hidden, 8)
@@ -58,6 +63,8 @@ class LowLatencyMixin:
         num_experts = _checks.integer("num_experts", num_experts, 1, _MAX_EXPERTS)
         if num_experts % R != 0:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the number of ranks ({R})")
+        if type(num_max_dispatch_tokens_per_rank) is int and type(hidden) is int and type(num_experts) is int:
+            self._ll_shape_ok = key
         return M, num_experts
 
     def _ll_check_handle(self, handle):
@@ -138,11 +145,13 @@ class LowLatencyMixin:
         rows = R * M
         protos = self._protos
         packed_recv_x = protos[_FP8 if use_fp8 else _BF16].new_empty(L, rows, H)
-        scales_storage = None
-        if use_ue8m0:
-            scales_storage = protos[_INT32].new_empty(L, H // (_FP8_GROUP * _UE8M0_PER_WORD), rows)
-        elif use_fp8:
-            scales_storage = protos[_FP32].new_empty(L, H // _FP8_GROUP, rows)
+        # Scales: logical [L, R*M, groups], stored token-minor ([L, groups, R*M]); allocated with those strides
+        # at once (one call instead of an allocation and a transpose).
+        scales = None
+        if use_fp8:
+            groups = H // (_FP8_GROUP * _UE8M0_PER_WORD) if use_ue8m0 else H // _FP8_GROUP
+            scales = protos[_INT32 if use_ue8m0 else _FP32].new_empty_strided((L, rows, groups),
+                                                                                (groups * rows, 1, rows))
         i32 = protos[_INT32]
         packed_recv_count = i32.new_empty(L)
         recv_src_info = i32.new_empty(L, rows)
@@ -154,7 +163,7 @@ class LowLatencyMixin:
         args.topk_idx = topk_idx.data_ptr()
         args.cumulative_local_expert_recv_stats = stats.data_ptr() if stats is not None else None
         outs.packed_recv_x = packed_recv_x.data_ptr()
-        outs.packed_recv_x_scales = scales_storage.data_ptr() if scales_storage is not None else None
+        outs.packed_recv_x_scales = scales.data_ptr() if scales is not None else None
         outs.packed_recv_count = packed_recv_count.data_ptr()
         outs.recv_src_info = recv_src_info.data_ptr()
         outs.recv_layout_range = recv_layout_range.data_ptr()
@@ -167,7 +176,7 @@ class LowLatencyMixin:
 
         hook = _noop
         if async_finish or return_recv_hook:
-            tensors = (x, topk_idx, stats, packed_recv_x, scales_storage, packed_recv_count, recv_src_info,
+            tensors = (x, topk_idx, stats, packed_recv_x, scales, packed_recv_count, recv_src_info,
                        recv_layout_range)
             if return_recv_hook:
                 hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args_ref, outs_ref, _RECV,
@@ -179,8 +188,8 @@ class LowLatencyMixin:
 
         handle = (recv_src_info, recv_layout_range, M, H, num_experts, h)
         recv_x = packed_recv_x
-        if scales_storage is not None:
-            recv_x = (packed_recv_x, scales_storage.transpose(1, 2))  # logical [L, R*M, groups], token-minor
+        if scales is not None:
+            recv_x = (packed_recv_x, scales)
         return recv_x, packed_recv_count, handle, event, hook
 
     # ---- combine ------------------------------------------------------------------------------------------------

@@ -344,3 +344,40 @@ def test_low_latency_hooks_keep_their_own_arguments(env):
     c1[2]()
     assert seen == [("epx_ll_dispatch", 2, x1.data_ptr()), ("epx_ll_dispatch", 2, x2.data_ptr()),
                     ("epx_ll_combine", 2, y1.data_ptr())]
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["float-scales", "ue8m0"])
+def test_low_latency_dispatch_output_shapes_and_strides(env, ue8m0):
+    """deep_ep's layouts: e4m3 [L, R*M, H]; scales logical [L, R*M, groups] stored token-minor (strides
+    (groups*R*M, 1, R*M)); count [L]; src info [L, R*M]; layout range [L, R] int64."""
+    cuda, new_buffer = env
+    buf = new_buffer()
+    h = 512  # a multiple of 512 for UE8M0
+    x = torch.ones(T, h, dtype=torch.bfloat16)
+    idx = torch.zeros(T, K, dtype=torch.int64)
+    (q, scales), count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=True, round_scale=ue8m0,
+                                                                use_ue8m0=ue8m0)
+    L, rows = E // R, R * M
+    groups = h // 512 if ue8m0 else h // 128
+    assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (L, rows, h) and q.is_contiguous()
+    assert scales.dtype == (torch.int32 if ue8m0 else torch.float32)
+    assert tuple(scales.shape) == (L, rows, groups) and scales.stride() == (groups * rows, 1, rows)
+    assert scales.transpose(1, 2).is_contiguous()
+    assert count.dtype == torch.int32 and tuple(count.shape) == (L,)
+    assert handle[0].dtype == torch.int32 and tuple(handle[0].shape) == (L, rows)
+    assert handle[1].dtype == torch.int64 and tuple(handle[1].shape) == (L, R)
+
+
+def test_low_latency_shape_checks_still_reject_after_a_good_call(env):
+    """The remembered shape must not let anything through that the checks would reject."""
+    cuda, new_buffer = env
+    buf = new_buffer()
+    x, idx, _ = inputs()
+    buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    with pytest.raises(TypeError):
+        buf.low_latency_dispatch(x, idx, float(M), E, use_fp8=False)
+    with pytest.raises(ValueError):
+        buf.low_latency_dispatch(x, idx, M, E + 1, use_fp8=False)
+    with pytest.raises(ValueError):
+        buf.low_latency_dispatch(x, idx, 0, E, use_fp8=False)
+    buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)  # and the good shape still passes
