@@ -322,7 +322,9 @@ MemoryRegion Buffer::local_region(int which) const {
   const bool nvl = which == EPX_REGION_NVL;
   MemoryRegion r;
   r.bytes = nvl ? b.options.num_nvl_bytes : b.options.num_rdma_bytes;
-  if (r.bytes > 0) r.ptr = static_cast<uint8_t*>(b.local) + (nvl ? RingLayout::data_offset() : b.ll_offset);
+  // The RDMA region is the low-latency region: inside the CUDA IPC allocation (at ll_offset), or, with NVSHMEM,
+  // a symmetric allocation of its own, which the IPC allocation has no room for.
+  if (r.bytes > 0) r.ptr = nvl ? static_cast<uint8_t*>(b.local) + RingLayout::data_offset() : b.ll_local;
   return r;
 }
 
