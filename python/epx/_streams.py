@@ -8,7 +8,9 @@ instead, and every tensor the operation touched is recorded on the streams that 
 allocator does not hand its memory out before the communication is done with it. The low-latency calls
 do the same without previous_event, or run on the current stream when they return a receive hook. A
 synchronous low-latency call also runs on the current stream when comm holds nothing that stream is not
-already ordered after (Streams.direct): the result is the same, for four stream/event calls less.
+already ordered after (Streams.direct): the result is the same, for four stream/event calls less. When a
+later call goes through comm from another current stream, comm also waits for the stream those calls ran on,
+so the Buffer's operations keep one order, as they would all on comm.
 
 This runs on every call, so it is kept cheap (docs/bench-notes.md, "Python host overhead"):
 - The two waits of a synchronous call use two events per Buffer, recorded again on every call, instead of
@@ -68,8 +70,8 @@ class Streams:
     """The communication stream of one Buffer, the events of its synchronous waits, and the last current
     stream seen. One operation: compute = begin(...), launches on .comm, then end_sync / end_async."""
 
-    __slots__ = ("comm", "comm_raw", "device_index", "_ready", "_done", "compute_raw", "_compute", "settled_raw",
-                 "exposed")
+    __slots__ = ("comm", "comm_raw", "device_index", "_ready", "_done", "_ready_settled", "compute_raw", "_compute",
+                 "settled_raw", "_settled", "exposed")
 
     def __init__(self, comm, device_index: int):
         self.comm = comm
@@ -77,12 +79,14 @@ class Streams:
         self.device_index = device_index
         self._ready = _new_event()  # recorded on the current stream, waited for by comm
         self._done = _new_event()   # recorded on comm, waited for by the current stream
+        self._ready_settled = _new_event()  # recorded on the settled stream when comm has to wait for it too
         self.compute_raw = None
         self._compute = None
         # A stream already ordered after everything queued on comm (the last operation there ended with this
         # stream waiting for it), or None; and whether the caller was handed comm (get_comm_stream), so that
         # work we did not queue may be on it.
         self.settled_raw = None
+        self._settled = None
         self.exposed = False
 
     def current(self):
@@ -96,7 +100,12 @@ class Streams:
     def begin(self, previous_event=None):
         """comm waits for previous_event, or else for the current stream. -> the current stream."""
         compute = self.current()
-        self.settled_raw = None  # comm gets work that nothing waits for yet
+        settled, self.settled_raw = self.settled_raw, None  # comm gets work that nothing waits for yet
+        if settled is not None and settled != self.compute_raw:
+            # Synchronous calls may have run straight on the settled stream since (direct()): the Buffer's
+            # operations stay in one order, as if all had run on comm, also when the caller switched streams.
+            _event_record(self._ready_settled, self._settled)
+            _event_wait(self._ready_settled, self.comm)
         if previous_event is None:
             _event_record(self._ready, compute)
             _event_wait(self._ready, self.comm)
@@ -113,6 +122,7 @@ class Streams:
         _event_record(self._done, self.comm)
         _event_wait(self._done, compute)
         self.settled_raw = self.compute_raw
+        self._settled = compute
         return EventOverlap()
 
     def direct(self) -> Optional[int]:

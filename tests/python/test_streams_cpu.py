@@ -285,6 +285,7 @@ def test_low_latency_sync_calls_run_on_the_current_stream_once_comm_is_settled(e
     assert [op.stream for op in ops] == [comm, cuda.compute] and event.event is None
     assert all(after(op, before) and after(end, op) for op in ops) and after(ops[1], ops[0])
 
+    direct_combine = [op for op in cuda.compute.ops if op.name == "epx_ll_combine"][-1]  # ran on compute
     other = cuda.new_stream("other")
     with torch.cuda.stream(other):
         first = other.enqueue("first on other")
@@ -293,6 +294,8 @@ def test_low_latency_sync_calls_run_on_the_current_stream_once_comm_is_settled(e
         ops = [op for op in comm.ops[n:] if op.name.startswith("epx_")]
         later = other.enqueue("after on other")
     assert len(ops) == 1 and after(ops[0], first) and after(later, ops[0]), "another current stream goes through comm"
+    # ... and stays behind what ran straight on the old current stream: one order for the Buffer's operations.
+    assert after(ops[0], direct_combine)
     recv, _, h, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)  # back on compute: comm first
     buf.low_latency_combine(recv, idx, w, h)
 
