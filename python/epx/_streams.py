@@ -7,8 +7,9 @@ at the end, so results are ready in stream order. With async_finish the caller g
 instead, and every tensor the operation touched is recorded on the streams that use it, so the caching
 allocator does not hand its memory out before the communication is done with it. The low-latency calls
 do the same without previous_event, or run on the current stream when they return a receive hook. A
-synchronous low-latency call also runs on the current stream when comm holds nothing that stream is not
-already ordered after (Streams.direct): the result is the same, for four stream/event calls less. When a
+synchronous low-latency call, cached dispatch or combine (no previous_event) also runs on the current stream
+when comm holds nothing that stream is not already ordered after (Streams.direct): the result is the same, for
+four stream/event calls less. When a
 later call goes through comm from another current stream, comm also waits for the stream those calls ran on,
 so the Buffer's operations keep one order, as they would all on comm.
 
@@ -134,6 +135,21 @@ class Streams:
             return None
         raw = _raw_current_stream(self.device_index)
         return raw if raw == self.settled_raw else None
+
+    def begin_sync_or_direct(self, previous_event, async_finish: bool):
+        """-> (raw stream to launch on, current stream or None). A synchronous call without previous_event runs
+        straight on the current stream when direct() allows (None: nothing to wait for at the end, finish with
+        end_direct); otherwise it goes through comm after begin()."""
+        if not async_finish and previous_event is None:
+            raw = self.direct()
+            if raw is not None:
+                return raw, None
+        return self.comm_raw, self.begin(previous_event)
+
+    @staticmethod
+    def end_direct() -> EventOverlap:
+        """The end of a call that ran on the current stream: its result is ready in stream order there."""
+        return EventOverlap()
 
     def end_async(self, compute, tensors: Iterable[Optional[torch.Tensor]], alloc_on_comm: bool) -> EventOverlap:
         """A new event on comm for the caller; the tensors are recorded on the streams that use them."""

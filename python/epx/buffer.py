@@ -531,7 +531,7 @@ class Buffer(LowLatencyMixin):
             hc.dispatch, hc.dispatch_key = (args, outs, byref(args), byref(outs)), key
         args, outs, args_ref, outs_ref = hc.dispatch
         streams = self._streams
-        compute = streams.begin(previous_event)
+        stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
         protos = self._protos
         with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             recv_x = protos[data.dtype].new_empty(N, H)
@@ -542,14 +542,14 @@ class Buffer(LowLatencyMixin):
             args.x_scales = scales.data_ptr()
             outs.recv_x_scales = recv_scales.data_ptr()
         lib = _lib.lib()
-        status = lib.epx_dispatch_cached(ptr, args_ref, byref(c_config), hc.h_ref, outs_ref, streams.comm_raw)
+        status = lib.epx_dispatch_cached(ptr, args_ref, byref(c_config), hc.h_ref, outs_ref, stream)
         if status:
             lib.check(status)
         if async_finish:
             event = streams.end_async(compute, (data, scales, recv_x, recv_scales) + hc.handle,
                                       allocate_on_comm_stream)
         else:
-            event = streams.end_sync(compute)
+            event = streams.end_sync(compute) if compute is not None else streams.end_direct()
         recv = (recv_x, recv_scales) if scales is not None else recv_x
         return recv, None, None, None, None, event
 
@@ -589,7 +589,7 @@ class Buffer(LowLatencyMixin):
             hc.combine, hc.combine_key = (args, outs, byref(args), byref(outs)), key
         args, outs, args_ref, outs_ref = hc.combine
         streams = self._streams
-        compute = streams.begin(previous_event)
+        stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
         protos = self._protos
         with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             combined_x = protos[_BF16].new_empty(T, H)
@@ -601,14 +601,14 @@ class Buffer(LowLatencyMixin):
         outs.combined_x = combined_x.data_ptr()
         outs.combined_topk_weights = combined_weights.data_ptr() if K else None
         lib = _lib.lib()
-        status = lib.epx_combine(ptr, args_ref, byref(c_config), hc.h_ref, outs_ref, streams.comm_raw)
+        status = lib.epx_combine(ptr, args_ref, byref(c_config), hc.h_ref, outs_ref, stream)
         if status:
             lib.check(status)
         if async_finish:
             event = streams.end_async(compute, (x, topk_weights, bias0, bias1, combined_x, combined_weights)
                                       + hc.handle, allocate_on_comm_stream)
         else:
-            event = streams.end_sync(compute)
+            event = streams.end_sync(compute) if compute is not None else streams.end_direct()
         return combined_x, combined_weights, event
 
 

@@ -118,7 +118,10 @@ def test_sync_runs_on_comm_stream_between_compute_work(env, make):
     before, (event, _), ops, end = launches_of(cuda, run)
     comm = buf.get_comm_stream()
     for op in ops:
-        assert op.stream is comm, op.name
+        # Cached dispatch and combine may run straight on the current stream once comm is settled (the set-up
+        # ended with a synchronous call); the ordering is what counts.
+        direct_ok = make in (op_cached_dispatch, op_combine) and op.stream is cuda.compute
+        assert op.stream is comm or direct_ok, op.name
         assert after(op, before), f"{op.name} does not wait for earlier work on the current stream"
         assert after(end, op), f"later work on the current stream does not wait for {op.name}"
     assert event.event is None
@@ -126,6 +129,30 @@ def test_sync_runs_on_comm_stream_between_compute_work(env, make):
     # twice: a second call (cached state) orders the same way
     before, (event, _), ops, end = launches_of(cuda, run)
     assert all(after(op, before) and after(end, op) for op in ops)
+
+
+@pytest.mark.parametrize("make", [op_cached_dispatch, op_combine], ids=lambda f: f.__name__[3:])
+def test_settled_sync_cached_dispatch_and_combine_run_on_the_current_stream(env, make):
+    """As the low-latency calls: once comm is settled, a synchronous cached dispatch or combine launches on the
+    current stream with one current-stream lookup; a call from another current stream goes through comm and
+    stays behind it; get_comm_stream turns the shortcut off."""
+    cuda, new_buffer = env
+    buf = new_buffer()
+    run = make(buf)  # its set-up ends with a synchronous dispatch: comm is settled on compute
+    calls = cuda.calls
+    before, _, ops, end = launches_of(cuda, run)
+    assert [op.stream for op in ops] == [cuda.compute] and after(ops[0], before) and after(end, ops[0])
+    assert cuda.calls - calls == 1, "one current-stream lookup, no event record or wait"
+    comm = buf._streams.comm
+    other = cuda.new_stream("other")
+    with torch.cuda.stream(other):
+        n = len(comm.ops)
+        run()
+        moved = [op for op in comm.ops[n:] if op.name.startswith("epx_")]
+    assert len(moved) == 1 and after(moved[0], ops[0]), "another current stream: through comm, behind the last call"
+    buf.get_comm_stream()
+    _, _, ops, end = launches_of(cuda, run)
+    assert [op.stream for op in ops] == [comm] and after(end, ops[0])
 
 
 @pytest.mark.parametrize("make", HT_OPS, ids=lambda f: f.__name__[3:])
