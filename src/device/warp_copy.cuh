@@ -32,24 +32,6 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
   for (; i < n; i += 32) store(dst + i, load(src + i));
 }
 
-// As warp_copy, but the last partial batch also keeps its loads in flight together (predicated) instead of
-// one load-store round trip per 32 vectors: for the short copies of the low-latency kernels (a few vectors per
-// lane), where the round trips are the time. Not used in the intranode kernels: the predicated batch costs
-// registers, and there it raised spills (docs/bench-notes.md).
-template <int kUnroll, typename Load, typename Store>
-__device__ __forceinline__ void warp_copy_batched(int4* dst, const int4* src, int n, int lane, Load load,
-                                                  Store store) {
-  for (int i = lane; i < n; i += kUnroll * 32) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + u * 32 < n) v[u] = load(src + i + u * 32);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + u * 32 < n) store(dst + i + u * 32, v[u]);
-  }
-}
-
 // Copies n 32-bit words (scales, small metadata).
 template <typename LoadWord>
 __device__ __forceinline__ void warp_copy_words(int32_t* dst, const int32_t* src, int n, int lane, LoadWord load) {

@@ -164,7 +164,7 @@ __device__ void receive_phase(const LowLatencyCombineParams& p) {
   // The last block to get here clears the flags: every block's row loads are done by then (each arrival
   // releases its block's loads; the last arrival acquires them all). A flag no token here waited for may still
   // be on its way: it is waited for first, so that no late signal survives into the next call on this set.
-  if (threadIdx.x == 0) s_last = grid_arrive_is_last(&p.env.self->grid_barrier) ? 1 : 0;
+  if (threadIdx.x == 0) s_last = grid_arrive_is_last(&p.env.self->ll_combine_arrivals) ? 1 : 0;
   __syncthreads();
   if (!s_last) return;
   for (int e = threadIdx.x; e < E; e += kThreads) {
