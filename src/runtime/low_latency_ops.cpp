@@ -13,6 +13,11 @@ namespace {
 constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;  // one NVLink domain (LowLatencyPeers holds one per rank)
 constexpr int kLowLatencyMaxTopk = 32;             // one warp per top-k slot of a token
 
+void require_phases(int phases, const char* op) {
+  EPX_REQUIRE(phases == kLowLatencySendPhase || phases == kLowLatencyRecvPhase || phases == kLowLatencyBothPhases, op,
+              ": phases must be send (1), receive (2) or both (3), got ", phases);
+}
+
 void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
                     bool fp8, bool ue8m0, const char* op) {
   EPX_REQUIRE(b.num_ranks <= kLowLatencyMaxRanks, op, ": low-latency mode over CUDA IPC supports up to ",
@@ -56,6 +61,24 @@ void check_staging(const Buffer::Impl& b, const LowLatencyLayout& layout, int ma
           " bytes in the combine-send area of ", layout.combine_send_bytes, " bytes; use more experts");
 }
 
+// The fields both low-latency kernels take, for the shape a handle describes (dispatch: its own arguments).
+template <typename Params>
+Params low_latency_params(const Buffer::Impl& b, const LowLatencyHandle& h, int set, int phases) {
+  Params p{};
+  p.env = b.fail_env();
+  p.layout = LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
+  p.peers = peers_of(b);
+  p.set = set;
+  p.phases = phases;
+  p.num_ranks = b.num_ranks;
+  p.num_tokens = h.num_tokens;
+  p.max_tokens = h.num_max_dispatch_tokens_per_rank;
+  p.hidden = h.hidden;
+  p.num_topk = h.num_topk;
+  p.num_experts = h.num_experts;
+  return p;
+}
+
 }  // namespace
 
 int64_t low_latency_size_hint(int max_tokens, int hidden, int num_ranks, int num_experts) {
@@ -91,8 +114,7 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
   const char* op = "low_latency_dispatch";
   Impl& b = *impl_;
   b.enter(op);
-  EPX_REQUIRE(phases == kLowLatencySendPhase || phases == kLowLatencyRecvPhase || phases == kLowLatencyBothPhases, op,
-              ": phases must be send (1), receive (2) or both (3), got ", phases);
+  require_phases(phases, op);
   validate_shape(b, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
                  a.use_fp8 != 0, a.use_ue8m0 != 0, op);
   EPX_REQUIRE(!a.use_ue8m0 || (a.use_fp8 && a.round_scale), op, ": use_ue8m0 needs use_fp8 and round_scale");
@@ -121,19 +143,11 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
                 op, ": the receive call must repeat the send call's arguments");
     set = h.buffer_set;
   }
-  LowLatencyDispatchParams p{};
-  p.env = b.fail_env();
-  p.layout = LowLatencyLayout::make(b.ll_set_bytes, a.num_max_dispatch_tokens_per_rank, a.hidden, a.num_experts);
-  check_staging(b, p.layout, a.num_max_dispatch_tokens_per_rank, a.hidden, a.use_fp8 != 0, op);
-  p.peers = peers_of(b);
-  p.set = set;
-  p.phases = phases;
-  p.num_ranks = b.num_ranks;
-  p.num_tokens = a.num_tokens;
-  p.max_tokens = a.num_max_dispatch_tokens_per_rank;
-  p.hidden = a.hidden;
+  // The handle holds this call's shape: set just above (send) or checked against it (receive; num_topk aside,
+  // which the send call's handle carries).
+  auto p = low_latency_params<LowLatencyDispatchParams>(b, h, set, phases);
   p.num_topk = a.num_topk;
-  p.num_experts = a.num_experts;
+  check_staging(b, p.layout, a.num_max_dispatch_tokens_per_rank, a.hidden, a.use_fp8 != 0, op);
   p.fp8 = a.use_fp8 != 0;
   p.round_scale = a.round_scale != 0;
   p.ue8m0 = a.use_ue8m0 != 0;
@@ -154,8 +168,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   const char* op = "low_latency_combine";
   Impl& b = *impl_;
   b.enter(op);
-  EPX_REQUIRE(phases == kLowLatencySendPhase || phases == kLowLatencyRecvPhase || phases == kLowLatencyBothPhases, op,
-              ": phases must be send (1), receive (2) or both (3), got ", phases);
+  require_phases(phases, op);
   validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false,
                  false, op);
   EPX_REQUIRE(h.recv_src_info != nullptr && h.recv_layout_range != nullptr, op, ": the handle is incomplete");
@@ -174,18 +187,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
     EPX_REQUIRE(buffer_set == 0 || buffer_set == 1, op, ": the receive call needs the send call's buffer set");
     set = buffer_set;
   }
-  LowLatencyCombineParams p{};
-  p.env = b.fail_env();
-  p.layout = LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
-  p.peers = peers_of(b);
-  p.set = set;
-  p.phases = phases;
-  p.num_ranks = b.num_ranks;
-  p.num_tokens = h.num_tokens;
-  p.max_tokens = h.num_max_dispatch_tokens_per_rank;
-  p.hidden = h.hidden;
-  p.num_topk = h.num_topk;
-  p.num_experts = h.num_experts;
+  auto p = low_latency_params<LowLatencyCombineParams>(b, h, set, phases);
   p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.ll_local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
   p.topk_idx = a.topk_idx;
