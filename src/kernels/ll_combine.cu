@@ -1,13 +1,14 @@
 // Low-latency combine (SPEC section 5).
 //
 // Send phase: one warp per row; a row goes back into its source rank's receive area at [global expert][source
-// token] once the source has cleared its flag for the expert (it consumed the last call on this buffer set);
-// the last row of an (expert, source) pair raises the flag. Writes into other ranks go through
+// token] once the source has cleared this rank's busy slot for the pair (it reduced the last call on this
+// buffer set; a poll of local memory); the last row of an (expert, source) pair marks the pair busy and raises
+// the flag at the source. Writes into other ranks go through
 // kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is not already in the
 // symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
 // Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up:
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
-// the last block to finish clears the flags.
+// the last block to finish clears the flags and the busy slots at the experts' ranks.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -40,6 +41,7 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2*
   // at zero by every call.
   int32_t* done = p.layout.sent(p.peers.local, p.set);
   int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);  // addresses here = offsets at every peer
+  int32_t* busy = p.layout.combine_busy(p.peers.local, p.set);     // [L * R], this rank's own
   int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
   int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.local, p.set));
   // Rows per (local expert, source) and their begins, from the layout ranges: one load per pair, all threads
@@ -85,8 +87,9 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2*
     const int e = me * L + i;
     const int64_t row = int64_t(i) * rows_per_expert + n;
     const int t = p.recv_src_info[row];  // issued before the poll below, so the two latencies overlap
-    // Back-pressure: s clears the flag only after it reduced the rows of the last call on this set.
-    if (lane == 0) wait_peer_zero(p.peers, s, flags + e, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
+    // Back-pressure: s clears busy (a remote store here) only after it reduced the rows of the last call on this
+    // set. Acquire; pairs with the release in s's receive_phase.
+    if (lane == 0) wait_zero(busy + i * R + s, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
     __syncwarp();
     const int first = row_int4 * part / parts, last = row_int4 * (part + 1) / parts;
     const int4* src = p.x + row * row_int4 + first;
@@ -102,6 +105,7 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2*
     // flag's signal (a release) publishes all of them (release is cumulative).
     if (lane == 0 && atomic_add_acq_rel_gpu(&done[i * R + s], 1) + 1 == count * parts) {
       done[i * R + s] = 0;
+      busy[i * R + s] = 1;  // before the flag's release: s's clearing store comes later in the slot's order
       signal(p.peers, s, flags + e, 1);  // pairs with the receiver's wait_nonzero
     }
   }
@@ -109,7 +113,8 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2*
   for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
     const int i = pair / R, s = pair % R;
     if (s_range[pair].y != 0 || lane != 0) continue;
-    wait_peer_zero(p.peers, s, flags + me * L + i, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
+    wait_zero(busy + pair, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
+    busy[pair] = 1;
     signal(p.peers, s, flags + me * L + i, 1);
   }
 }
@@ -167,9 +172,12 @@ __device__ void receive_phase(const LowLatencyCombineParams& p) {
   if (threadIdx.x == 0) s_last = grid_arrive_is_last(&p.env.self->ll_combine_arrivals) ? 1 : 0;
   __syncthreads();
   if (!s_last) return;
+  int32_t* busy = p.layout.combine_busy(p.peers.local, p.set);
   for (int e = threadIdx.x; e < E; e += kThreads) {
     wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, e / L, e});
-    st_release_sys(flags + e, 0);  // release: senders of the call after next wait for 0 (wait_peer_zero)
+    flags[e] = 0;  // ordered before the release below
+    // Release: e's rank may send rows for this rank again (it polls its busy slot for the pair).
+    signal(p.peers, e / L, busy + (e % L) * p.num_ranks + p.env.rank, 0);
   }
 }
 

@@ -5,11 +5,13 @@
 // (local expert, this rank, position of (t, k) among this rank's selections of that expert in (t, k) order):
 // rows arrive in token order with no atomics (kWarps / K warps share a slot, each writing part of the record).
 // Each part bumps a local per-expert counter; the warp that owns expert e waits for all parts of its
-// selections, then sends count + 1 to e's rank. Writes into other ranks go through kernels/ll_transport.cuh
+// selections, marks e busy in its own memory and sends count + 1 to e's rank; writers wait (a local poll) until
+// e's rank has cleared busy[e] after copying the rows of the last call on this set. Writes into other ranks go through kernels/ll_transport.cuh
 // (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is also copied to symmetric memory, where
 // puts can read it.
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
-// rank ascending and copies them into the packed outputs (FP8 scales token-minor).
+// rank ascending, copies them into the packed outputs (FP8 scales token-minor) and clears each source's busy
+// slot for that expert (a remote store).
 #include <cuda_runtime.h>
 
 #include "device/fp8.cuh"
@@ -100,6 +102,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   int32_t* sent = p.layout.sent(p.peers.local, p.set);
+  int32_t* busy = p.layout.dispatch_busy(p.peers.local, p.set);
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging
 
@@ -122,11 +125,10 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       if (e >= 0 && e < p.num_experts) {
         const int slot = position_of(s_topk, t, k, K, int(e), lane);
         const int dest = int(e / L), local = int(e % L);
-        // Back-pressure: the slot's count is cleared by the receiver only after it copied the rows of the last
-        // call on this set, so rows are never overwritten while a slow peer still reads them.
-        if (lane == 0)
-          wait_peer_zero(p.peers, dest, p.layout.dispatch_count(p.peers.local, p.set) + local * R + me, p.env,
-                         WaitSite{kRoleLowLatencySend, -1, dest, e});
+        // Back-pressure: dest clears busy[e] here (a remote store) only after it copied the rows of the last
+        // call on this set, so rows are never overwritten while a slow peer still reads them. A local poll;
+        // the acquire pairs with dest's release in receive_phase.
+        if (lane == 0) wait_zero(busy + e, p.env, WaitSite{kRoleLowLatencySend, -1, dest, int(e)});
         __syncwarp();
         int4* dst = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set) +
                                             ((int64_t(local) * R + me) * M + slot) * rec.bytes);
@@ -154,7 +156,10 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       const int dest = e / L;
       int32_t* count = p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me;
       if (expected == 0)  // no row went there, so no token warp waited for the slot to be free
-        wait_peer_zero(p.peers, dest, count, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
+        wait_zero(busy + e, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
+      // Busy until dest has copied this call's rows. Stored before the count's release, so dest's clearing
+      // store (which follows its acquire of the count) comes later in the slot's order and is never lost.
+      busy[e] = 1;
       // The acquire above saw every part announced; this release publishes them. Pairs with the receiver's
       // wait_nonzero.
       signal(p.peers, dest, count, expected + 1);
@@ -225,8 +230,12 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
       if (lane == 0) p.recv_src_info[row] = ld_cg(reinterpret_cast<const int32_t*>(src + rec.meta_offset));
     }
     __syncthreads();  // every row of expert i is copied (and s_begin may be reused)
-    if (warp == 0 && lane < R)  // release: senders of the next call on this set wait for 0 before writing rows
-      st_release_sys(p.layout.dispatch_count(p.peers.local, p.set) + i * R + lane, 0);
+    if (warp == 0 && lane < R) {
+      // The count slot is free for the call after next; then source `lane` may write rows for expert i again:
+      // the release (cumulative over the block's copies before the barrier) pairs with its wait_zero on busy.
+      p.layout.dispatch_count(p.peers.local, p.set)[i * R + lane] = 0;
+      signal(p.peers, lane, p.layout.dispatch_busy(p.peers.local, p.set) + p.env.rank * L + i, 0);
+    }
   }
 }
 

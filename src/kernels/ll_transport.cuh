@@ -8,8 +8,9 @@
 //    transports read them with the NIC.
 //
 // Every address below is an address in *this* rank's region; the same offset is meant in the peer's region.
-// Receivers only ever poll their own memory with acquire loads (device/wait.cuh); the only remote reads are the
-// back-pressure polls of wait_peer_zero.
+// Every rank only ever polls its own memory with acquire loads (device/wait.cuh): back-pressure too, since the
+// consumer of a slot pushes "free" into the producer's memory with a signal (runtime/ll_layout.hpp, busy slots).
+// Nothing here reads a peer's memory.
 //
 // Ordering contract, the same on both paths:
 //   put_warp  : peer pointer: on return this lane's stores are issued; they become visible at the peer with
@@ -89,30 +90,6 @@ __device__ __forceinline__ void signal(const LowLatencyPeers& peers, int peer, i
   // announcement) is ordered before the atomic, which lands in the peer's memory as one 32-bit write.
   __threadfence_system();
   nvshmem_int_atomic_set(mine, value, peer);
-#endif
-}
-
-// Back-pressure: waits (bounded) until the 32-bit slot `mine` reads 0 in peer's region, i.e. the peer has
-// consumed what the slot announced last time. Acquire: nothing this thread writes afterwards (new rows for the
-// slot) can land before the read.
-__device__ __forceinline__ void wait_peer_zero(const LowLatencyPeers& peers, int peer, int32_t* mine,
-                                               const FailEnv& env, const WaitSite& site) {
-  if (has_peer_pointer(peers, peer)) {
-    wait_zero(at_peer(peers, peer, mine), env, site);
-    return;
-  }
-#if EPX_HAVE_NVSHMEM
-  // A remote read per poll (a load between P2P GPUs, a network round trip otherwise): the slot is normally
-  // free already, so one poll is the common case.
-  int32_t v = nvshmem_int_atomic_fetch(mine, peer);
-  if (v != 0) {
-    const uint64_t start = globaltimer_ns();
-    while ((v = nvshmem_int_atomic_fetch(mine, peer)) != 0) {
-      check_abort(env, site);
-      if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, v, 0);
-    }
-  }
-  fence_acq_rel_sys();  // acquire: the rows written after this read cannot land before it
 #endif
 }
 
