@@ -37,7 +37,7 @@ run_tests() {  # ranks
   local rc=$?
   local line; line=$(grep -E "suite on .* cases passed" "$log" | tail -1)
   summary+=("tests    R=$r  rc=$rc  ${line:-no summary}  ($((SECONDS - start)) s)")
-  grep -E "^\[FAIL\]|^  rank|error" "$log" | head -20
+  grep -E -A4 "^\[FAIL\]" "$log" | head -30  # the failing case and its per-rank messages
 }
 has_nvshmem=$("$BUILD_DIR/tests/epx_gpu_tests" --build-info 2>/dev/null | grep -c "nvshmem: yes" || true)
 run_ll() {  # transport ranks
@@ -60,7 +60,7 @@ run_ll() {  # transport ranks
   transport=$(grep -m1 "^low-latency transport:" "$log" | sed 's/^low-latency transport: //')
   local took=$((SECONDS - start))
   summary+=("ll       R=$r  $t rc=$rc  ${line:-no summary}  [${transport:-transport unknown}]  ($took s)")
-  grep -E "^\[FAIL\]|^  rank|error" "$log" | head -20
+  grep -E -A4 "^\[FAIL\]" "$log" | head -30  # the failing case and its per-rank messages
 }
 run_ll_counts() {  # transport [2|all]
   local which=${2:-both}
