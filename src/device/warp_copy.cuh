@@ -32,6 +32,19 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
   for (; i < n; i += 32) store(dst + i, load(src + i));
 }
 
+// Copies n <= 32 * kUnroll int4 in one round: every lane issues all of its (predicated) loads, then its stores,
+// so the copy costs one load latency where warp_copy's serial tail would cost one per leftover vector.
+template <int kUnroll, typename Load, typename Store>
+__device__ __forceinline__ void warp_copy_once(int4* dst, const int4* src, int n, int lane, Load load, Store store) {
+  int4 v[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (lane + u * 32 < n) v[u] = load(src + lane + u * 32);
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    if (lane + u * 32 < n) store(dst + lane + u * 32, v[u]);
+}
+
 // Copies n 32-bit words (scales, small metadata).
 template <typename LoadWord>
 __device__ __forceinline__ void warp_copy_words(int32_t* dst, const int32_t* src, int n, int lane, LoadWord load) {

@@ -10,8 +10,10 @@
 // (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is also copied to symmetric memory, where
 // puts can read it.
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
-// rank ascending, copies them into the packed outputs (FP8 scales token-minor) and clears each source's busy
-// slot for that expert (a remote store).
+// rank ascending, copies them into the packed outputs (FP8 scales token-minor) in work items of one load round
+// each, spread over all warps, and clears each source's busy slot for that expert (a remote store). The
+// receive phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its
+// registers do not add to the send phase's.
 #include <cuda_runtime.h>
 
 #include "device/fp8.cuh"
@@ -167,13 +169,47 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   }
 }
 
-__device__ void receive_phase(const LowLatencyDispatchParams& p) {
+// int4 per receive work item: 4 loads per lane in flight, the registers a 1024-thread block allows.
+constexpr int kChunk = 4 * 32;
+
+// The scales (FP8, token-minor) and the source token index of row n of local expert i, from its record at src:
+// every load issued before the first store, so the item costs one load latency.
+__device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p, const uint8_t* src, int i, int n,
+                                              int lane) {
+  const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
+  const int groups = p.hidden / kFp8GroupSize;
+  const int64_t rows_per_expert = int64_t(p.num_ranks) * p.max_tokens;
+  const int32_t token = lane == 0 ? ld_cg(reinterpret_cast<const int32_t*>(src + rec.meta_offset)) : 0;
+  if (p.fp8 && p.ue8m0) {  // 4 exponent bytes per int32, token-minor: [L][H/512][R*M]
+    const int words = groups / 4;
+    const int4* scales = reinterpret_cast<const int4*>(src + rec.scale_offset);  // 4 floats per word
+    for (int q0 = 0; q0 < words; q0 += 32) {
+      const int q = q0 + lane;
+      if (q >= words) break;
+      const int4 v = ld_cg(scales + q);
+      const uint32_t packed = uint32_t(ue8m0_of(__int_as_float(v.x))) | uint32_t(ue8m0_of(__int_as_float(v.y))) << 8 |
+                              uint32_t(ue8m0_of(__int_as_float(v.z))) << 16 | uint32_t(ue8m0_of(__int_as_float(v.w))) << 24;
+      static_cast<uint32_t*>(p.packed_recv_scales)[(int64_t(i) * words + q) * rows_per_expert + n] = packed;
+    }
+  } else if (p.fp8) {  // token-minor: [L][H/128][R*M]; 64 groups (hidden 8192) per round
+    const int32_t* scales = reinterpret_cast<const int32_t*>(src + rec.scale_offset);
+    for (int g0 = 0; g0 < groups; g0 += 64) {
+      const int ga = g0 + lane, gb = g0 + 32 + lane;
+      const int32_t a = ga < groups ? ld_cg(scales + ga) : 0, b = gb < groups ? ld_cg(scales + gb) : 0;
+      float* out = static_cast<float*>(p.packed_recv_scales);
+      if (ga < groups) out[(int64_t(i) * groups + ga) * rows_per_expert + n] = __int_as_float(a);
+      if (gb < groups) out[(int64_t(i) * groups + gb) * rows_per_expert + n] = __int_as_float(b);
+    }
+  }
+  if (lane == 0) p.recv_src_info[int64_t(i) * rows_per_expert + n] = token;
+}
+
+__device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p) {
   __shared__ int s_begin[kMaxNvlRanks + 1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
-  const int groups = p.hidden / kFp8GroupSize;
   const int64_t rows_per_expert = int64_t(R) * M;
 
   for (int i = blockIdx.x; i < L; i += gridDim.x) {
@@ -202,32 +238,24 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
     }
     __syncthreads();
     const int total = s_begin[R];
-    for (int n = warp; n < total; n += kWarps) {
+    // Work items of kChunk int4 per row (one round of loads per lane each) plus one for the row's scales and
+    // source index, spread over all warps: a warp copying a whole 7 KB row paid ~8 dependent load latencies.
+    const int row_int4 = int(rec.row_bytes / 16);
+    const int chunks = (row_int4 + kChunk - 1) / kChunk, items = chunks + 1;
+    for (int w = warp; w < total * items; w += kWarps) {
+      const int n = w / items, c = w % items;
       int s = 0;
       while (n >= s_begin[s + 1]) ++s;
-      const int slot = n - s_begin[s];
-      const uint8_t* src = p.layout.receive(p.peers.local, p.set) + ((int64_t(i) * R + s) * M + slot) * rec.bytes;
+      const uint8_t* src = p.layout.receive(p.peers.local, p.set) + ((int64_t(i) * R + s) * M + (n - s_begin[s])) * rec.bytes;
       const int64_t row = int64_t(i) * rows_per_expert + n;
-      warp_copy<4>(static_cast<int4*>(p.packed_recv_x) + row * (rec.row_bytes / 16), reinterpret_cast<const int4*>(src),
-                   int(rec.row_bytes / 16), lane, LoadCg{}, StoreNa{});
-      if (p.fp8) {
-        const float* scales = reinterpret_cast<const float*>(src + rec.scale_offset);
-        if (p.ue8m0) {  // 4 exponent bytes per int32, token-minor: [L][H/512][R*M]
-          for (int q = lane; q < groups / 4; q += 32) {
-            uint32_t packed = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-              packed |= uint32_t(ue8m0_of(__int_as_float(ld_cg(reinterpret_cast<const int32_t*>(scales) + 4 * q + j))))
-                        << (8 * j);
-            static_cast<uint32_t*>(p.packed_recv_scales)[(int64_t(i) * (groups / 4) + q) * rows_per_expert + n] = packed;
-          }
-        } else {  // token-minor: [L][H/128][R*M]
-          for (int g = lane; g < groups; g += 32)
-            static_cast<float*>(p.packed_recv_scales)[(int64_t(i) * groups + g) * rows_per_expert + n] =
-                __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(scales) + g));
-        }
+      if (c < chunks) {
+        const int first = c * kChunk;
+        warp_copy_once<kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
+                                    reinterpret_cast<const int4*>(src) + first, min(kChunk, row_int4 - first), lane,
+                                    LoadCg{}, StoreNa{});
+      } else {
+        copy_row_meta(p, src, i, n, lane);
       }
-      if (lane == 0) p.recv_src_info[row] = ld_cg(reinterpret_cast<const int32_t*>(src + rec.meta_offset));
     }
     __syncthreads();  // every row of expert i is copied (and s_begin may be reused)
     if (warp == 0 && lane < R) {
@@ -239,7 +267,7 @@ __device__ void receive_phase(const LowLatencyDispatchParams& p) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(LowLatencyDispatchParams p) {
+__global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {
   extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
   int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
   if (p.phases & kLowLatencySend) send_phase(p, s_rec, s_topk);
