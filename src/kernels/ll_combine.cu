@@ -27,11 +27,12 @@ using namespace dev;
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 4 * 32;  // int4 per send work item: 4 loads per lane in flight
 
 // Rows this rank sends back, spread one per warp over the whole grid. Row g of the concatenation of every local
 // expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and source rank s (from the
 // layout range). The last warp to finish a (expert, source) pair raises that pair's flag at the source.
-__device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range) {
+__device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
   const int L = p.num_experts / R;
@@ -72,7 +73,8 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2*
   __syncthreads();
   const int total = s_first[L];
   const int warps = gridDim.x * kWarps;
-  const int parts = warps >= 4 * total ? 4 : (warps >= 2 * total ? 2 : 1);  // warps per row when rows are few
+  // Work items of kChunk int4 (one round of loads per lane each): a row is row_int4 / kChunk items.
+  const int parts = (row_int4 + kChunk - 1) / kChunk;
   for (int w = blockIdx.x * kWarps + warp; w < total * parts; w += warps) {
     const int g = w / parts, part = w % parts;
     int lo = 0, hi = L;  // largest i with s_first[i] <= g
@@ -91,7 +93,7 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2*
     // set. Acquire; pairs with the release in s's receive_phase.
     if (lane == 0) wait_zero(busy + i * R + s, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
     __syncwarp();
-    const int first = row_int4 * part / parts, last = row_int4 * (part + 1) / parts;
+    const int first = part * kChunk, last = min(first + kChunk, row_int4);
     const int4* src = p.x + row * row_int4 + first;
     if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
       warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
@@ -99,7 +101,8 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2*
       __syncwarp();
       src = stage + row * row_int4 + first;
     }
-    put_warp<4>(p.peers, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first, lane, LoadNc{});
+    put_warp_once<kChunk / 32>(p.peers, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first, lane,
+                               LoadNc{});
     __syncwarp();  // every lane's part is written before lane 0's release below
     // acq_rel: releases this warp's part and, for the last one, acquires every other part of the pair, so the
     // flag's signal (a release) publishes all of them (release is cumulative).
@@ -121,7 +124,7 @@ __device__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2*
 
 // Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait);
 // the last block to finish clears every flag once it is up, which frees the set for the call after next.
-__device__ void receive_phase(const LowLatencyCombineParams& p) {
+__device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
   __shared__ float s_weight[kMaxTopk];
   __shared__ int s_last;
@@ -181,7 +184,7 @@ __device__ void receive_phase(const LowLatencyCombineParams& p) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(LowLatencyCombineParams p) {
+__global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
   __shared__ int2 s_range[kLowLatencyMaxExperts];  // [L * R] (begin, count) of every (local expert, source)
   if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range);

@@ -78,6 +78,18 @@ __device__ __forceinline__ void put_warp(const LowLatencyPeers& peers, int peer,
 #endif
 }
 
+// put_warp for n <= 32 * kUnroll int4: through a peer pointer every lane issues all of its loads before its
+// stores (one load latency; warp_copy_once). Same contract as put_warp.
+template <int kUnroll, typename Load>
+__device__ __forceinline__ void put_warp_once(const LowLatencyPeers& peers, int peer, int4* dst, const int4* src,
+                                              int n, int lane, Load load) {
+  if (has_peer_pointer(peers, peer)) {
+    warp_copy_once<kUnroll>(at_peer(peers, peer, dst), src, n, lane, load, StoreNa{});
+    return;
+  }
+  put_warp<kUnroll>(peers, peer, dst, src, n, lane, load);
+}
+
 // Sets the 32-bit signal `mine` (an address in this rank's region) to value in peer's region. Pairs with the
 // peer's acquire load of that slot (wait_nonzero / wait_zero on its own memory).
 __device__ __forceinline__ void signal(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
