@@ -99,7 +99,7 @@ __device__ __forceinline__ int32_t wait_nonzero(const int32_t* p, const FailEnv&
   }
 }
 
-// Waits until *p == 0 (acquire): a peer has consumed the signal this slot held (back-pressure).
+// Waits until *p == 0 (acquire): e.g. a busy slot the consumer has cleared (back-pressure).
 __device__ __forceinline__ void wait_zero(const int32_t* p, const FailEnv& env, const WaitSite& site) {
   int32_t v = ld_acquire_sys(p);
   if (v == 0) return;

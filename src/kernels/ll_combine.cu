@@ -1,11 +1,11 @@
 // Low-latency combine (SPEC section 5).
 //
-// Send phase: one warp per row; a row goes back into its source rank's receive area at [global expert][source
-// token] once the source has cleared this rank's busy slot for the pair (it reduced the last call on this
-// buffer set; a poll of local memory); the last row of an (expert, source) pair marks the pair busy and raises
-// the flag at the source. Writes into other ranks go through
-// kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is not already in the
-// symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
+// Send phase: rows are cut into work items of kChunk int4, one per warp at a time over the whole grid; a row
+// goes back into its source rank's receive area at [global expert][source token] once the source has cleared
+// this rank's busy slot for the pair (it reduced the last call on this buffer set; a poll of local memory); the
+// last item of an (expert, source) pair marks the pair busy and raises the flag at the source. Writes into
+// other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is
+// not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
 // Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up:
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
 // the last block to finish clears the flags and the busy slots at the experts' ranks.
@@ -29,9 +29,10 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 4 * 32;  // int4 per send work item: 4 loads per lane in flight
 
-// Rows this rank sends back, spread one per warp over the whole grid. Row g of the concatenation of every local
-// expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and source rank s (from the
-// layout range). The last warp to finish a (expert, source) pair raises that pair's flag at the source.
+// Rows this rank sends back, in items of kChunk int4 spread over the whole grid's warps. Row g of the
+// concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and
+// source rank s (from the layout range). The warp finishing the last item of an (expert, source) pair raises
+// that pair's flag at the source.
 __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
@@ -73,7 +74,9 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   __syncthreads();
   const int total = s_first[L];
   const int warps = gridDim.x * kWarps;
-  // Work items of kChunk int4 (one round of loads per lane each): a row is row_int4 / kChunk items.
+  // Work items of kChunk int4 (one round of loads per lane each): ceil(row_int4 / kChunk) per row. With an
+  // NVSHMEM peer each item is a put and a quiet (put_warp): more completions per row than the 1-4 parts before
+  // v0.4; not measured on the forced path since.
   const int parts = (row_int4 + kChunk - 1) / kChunk;
   for (int w = blockIdx.x * kWarps + warp; w < total * parts; w += warps) {
     const int g = w / parts, part = w % parts;
@@ -123,7 +126,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
 }
 
 // Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait);
-// the last block to finish clears every flag once it is up, which frees the set for the call after next.
+// the last block to finish clears every flag once it is up and clears the experts' ranks' busy slots, which
+// frees the set for their call after next.
 __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
   __shared__ float s_weight[kMaxTopk];

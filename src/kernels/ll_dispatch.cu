@@ -5,10 +5,10 @@
 // (local expert, this rank, position of (t, k) among this rank's selections of that expert in (t, k) order):
 // rows arrive in token order with no atomics (kWarps / K warps share a slot, each writing part of the record).
 // Each part bumps a local per-expert counter; the warp that owns expert e waits for all parts of its
-// selections, marks e busy in its own memory and sends count + 1 to e's rank; writers wait (a local poll) until
-// e's rank has cleared busy[e] after copying the rows of the last call on this set. Writes into other ranks go through kernels/ll_transport.cuh
-// (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is also copied to symmetric memory, where
-// puts can read it.
+// selections, marks e busy in its own memory and sends count + 1 to e's rank; writers wait (a local poll)
+// until e's rank has cleared busy[e] after copying the rows of the last call on this set. Writes into other
+// ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is
+// also copied to symmetric memory, where puts can read it.
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
 // rank ascending, copies them into the packed outputs (FP8 scales token-minor) in work items of one load round
 // each, spread over all warps, and clears each source's busy slot for that expert (a remote store). The
