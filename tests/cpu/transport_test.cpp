@@ -127,6 +127,39 @@ TEST(Transport, DispatchStagingFitsTheCombineSendArea) {
   EXPECT_FALSE(one.dispatch_stage_fits(4, epx::LowLatencyRecord::make(1024, false).bytes));
 }
 
+// Every signal array of a low-latency set lies inside the signals area (which clean zeroes and the receive area
+// follows), and no two overlap: a flag added later cannot silently share bytes with another.
+TEST(Transport, LowLatencySignalArraysAreDisjointInsideTheSignalsArea) {
+  const auto layout = epx::LowLatencyLayout::make(epx::LowLatencyLayout::required_set_bytes(128, 7168, 288), 128,
+                                                  7168, 288);
+  for (int set : {0, 1}) {
+    uint8_t* const region = reinterpret_cast<uint8_t*>(uintptr_t(1) << 20);  // never dereferenced
+    const uint8_t* base = layout.set_base(region, set);
+    EXPECT_EQ(base, region + set * layout.set_bytes);
+    struct Range {
+      const char* name;
+      int64_t begin, end;
+    };
+    const int64_t n = int64_t(epx::kLowLatencyMaxExperts) * 4;
+    auto at = [&](const char* name, const void* p) {
+      const int64_t begin = static_cast<const uint8_t*>(p) - base;
+      return Range{name, begin, begin + n};
+    };
+    const Range ranges[] = {at("dispatch_count", layout.dispatch_count(region, set)),
+                            at("combine_flag", layout.combine_flag(region, set)),
+                            at("sent", layout.sent(region, set)),
+                            at("dispatch_busy", layout.dispatch_busy(region, set)),
+                            at("combine_busy", layout.combine_busy(region, set))};
+    for (const Range& a : ranges) {
+      EXPECT_GE(a.begin, 0) << a.name;
+      EXPECT_LE(a.end, epx::LowLatencyLayout::kSignalsBytes) << a.name;
+      for (const Range& b : ranges)
+        if (&a != &b) EXPECT_TRUE(a.end <= b.begin || b.end <= a.begin) << a.name << " overlaps " << b.name;
+    }
+    EXPECT_EQ(layout.receive(region, set) - base, epx::LowLatencyLayout::kSignalsBytes);
+  }
+}
+
 TEST(Transport, DescriptionsSayWhichPathRan) {
   EXPECT_THAT(epx::describe_low_latency_transport({EPX_LL_TRANSPORT_NONE, 0, 0}), HasSubstr("none"));
   EXPECT_EQ(epx::describe_low_latency_transport({EPX_LL_TRANSPORT_CUDA_IPC, 4, 0}),
