@@ -8,17 +8,23 @@
 
 namespace epx::dev {
 
-__device__ __forceinline__ void report_input_error(NvlControl* self, HostShared* host, int code, int role, int64_t a,
-                                                   int64_t b, int64_t c) {
-  if (atomicCAS(&self->local_error, 0, code) != 0) return;
-  volatile DeviceDiag* d = &host->input;
-  d->rank = -1;
+// Fills a host-mapped diagnostic record; the code is written last, after a system fence, because the host
+// reads the record once code != 0. The caller has claimed the record (one writer).
+__device__ __forceinline__ void write_diag(volatile DeviceDiag* d, int code, int rank, int role, int64_t a, int64_t b,
+                                           int64_t c) {
+  d->rank = rank;
   d->role = role;
   d->a = a;
   d->b = b;
   d->c = c;
   __threadfence_system();
   d->code = code;
+}
+
+__device__ __forceinline__ void report_input_error(NvlControl* self, HostShared* host, int code, int role, int64_t a,
+                                                   int64_t b, int64_t c) {
+  if (atomicCAS(&self->local_error, 0, code) != 0) return;
+  write_diag(&host->input, code, -1, role, a, b, c);
 }
 
 }  // namespace epx::dev

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "device/ptx.cuh"
+#include "device/report.cuh"
 #include "runtime/fail_env.hpp"
 
 namespace epx::dev {
@@ -22,15 +23,9 @@ static __device__ __noinline__ void fail_fatal(const FailEnv& env, int code, con
                                         int64_t awaited) {
   if (atomicCAS(&env.self->fatal_claimed, 0, 1) == 0) {
     volatile DeviceDiag* d = &env.host->fatal;
-    d->rank = env.rank;
-    d->role = site.role;
     d->channel = site.channel;
     d->peer = site.peer;
-    d->a = seen;
-    d->b = awaited;
-    d->c = site.extra;
-    __threadfence_system();
-    d->code = code;  // written last: the host reads the record once code != 0
+    write_diag(d, code, env.rank, site.role, seen, awaited, site.extra);
     __threadfence_system();
   }
   if (code != kErrAbortedByPeer) {

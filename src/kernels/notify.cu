@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "device/ptx.cuh"
+#include "device/report.cuh"
 #include "device/wait.cuh"
 #include "kernels/params.hpp"
 
@@ -90,14 +91,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
       const int claimed = p.num_tokens_per_rank[tid];
       if (sent != claimed && atomicCAS(&s_error, 0, kErrLayoutMismatch) == 0) {
         s_error_rank = me;
-        volatile DeviceDiag* d = &p.env.host->input;
-        d->rank = me;
-        d->role = kRoleNotify;
-        d->a = tid;
-        d->b = claimed;
-        d->c = sent;
-        __threadfence_system();
-        d->code = kErrLayoutMismatch;
+        write_diag(&p.env.host->input, kErrLayoutMismatch, me, kRoleNotify, tid, claimed, sent);
       }
     }
     __syncthreads();
@@ -136,14 +130,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
       if (theirs == p.signature) continue;
       code = kErrShapeMismatch;
       rank = s;
-      volatile DeviceDiag* d = &p.env.host->input;
-      d->rank = me;
-      d->role = kRoleNotify;
-      d->a = s;
-      d->b = theirs;
-      d->c = p.signature;
-      __threadfence_system();
-      d->code = kErrShapeMismatch;
+      write_diag(&p.env.host->input, kErrShapeMismatch, me, kRoleNotify, s, theirs, p.signature);
     }
     s_error = code;
     s_error_rank = rank;
@@ -194,14 +181,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
       rank = s_worst_rank;
       int rows = 0;
       for (int s = 0; s < R; ++s) rows += msg(s, NotifyMsg::tokens_per_rank(rank));
-      volatile DeviceDiag* d = &p.env.host->input;
-      d->rank = rank;
-      d->role = kRoleNotify;
-      d->a = rank;
-      d->b = rows;
-      d->c = p.num_worst_tokens;
-      __threadfence_system();
-      d->code = kErrWorstTokensExceeded;
+      write_diag(&p.env.host->input, kErrWorstTokensExceeded, rank, kRoleNotify, rank, rows, p.num_worst_tokens);
     }
     self->op_error = code;
     self->op_error_rank = rank;
