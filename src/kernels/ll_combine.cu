@@ -27,7 +27,7 @@ using namespace dev;
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunk = 4 * 32;  // int4 per send work item: 4 loads per lane in flight
+constexpr int kChunk = kCopyItemInt4;  // int4 per send work item (kernels/ll_transport.cuh)
 
 // Rows this rank sends back, in items of kChunk int4 spread over the whole grid's warps. Row g of the
 // concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and

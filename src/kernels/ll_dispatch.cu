@@ -169,8 +169,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   }
 }
 
-// int4 per receive work item: 4 loads per lane in flight, the registers a 1024-thread block allows.
-constexpr int kChunk = 4 * 32;
+constexpr int kChunk = kCopyItemInt4;  // int4 per receive work item (kernels/ll_transport.cuh)
 
 // The scales (FP8, token-minor) and the source token index of row n of local expert i, from its record at src:
 // every load issued before the first store, so the item costs one load latency.

@@ -78,6 +78,10 @@ __device__ __forceinline__ void put_warp(const LowLatencyPeers& peers, int peer,
 #endif
 }
 
+// int4 per copy work item of the low-latency kernels (dispatch receive, combine send): one round of 4 loads per
+// lane in flight, the registers a 1024-thread block allows; warp_copy_once / put_warp_once move one item.
+constexpr int kCopyItemInt4 = 4 * 32;
+
 // put_warp for n <= 32 * kUnroll int4: through a peer pointer every lane issues all of its loads before its
 // stores (one load latency; warp_copy_once). Same contract as put_warp.
 template <int kUnroll, typename Load>
