@@ -68,6 +68,21 @@ __device__ __forceinline__ int32_t wait_at_least_i32(const int32_t* p, int32_t t
   }
 }
 
+// Waits until the monotonic 32-bit counter *p has reached target (acquire), comparing so that the counter may
+// wrap (the two are never 2^31 apart).
+__device__ __forceinline__ int32_t wait_epoch(const int32_t* p, int32_t target, const FailEnv& env,
+                                              const WaitSite& site) {
+  int32_t v = ld_acquire_sys(p);
+  if (int32_t(uint32_t(v) - uint32_t(target)) >= 0) return v;
+  const uint64_t start = globaltimer_ns();
+  while (true) {
+    v = ld_acquire_sys(p);
+    if (int32_t(uint32_t(v) - uint32_t(target)) >= 0) return v;
+    check_abort(env, site);
+    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, v, target);
+  }
+}
+
 // Waits until *p == target (acquire), for epoch flags.
 __device__ __forceinline__ void wait_equal(const uint32_t* p, uint32_t target, const FailEnv& env,
                                            const WaitSite& site) {

@@ -1,21 +1,21 @@
 // Low-latency combine (SPEC section 5).
 //
 // Send phase: rows are cut into work items of kChunk int4, one per warp at a time over the whole grid; a row
-// goes back into its source rank's receive area at [global expert][source token] once the source has cleared
-// this rank's busy slot for the pair (it reduced the last call on this buffer set; a poll of local memory); the
-// last item of an (expert, source) pair marks the pair busy and raises the flag at the source. Writes into
+// goes back into its source rank's receive area at [global expert][source token] once the source has received
+// every earlier op on this buffer set (its epoch, kernels/ll_epochs.cuh; a poll of local memory); the last item
+// of an (expert, source) pair raises the flag at the source. Writes into
 // other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is
 // not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
 // Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up:
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
-// the last block to finish clears the flags and the busy slots at the experts' ranks.
+// the last block to finish clears the flags and stores the set's receive count into every rank.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
-#include "device/grid_barrier.cuh"
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
+#include "kernels/ll_epochs.cuh"
 #include "kernels/ll_params.hpp"
 #include "kernels/ll_transport.cuh"
 #include "runtime/limits.hpp"
@@ -43,7 +43,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // at zero by every call.
   int32_t* done = p.layout.sent(p.peers.local, p.set);
   int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);  // addresses here = offsets at every peer
-  int32_t* busy = p.layout.combine_busy(p.peers.local, p.set);     // [L * R], this rank's own
+  const int32_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
+  const int32_t k_ops = ops_before(p.layout, p.peers, p.set);  // earlier ops on this set, of either kind
   int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
   int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.local, p.set));
   // Rows per (local expert, source) and their begins, from the layout ranges: one load per pair, all threads
@@ -92,9 +93,9 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     const int e = me * L + i;
     const int64_t row = int64_t(i) * rows_per_expert + n;
     const int t = p.recv_src_info[row];  // issued before the poll below, so the two latencies overlap
-    // Back-pressure: s clears busy (a remote store here) only after it reduced the rows of the last call on this
-    // set. Acquire; pairs with the release in s's receive_phase.
-    if (lane == 0) wait_zero(busy + i * R + s, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
+    // Back-pressure: s has received every earlier op on this set (dispatch or combine), so nothing unread is
+    // overwritten. Acquire; pairs with the release at the end of s's receive phase (finish_receive).
+    if (lane == 0) wait_epoch(recv_seen + s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
     __syncwarp();
     const int first = part * kChunk, last = min(first + kChunk, row_int4);
     const int4* src = p.x + row * row_int4 + first;
@@ -111,7 +112,6 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     // flag's signal (a release) publishes all of them (release is cumulative).
     if (lane == 0 && atomic_add_acq_rel_gpu(&done[i * R + s], 1) + 1 == count * parts) {
       done[i * R + s] = 0;
-      busy[i * R + s] = 1;  // before the flag's release: s's clearing store comes later in the slot's order
       signal(p.peers, s, flags + e, 1);  // pairs with the receiver's wait_nonzero
     }
   }
@@ -119,19 +119,18 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
     const int i = pair / R, s = pair % R;
     if (s_range[pair].y != 0 || lane != 0) continue;
-    wait_zero(busy + pair, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
-    busy[pair] = 1;
+    wait_epoch(recv_seen + s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
     signal(p.peers, s, flags + me * L + i, 1);
   }
+  finish_send(p.layout, p.peers, p.set, k_ops);  // the last block counts this op as started on the set
 }
 
 // Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait);
-// the last block to finish clears every flag once it is up and clears the experts' ranks' busy slots, which
-// frees the set for their call after next.
+// the last block to finish clears every flag once it is up, then stores the set's receive count into every
+// rank, which lets the next op on this set (of either kind) write here.
 __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
   __shared__ float s_weight[kMaxTopk];
-  __shared__ int s_last;
   const int M = p.max_tokens, K = p.num_topk, E = p.num_experts;
   const int L = E / p.num_ranks;
   int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);
@@ -176,16 +175,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   // The last block to get here clears the flags: every block's row loads are done by then (each arrival
   // releases its block's loads; the last arrival acquires them all). A flag no token here waited for may still
   // be on its way: it is waited for first, so that no late signal survives into the next call on this set.
-  if (threadIdx.x == 0) s_last = grid_arrive_is_last(&p.env.self->ll_combine_arrivals) ? 1 : 0;
-  __syncthreads();
-  if (!s_last) return;
-  int32_t* busy = p.layout.combine_busy(p.peers.local, p.set);
+  if (!arrive_last_receiver(p.layout, p.peers, p.set)) return;
   for (int e = threadIdx.x; e < E; e += kThreads) {
     wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, e / L, e});
-    flags[e] = 0;  // ordered before the release below
-    // Release: e's rank may send rows for this rank again (it polls its busy slot for the pair).
-    signal(p.peers, e / L, busy + (e % L) * p.num_ranks + p.env.rank, 0);
+    flags[e] = 0;  // ordered before publish_receive's releases
   }
+  publish_receive(p.layout, p.peers, p.set, p.env.rank, p.num_ranks);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {

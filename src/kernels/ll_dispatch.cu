@@ -5,13 +5,15 @@
 // (local expert, this rank, position of (t, k) among this rank's selections of that expert in (t, k) order):
 // rows arrive in token order with no atomics (kWarps / K warps share a slot, each writing part of the record).
 // Each part bumps a local per-expert counter; the warp that owns expert e waits for all parts of its
-// selections, marks e busy in its own memory and sends count + 1 to e's rank; writers wait (a local poll)
-// until e's rank has cleared busy[e] after copying the rows of the last call on this set. Writes into other
+// selections and sends count + 1 to e's rank. Before writing into a rank's set, a warp waits (a local poll)
+// until that rank has received every earlier op on the set (the set's epochs, runtime/ll_layout.hpp); the
+// last block of the send phase counts this op as started. Writes into other
 // ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is
 // also copied to symmetric memory, where puts can read it.
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
 // rank ascending, copies them into the packed outputs (FP8 scales token-minor) in work items of one load round
-// each, spread over all warps, and clears each source's busy slot for that expert (a remote store). The
+// each, spread over all warps, and clears its count slots; the last block to finish counts the receive and
+// stores the new count into every rank (recv_seen), which lets the next op on this set write here. The
 // receive phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its
 // registers do not add to the send phase's.
 #include <cuda_runtime.h>
@@ -21,6 +23,7 @@
 #include "device/report.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
+#include "kernels/ll_epochs.cuh"
 #include "kernels/ll_params.hpp"
 #include "kernels/ll_transport.cuh"
 
@@ -104,7 +107,10 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   int32_t* sent = p.layout.sent(p.peers.local, p.set);
-  int32_t* busy = p.layout.dispatch_busy(p.peers.local, p.set);
+  const int32_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
+  // Earlier ops on this set, of either kind: every peer must have received them before this one writes there.
+  // Written by the last block of the previous send phase on the set (an earlier kernel).
+  const int32_t k_ops = ops_before(p.layout, p.peers, p.set);
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging
 
@@ -127,10 +133,10 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       if (e >= 0 && e < p.num_experts) {
         const int slot = position_of(s_topk, t, k, K, int(e), lane);
         const int dest = int(e / L), local = int(e % L);
-        // Back-pressure: dest clears busy[e] here (a remote store) only after it copied the rows of the last
-        // call on this set, so rows are never overwritten while a slow peer still reads them. A local poll;
-        // the acquire pairs with dest's release in receive_phase.
-        if (lane == 0) wait_zero(busy + e, p.env, WaitSite{kRoleLowLatencySend, -1, dest, int(e)});
+        // Back-pressure: dest has received every earlier op on this set (it stores its receive count here
+        // after copying), so rows are never overwritten while a slow peer still reads them. A local poll; the
+        // acquire pairs with dest's release at the end of its receive phase.
+        if (lane == 0) wait_epoch(recv_seen + dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, int(e)});
         __syncwarp();
         int4* dst = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set) +
                                             ((int64_t(local) * R + me) * M + slot) * rec.bytes);
@@ -158,15 +164,13 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       const int dest = e / L;
       int32_t* count = p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me;
       if (expected == 0)  // no row went there, so no token warp waited for the slot to be free
-        wait_zero(busy + e, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
-      // Busy until dest has copied this call's rows. Stored before the count's release, so dest's clearing
-      // store (which follows its acquire of the count) comes later in the slot's order and is never lost.
-      busy[e] = 1;
+        wait_epoch(recv_seen + dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
       // The acquire above saw every part announced; this release publishes them. Pairs with the receiver's
       // wait_nonzero.
       signal(p.peers, dest, count, expected + 1);
     }
   }
+  finish_send(p.layout, p.peers, p.set, k_ops);  // the last block counts this op as started on the set
 }
 
 constexpr int kChunk = kCopyItemInt4;  // int4 per receive work item (kernels/ll_transport.cuh)
@@ -257,13 +261,10 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p) {
       }
     }
     __syncthreads();  // every row of expert i is copied (and s_begin may be reused)
-    if (warp == 0 && lane < R) {
-      // The count slot is free for the call after next; then source `lane` may write rows for expert i again:
-      // the release (cumulative over the block's copies before the barrier) pairs with its wait_zero on busy.
-      p.layout.dispatch_count(p.peers.local, p.set)[i * R + lane] = 0;
-      signal(p.peers, lane, p.layout.dispatch_busy(p.peers.local, p.set) + p.env.rank * L + i, 0);
-    }
+    // The count slots are free for the next op on this set (published by the receive count below).
+    if (warp == 0 && lane < R) p.layout.dispatch_count(p.peers.local, p.set)[i * R + lane] = 0;
   }
+  finish_receive(p.layout, p.peers, p.set, p.env.rank, p.num_ranks);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {

@@ -8,14 +8,18 @@
 //                    combine_flag[E]:   at the token's source rank, index global expert; 1 when that expert's
 //                                       rows have all been written here, cleared after the reduction
 //                    sent[E]:           at the sender, tokens already written for expert e (local counter)
-//                    dispatch_busy[E]:  at the sender, index global expert; set to 1 by the sender before it
-//                                       signals e's count, cleared (0, a remote store) by e's rank after it
-//                                       copied the rows: a sender writes rows for e only once it reads 0 there
-//                    combine_busy[E]:   at the expert's rank, index local_expert * R + src_rank; set to 1 before
-//                                       the combine flag is raised at src, cleared by src after its reduction
-// The busy slots turn back-pressure into polls of local memory: the consumer pushes "free" to the producer
-// (one remote store per slot and call) instead of every producer warp reading the consumer's slot over the
-// link, where the reply queues behind the bulk data coming the other way (~4 us mean, ~10 us worst per poll).
+//                    epochs:            per set and rank, monotonic int32 counters (never cleared but by clean):
+//                      ops_started      send phases this rank has started on the set (the last block of
+//                                       each send phase adds one; every block reads it first: k)
+//                      recv_count       receive phases this rank has completed on the set (the last block of
+//                                       each receive phase adds one, then stores it into every peer)
+//                      recv_seen[R]     recv_count of rank r, stored here by r
+//                      send_arrivals, recv_arrivals: the grid arrival counters of those last blocks (uint64)
+// Back-pressure: before writing into rank r's set for its k-th op there, of either kind, a sender waits (a
+// poll of its own memory) until recv_seen[r] >= k: r has received every earlier op on that set. The count
+// slots and flags are cleared before that store. Dispatch and combine share the counters, so a combine can
+// never overwrite dispatch records a slow peer has not received yet (dispatch A, dispatch B, combine A), and
+// nothing is set by one rank and cleared by another, so no clear can overtake a set.
 //     receive area   dispatch: [local expert][src rank][M] records (token row, scales, source token index)
 //                    combine:  [global expert][M] bf16 rows (expert outputs for this rank's tokens)
 //     combine send   [local expert][R * M] bf16 rows: where zero-copy combine reads expert outputs from;
@@ -62,7 +66,8 @@ struct LowLatencyRecord {
 
 struct LowLatencyLayout {
   static constexpr int64_t kSignalBytes = int64_t(kLowLatencyMaxExperts) * 4;
-  static constexpr int64_t kSignalsBytes = align_up(5 * kSignalBytes, kAlign);
+  static constexpr int64_t kEpochBytes = 2 * 8 + 2 * 4 + kMaxNvlRanks * 4;  // arrivals, counts, recv_seen
+  static constexpr int64_t kSignalsBytes = align_up(3 * kSignalBytes + kEpochBytes, kAlign);
 
   int64_t set_bytes;           // fixed for the buffer: half of num_rdma_bytes, so set 1 never moves
   int64_t receive_bytes;       // of this call's shape
@@ -97,12 +102,15 @@ struct LowLatencyLayout {
   EPX_HD int32_t* sent(void* region, int set) const {
     return reinterpret_cast<int32_t*>(set_base(region, set) + 2 * kSignalBytes);
   }
-  EPX_HD int32_t* dispatch_busy(void* region, int set) const {
-    return reinterpret_cast<int32_t*>(set_base(region, set) + 3 * kSignalBytes);
+  EPX_HD uint64_t* send_arrivals(void* region, int set) const {
+    return reinterpret_cast<uint64_t*>(set_base(region, set) + 3 * kSignalBytes);
   }
-  EPX_HD int32_t* combine_busy(void* region, int set) const {
-    return reinterpret_cast<int32_t*>(set_base(region, set) + 4 * kSignalBytes);
+  EPX_HD uint64_t* recv_arrivals(void* region, int set) const { return send_arrivals(region, set) + 1; }
+  EPX_HD int32_t* ops_started(void* region, int set) const {
+    return reinterpret_cast<int32_t*>(set_base(region, set) + 3 * kSignalBytes + 16);
   }
+  EPX_HD int32_t* recv_count(void* region, int set) const { return ops_started(region, set) + 1; }
+  EPX_HD int32_t* recv_seen(void* region, int set) const { return ops_started(region, set) + 2; }
   EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
   EPX_HD uint8_t* combine_send(void* region, int set) const {
     return set_base(region, set) + kSignalsBytes + receive_bytes;

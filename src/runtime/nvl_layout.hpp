@@ -37,9 +37,6 @@ struct NvlControl {
   int32_t abort;
   int32_t fatal_claimed;  // first failing thread of this rank claims the host diagnostic slot (atomicCAS)
   int32_t pad0;
-  // Low-latency combine's receiving blocks that finished (each adds 1; every low-latency launch has the same G
-  // blocks): the last of a call clears the flags (device/grid_barrier.cuh).
-  uint64_t ll_combine_arrivals;
   // notify_flag[s] = epoch of the last notify message rank s wrote here (release; read with acquire).
   uint32_t notify_flag[kMaxNvlRanks];
   // Messages double-buffered by epoch parity: no rank can run two operations ahead of another.

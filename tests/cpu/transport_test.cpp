@@ -127,9 +127,9 @@ TEST(Transport, DispatchStagingFitsTheCombineSendArea) {
   EXPECT_FALSE(one.dispatch_stage_fits(4, epx::LowLatencyRecord::make(1024, false).bytes));
 }
 
-// Every signal array of a low-latency set lies inside the signals area (which clean zeroes and the receive area
+// Every signal array and epoch counter of a low-latency set lies inside the signals area (which clean zeroes and the receive area
 // follows), and no two overlap: a flag added later cannot silently share bytes with another.
-TEST(Transport, LowLatencySignalArraysAreDisjointInsideTheSignalsArea) {
+TEST(Transport, LowLatencySignalsAreDisjointInsideTheSignalsArea) {
   const auto layout = epx::LowLatencyLayout::make(epx::LowLatencyLayout::required_set_bytes(128, 7168, 288), 128,
                                                   7168, 288);
   for (int set : {0, 1}) {
@@ -145,11 +145,18 @@ TEST(Transport, LowLatencySignalArraysAreDisjointInsideTheSignalsArea) {
       const int64_t begin = static_cast<const uint8_t*>(p) - base;
       return Range{name, begin, begin + n};
     };
+    const auto sized = [&](const char* name, const void* p, int64_t bytes) {
+      const int64_t begin = static_cast<const uint8_t*>(p) - base;
+      return Range{name, begin, begin + bytes};
+    };
     const Range ranges[] = {at("dispatch_count", layout.dispatch_count(region, set)),
                             at("combine_flag", layout.combine_flag(region, set)),
                             at("sent", layout.sent(region, set)),
-                            at("dispatch_busy", layout.dispatch_busy(region, set)),
-                            at("combine_busy", layout.combine_busy(region, set))};
+                            sized("send_arrivals", layout.send_arrivals(region, set), 8),
+                            sized("recv_arrivals", layout.recv_arrivals(region, set), 8),
+                            sized("ops_started", layout.ops_started(region, set), 4),
+                            sized("recv_count", layout.recv_count(region, set), 4),
+                            sized("recv_seen", layout.recv_seen(region, set), epx::kMaxNvlRanks * 4)};
     for (const Range& a : ranges) {
       EXPECT_GE(a.begin, 0) << a.name;
       EXPECT_LE(a.end, epx::LowLatencyLayout::kSignalsBytes) << a.name;

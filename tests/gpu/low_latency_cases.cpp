@@ -1,7 +1,9 @@
 // GPU tests of the low-latency mode against the reference model (SPEC sections 4, 5, 7).
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "../../tools/harness/low_latency.hpp"
 #include "gpu_test.hpp"
@@ -125,6 +127,42 @@ std::vector<Case> low_latency_cases() {
       err += next->check_dispatch();
       if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
       std::swap(cur, next);
+    }
+    ctx.buffer.check(ctx.stream);
+    return err;
+  }});
+
+  // Two micro-batches in flight (the overlap frameworks use): the combine of A lands on A's dispatch set. The
+  // last rank starts receiving dispatch A late, so the other ranks' combine A must wait for it instead of
+  // writing over records it has not read yet (v0.4 let them: the busy slots only held back the same op).
+  cases.push_back(Case{"ll: two micro-batches (dispatch A, dispatch B, combine A, combine B), one rank late",
+                       [](Context& ctx) {
+    auto c = ll_case(64, 4096, true, 80);
+    c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+    LowLatencySession a(ctx.buffer, c, ctx.stream);
+    c.seed = 81;
+    LowLatencySession b(ctx.buffer, c, ctx.stream);
+    std::string err;
+    for (int i = 0; i < 10 && err.empty(); ++i) {
+      a.set_step(800 + i);
+      b.set_step(900 + i);
+      a.dispatch(kLowLatencySendPhase);
+      b.dispatch(kLowLatencySendPhase);
+      if (ctx.rank == ctx.num_ranks - 1) {  // the late rank: the others run ahead into combine A meanwhile
+        cudaStreamSynchronize(ctx.stream);
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      a.dispatch(kLowLatencyRecvPhase);
+      b.dispatch(kLowLatencyRecvPhase);
+      err += a.check_dispatch() + b.check_dispatch();
+      a.set_combine_inputs(8000 + i);
+      b.set_combine_inputs(9000 + i);
+      a.combine(kLowLatencySendPhase);
+      b.combine(kLowLatencySendPhase);
+      a.combine(kLowLatencyRecvPhase);
+      b.combine(kLowLatencyRecvPhase);
+      err += a.check_combine() + b.check_combine();
+      if (!err.empty()) err = "round " + std::to_string(i) + ":\n" + err;
     }
     ctx.buffer.check(ctx.stream);
     return err;

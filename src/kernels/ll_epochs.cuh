@@ -1,0 +1,65 @@
+// The per-set epochs of the low-latency ops (runtime/ll_layout.hpp): every op on a buffer set counts itself
+// as started (send phase) and received (receive phase), and a sender writes into a peer's set only once the
+// peer has received every earlier op there. Both kernels end their phases with these.
+#pragma once
+
+#include <cstdint>
+
+#include "device/grid_barrier.cuh"
+#include "kernels/ll_params.hpp"
+#include "kernels/ll_transport.cuh"
+
+namespace epx::dev {
+
+// The number of ops this rank started on the set before this one (written by the last block of the previous
+// send phase there, an earlier kernel). Every block reads it before finish_send.
+__device__ __forceinline__ int32_t ops_before(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set) {
+  return *layout.ops_started(peers.local, set);
+}
+
+// End of a send phase, every thread of every block: the last block to arrive counts this op as started.
+__device__ __forceinline__ void finish_send(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set,
+                                            int32_t k_ops) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = grid_arrive_is_last(layout.send_arrivals(peers.local, set)) ? 1 : 0;
+  __syncthreads();
+  if (s_last && threadIdx.x == 0) *layout.ops_started(peers.local, set) = k_ops + 1;
+}
+
+// Every thread of a block: whether this block is the last of the grid to finish the receive phase (its
+// arrival acquires every other block's work).
+__device__ __forceinline__ bool arrive_last_receiver(const LowLatencyLayout& layout, const LowLatencyPeers& peers,
+                                                     int set) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = grid_arrive_is_last(layout.recv_arrivals(peers.local, set)) ? 1 : 0;
+  __syncthreads();
+  return s_last != 0;
+}
+
+// Every thread of the last receiving block, after its clears: counts the receive and stores the new count into
+// every rank's recv_seen[me].
+__device__ __forceinline__ void publish_receive(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set,
+                                               int me, int num_ranks) {
+  __shared__ int32_t s_count;
+  __syncthreads();  // the block's clears before the releases below (cumulative)
+  if (threadIdx.x == 0) {
+    int32_t* count = layout.recv_count(peers.local, set);
+    s_count = *count + 1;
+    *count = s_count;
+  }
+  __syncthreads();
+  if (threadIdx.x < num_ranks) signal(peers, threadIdx.x, layout.recv_seen(peers.local, set) + me, s_count);
+}
+
+// End of a receive phase, every thread of every block, after the block's last read of the receive area and its
+// clears of count slots or flags: the last block to arrive (its arrival acquires every other block's) counts the
+// receive and stores the new count into every rank's recv_seen[me]. Release: pairs with wait_epoch at the
+// senders of the next op on this set.
+__device__ __forceinline__ void finish_receive(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set,
+                                               int me, int num_ranks) {
+  if (arrive_last_receiver(layout, peers, set)) publish_receive(layout, peers, set, me, num_ranks);
+}
+
+}  // namespace epx::dev
