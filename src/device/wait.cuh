@@ -109,19 +109,6 @@ __device__ __forceinline__ int32_t wait_nonzero(const int32_t* p, const FailEnv&
   }
 }
 
-// Waits until *p == 0 (acquire): e.g. a busy slot the consumer has cleared (back-pressure).
-__device__ __forceinline__ void wait_zero(const int32_t* p, const FailEnv& env, const WaitSite& site) {
-  int32_t v = ld_acquire_sys(p);
-  if (v == 0) return;
-  const uint64_t start = globaltimer_ns();
-  while (true) {
-    v = ld_acquire_sys(p);
-    if (v == 0) return;
-    check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, v, 0);
-  }
-}
-
 // A spin with no memory to watch (a coordinator waiting on its own block) still has a budget.
 struct SpinBudget {
   uint64_t start = 0;

@@ -160,7 +160,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
     if (lane == 0) {
       if (expected > 0)  // every part of every row
         wait_at_least_i32(&sent[e], expected * (kWarps / K), p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
-      sent[e] = 0;  // only this warp reads it; the next use of this set is two calls away
+      sent[e] = 0;  // only this warp reads it; the next op on this set starts in a later kernel
       const int dest = e / L;
       int32_t* count = p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me;
       if (expected == 0)  // no row went there, so no token warp waited for the slot to be free

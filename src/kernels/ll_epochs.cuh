@@ -24,7 +24,7 @@ __device__ __forceinline__ void finish_send(const LowLatencyLayout& layout, cons
   __syncthreads();
   if (threadIdx.x == 0) s_last = grid_arrive_is_last(layout.send_arrivals(peers.local, set)) ? 1 : 0;
   __syncthreads();
-  if (s_last && threadIdx.x == 0) *layout.ops_started(peers.local, set) = k_ops + 1;
+  if (s_last && threadIdx.x == 0) *layout.ops_started(peers.local, set) = int32_t(uint32_t(k_ops) + 1u);  // wraps
 }
 
 // Every thread of a block: whether this block is the last of the grid to finish the receive phase (its
@@ -46,7 +46,7 @@ __device__ __forceinline__ void publish_receive(const LowLatencyLayout& layout, 
   __syncthreads();  // the block's clears before the releases below (cumulative)
   if (threadIdx.x == 0) {
     int32_t* count = layout.recv_count(peers.local, set);
-    s_count = *count + 1;
+    s_count = int32_t(uint32_t(*count) + 1u);  // wraps; wait_epoch compares wrap-safe
     *count = s_count;
   }
   __syncthreads();

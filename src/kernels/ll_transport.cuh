@@ -8,8 +8,8 @@
 //    transports read them with the NIC.
 //
 // Every address below is an address in *this* rank's region; the same offset is meant in the peer's region.
-// Every rank only ever polls its own memory with acquire loads (device/wait.cuh): back-pressure too, since the
-// consumer of a slot pushes "free" into the producer's memory with a signal (runtime/ll_layout.hpp, busy slots).
+// Every rank only ever polls its own memory with acquire loads (device/wait.cuh): back-pressure too, since a
+// receiver stores its receive count into every sender's memory with a signal (kernels/ll_epochs.cuh).
 // Nothing here reads a peer's memory.
 //
 // Ordering contract, the same on both paths:
@@ -95,7 +95,7 @@ __device__ __forceinline__ void put_warp_once(const LowLatencyPeers& peers, int 
 }
 
 // Sets the 32-bit signal `mine` (an address in this rank's region) to value in peer's region. Pairs with the
-// peer's acquire load of that slot (wait_nonzero / wait_zero on its own memory).
+// peer's acquire load of that slot (wait_nonzero / wait_epoch on its own memory).
 __device__ __forceinline__ void signal(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
   if (has_peer_pointer(peers, peer)) {
     st_release_sys(at_peer(peers, peer, mine), value);

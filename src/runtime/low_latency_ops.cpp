@@ -96,13 +96,17 @@ void Buffer::clean_low_latency_buffer(cudaStream_t stream) {
   Impl& b = *impl_;
   b.enter(op);
   EPX_REQUIRE(b.ll_set_bytes > 0, op, ": the buffer has no low-latency region");
-  for (int set = 0; set < 2; ++set)
-    b.check_launch(cudaMemsetAsync(b.ll_local + set * b.ll_set_bytes, 0, LowLatencyLayout::kSignalsBytes, stream),
-                   op);
   NotifyParams p{};
   p.env = b.fail_env();
   p.num_ranks = b.num_ranks;
   p.barrier_only = 1;
+  // First barrier: every rank's earlier low-latency kernels (on this stream) are done, so no receive count
+  // of theirs can still land in the signals zeroed below (a stale one would let a send run early).
+  p.signature = 0x11c1ea6;
+  launch_notify(p, stream);
+  for (int set = 0; set < 2; ++set)
+    b.check_launch(cudaMemsetAsync(b.ll_local + set * b.ll_set_bytes, 0, LowLatencyLayout::kSignalsBytes, stream),
+                   op);
   p.signature = 0x11c1ea7;
   launch_notify(p, stream);  // nobody sends into a peer before the peer has cleaned
   b.check_launch(cudaGetLastError(), op);
