@@ -79,6 +79,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // NVSHMEM peer each item is a put and a quiet (put_warp): more completions per row than the 1-4 parts before
   // v0.4; not measured on the forced path since.
   const int parts = (row_int4 + kChunk - 1) / kChunk;
+  ReadyRanks ready;  // lane 0's
   for (int w = blockIdx.x * kWarps + warp; w < total * parts; w += warps) {
     const int g = w / parts, part = w % parts;
     int lo = 0, hi = L;  // largest i with s_first[i] <= g
@@ -95,7 +96,9 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     const int t = p.recv_src_info[row];  // issued before the poll below, so the two latencies overlap
     // Back-pressure: s has received every earlier op on this set (dispatch or combine), so nothing unread is
     // overwritten. Acquire; pairs with the release at the end of s's receive phase (finish_receive).
-    if (lane == 0) wait_epoch(recv_seen + s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
+    // Lane 0 polls once per rank and op (the later items of this warp rely on that acquire and the
+    // __syncwarp after it).
+    if (lane == 0) wait_rank_ready(ready, recv_seen, s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
     __syncwarp();
     const int first = part * kChunk, last = min(first + kChunk, row_int4);
     const int4* src = p.x + row * row_int4 + first;
@@ -119,7 +122,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
     const int i = pair / R, s = pair % R;
     if (s_range[pair].y != 0 || lane != 0) continue;
-    wait_epoch(recv_seen + s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
+    wait_rank_ready(ready, recv_seen, s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
     signal(p.peers, s, flags + me * L + i, 1);
   }
   finish_send(p.layout, p.peers, p.set, k_ops);  // the last block counts this op as started on the set

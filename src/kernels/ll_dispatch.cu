@@ -114,6 +114,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging
 
+  ReadyRanks ready;  // lane 0's
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
     __syncthreads();
@@ -136,7 +137,9 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
         // Back-pressure: dest has received every earlier op on this set (it stores its receive count here
         // after copying), so rows are never overwritten while a slow peer still reads them. A local poll; the
         // acquire pairs with dest's release at the end of its receive phase.
-        if (lane == 0) wait_epoch(recv_seen + dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, int(e)});
+        // Lane 0 polls once per rank and op; later rows of this warp rely on that acquire.
+        if (lane == 0)
+          wait_rank_ready(ready, recv_seen, dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, int(e)});
         __syncwarp();
         int4* dst = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set) +
                                             ((int64_t(local) * R + me) * M + slot) * rec.bytes);
@@ -164,7 +167,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       const int dest = e / L;
       int32_t* count = p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me;
       if (expected == 0)  // no row went there, so no token warp waited for the slot to be free
-        wait_epoch(recv_seen + dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
+        wait_rank_ready(ready, recv_seen, dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
       // The acquire above saw every part announced; this release publishes them. Pairs with the receiver's
       // wait_nonzero.
       signal(p.peers, dest, count, expected + 1);

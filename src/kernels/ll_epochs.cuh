@@ -6,8 +6,10 @@
 #include <cstdint>
 
 #include "device/grid_barrier.cuh"
+#include "device/wait.cuh"
 #include "kernels/ll_params.hpp"
 #include "kernels/ll_transport.cuh"
+#include "runtime/limits.hpp"
 
 namespace epx::dev {
 
@@ -15,6 +17,25 @@ namespace epx::dev {
 // send phase there, an earlier kernel). Every block reads it before finish_send.
 __device__ __forceinline__ int32_t ops_before(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set) {
   return *layout.ops_started(peers.local, set);
+}
+
+// The ranks a thread has already seen ready for this op (bit r: recv_seen[r] reached k_ops). A sender polls a
+// rank's epoch once per op instead of once per row: the many warps that write to the same rank would otherwise
+// all poll the same word with system-scope acquires.
+struct ReadyRanks {
+  uint32_t bits = 0;
+  static_assert(kMaxNvlRanks <= 32, "one bit per low-latency rank");
+};
+
+// The thread's writes into rank r's set after this come after r received every earlier op there. Acquire (the
+// first time per rank; later calls rely on that acquire, earlier in this thread's program order); pairs with
+// the release in r's publish_receive.
+__device__ __forceinline__ void wait_rank_ready(ReadyRanks& ready, const int32_t* recv_seen, int r, int32_t k_ops,
+                                                const FailEnv& env, const WaitSite& site) {
+  const uint32_t bit = 1u << r;
+  if (ready.bits & bit) return;
+  wait_epoch(recv_seen + r, k_ops, env, site);
+  ready.bits |= bit;
 }
 
 // End of a send phase, every thread of every block: the last block to arrive counts this op as started.
