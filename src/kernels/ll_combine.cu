@@ -125,7 +125,6 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     wait_rank_ready(ready, recv_seen, s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
     signal(p.peers, s, flags + me * L + i, 1);
   }
-  finish_send(p.layout, p.peers, p.set, k_ops);  // the last block counts this op as started on the set
 }
 
 // Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait);

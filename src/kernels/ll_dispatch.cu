@@ -6,9 +6,8 @@
 // rows arrive in token order with no atomics (kWarps / K warps share a slot, each writing part of the record).
 // Each part bumps a local per-expert counter; the warp that owns expert e waits for all parts of its
 // selections and sends count + 1 to e's rank. Before writing into a rank's set, a warp waits (a local poll)
-// until that rank has received every earlier op on the set (the set's epochs, runtime/ll_layout.hpp); the
-// last block of the send phase counts this op as started. Writes into other
-// ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is
+// until that rank has received every earlier op on the set (the set's epochs, runtime/ll_layout.hpp; once per
+// rank and warp). Writes into other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is
 // also copied to symmetric memory, where puts can read it.
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
 // rank ascending, copies them into the packed outputs (FP8 scales token-minor) in work items of one load round
@@ -173,7 +172,6 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       signal(p.peers, dest, count, expected + 1);
     }
   }
-  finish_send(p.layout, p.peers, p.set, k_ops);  // the last block counts this op as started on the set
 }
 
 constexpr int kChunk = kCopyItemInt4;  // int4 per receive work item (kernels/ll_transport.cuh)

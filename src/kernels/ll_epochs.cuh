@@ -1,6 +1,6 @@
-// The per-set epochs of the low-latency ops (runtime/ll_layout.hpp): every op on a buffer set counts itself
-// as started (send phase) and received (receive phase), and a sender writes into a peer's set only once the
-// peer has received every earlier op there. Both kernels end their phases with these.
+// The per-set epochs of the low-latency ops (runtime/ll_layout.hpp): every rank counts the receive phases it
+// completed on a buffer set and stores the count into every peer, and a sender writes into a peer's set only
+// once the peer has received every earlier op there. Both kernels end their receive phases with these.
 #pragma once
 
 #include <cstdint>
@@ -13,10 +13,11 @@
 
 namespace epx::dev {
 
-// The number of ops this rank started on the set before this one (written by the last block of the previous
-// send phase there, an earlier kernel). Every block reads it before finish_send.
+// The number of ops on the set before this one: every earlier op there was received by this rank before this
+// one was sent (the host keeps that order: runtime/low_latency_ops.cpp, choose_set), so it is this rank's
+// receive count, written by the last receiving block of an earlier kernel on the stream.
 __device__ __forceinline__ int32_t ops_before(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set) {
-  return *layout.ops_started(peers.local, set);
+  return *layout.recv_count(peers.local, set);
 }
 
 // The ranks a thread has already seen ready for this op (bit r: recv_seen[r] reached k_ops). A sender polls a
@@ -36,16 +37,6 @@ __device__ __forceinline__ void wait_rank_ready(ReadyRanks& ready, const int32_t
   if (ready.bits & bit) return;
   wait_epoch(recv_seen + r, k_ops, env, site);
   ready.bits |= bit;
-}
-
-// End of a send phase, every thread of every block: the last block to arrive counts this op as started.
-__device__ __forceinline__ void finish_send(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set,
-                                            int32_t k_ops) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = grid_arrive_is_last(layout.send_arrivals(peers.local, set)) ? 1 : 0;
-  __syncthreads();
-  if (s_last && threadIdx.x == 0) *layout.ops_started(peers.local, set) = int32_t(uint32_t(k_ops) + 1u);  // wraps
 }
 
 // Every thread of a block: whether this block is the last of the grid to finish the receive phase (its

@@ -37,6 +37,9 @@ struct Buffer::Impl {
   int64_t ll_offset = 0;
   int64_t ll_set_bytes = 0;
   int ll_next_set = 0;             // alternates on every low-latency call (dispatch or combine)
+  // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
+  // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
+  int ll_waiting[2] = {0, 0};
   LowLatencyTransport ll_transport = LowLatencyTransport::kNone;
   bool ll_force_nvshmem = false;
   uint8_t* ll_local = nullptr;                // this rank's region

@@ -9,12 +9,12 @@
 //                                       rows have all been written here, cleared after the reduction
 //                    sent[E]:           at the sender, tokens already written for expert e (local counter)
 //                    epochs:            per set and rank, monotonic int32 counters (never cleared but by clean):
-//                      ops_started      send phases this rank has started on the set (the last block of
-//                                       each send phase adds one; every block reads it first: k)
 //                      recv_count       receive phases this rank has completed on the set (the last block of
-//                                       each receive phase adds one, then stores it into every peer)
+//                                       each receive phase adds one, then stores it into every peer). As this
+//                                       rank receives every call before sending the next on the set (the host
+//                                       checks that order), it is also the number of earlier ops there: k
 //                      recv_seen[R]     recv_count of rank r, stored here by r
-//                      send_arrivals, recv_arrivals: the grid arrival counters of those last blocks (uint64)
+//                      recv_arrivals:   the grid arrival counter of those last blocks (uint64)
 // Back-pressure: before writing into rank r's set for its k-th op there, of either kind, a sender waits (a
 // poll of its own memory) until recv_seen[r] >= k: r has received every earlier op on that set. The count
 // slots and flags are cleared before that store. Dispatch and combine share the counters, so a combine can
@@ -66,7 +66,7 @@ struct LowLatencyRecord {
 
 struct LowLatencyLayout {
   static constexpr int64_t kSignalBytes = int64_t(kLowLatencyMaxExperts) * 4;
-  static constexpr int64_t kEpochBytes = 2 * 8 + 2 * 4 + kMaxNvlRanks * 4;  // arrivals, counts, recv_seen
+  static constexpr int64_t kEpochBytes = 8 + 8 + kMaxNvlRanks * 4;  // recv_arrivals, recv_count (+ pad), recv_seen
   static constexpr int64_t kSignalsBytes = align_up(3 * kSignalBytes + kEpochBytes, kAlign);
 
   int64_t set_bytes;           // fixed for the buffer: half of num_rdma_bytes, so set 1 never moves
@@ -102,15 +102,13 @@ struct LowLatencyLayout {
   EPX_HD int32_t* sent(void* region, int set) const {
     return reinterpret_cast<int32_t*>(set_base(region, set) + 2 * kSignalBytes);
   }
-  EPX_HD uint64_t* send_arrivals(void* region, int set) const {
+  EPX_HD uint64_t* recv_arrivals(void* region, int set) const {
     return reinterpret_cast<uint64_t*>(set_base(region, set) + 3 * kSignalBytes);
   }
-  EPX_HD uint64_t* recv_arrivals(void* region, int set) const { return send_arrivals(region, set) + 1; }
-  EPX_HD int32_t* ops_started(void* region, int set) const {
-    return reinterpret_cast<int32_t*>(set_base(region, set) + 3 * kSignalBytes + 16);
+  EPX_HD int32_t* recv_count(void* region, int set) const {
+    return reinterpret_cast<int32_t*>(set_base(region, set) + 3 * kSignalBytes + 8);
   }
-  EPX_HD int32_t* recv_count(void* region, int set) const { return ops_started(region, set) + 1; }
-  EPX_HD int32_t* recv_seen(void* region, int set) const { return ops_started(region, set) + 2; }
+  EPX_HD int32_t* recv_seen(void* region, int set) const { return recv_count(region, set) + 2; }
   EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
   EPX_HD uint8_t* combine_send(void* region, int set) const {
     return set_base(region, set) + kSignalsBytes + receive_bytes;

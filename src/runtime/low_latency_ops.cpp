@@ -13,6 +13,33 @@ namespace {
 constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;  // one NVLink domain (LowLatencyPeers holds one per rank)
 constexpr int kLowLatencyMaxTopk = 32;             // one warp per top-k slot of a token
 
+// The order of the calls on the two buffer sets, kept on the host (Buffer::Impl::ll_waiting). The kernels
+// count the ops of a set by the receives this rank completed there (kernels/ll_epochs.cuh), which is right only
+// if every earlier call on the set was received before the next is sent.
+enum LowLatencyCall { kNoCall = 0, kDispatchCall = 1, kCombineCall = 2 };
+const char* call_name(int c) { return c == kDispatchCall ? "dispatch" : "combine"; }
+
+// The set a call uses, checked against the calls waiting on the sets; nothing changes until commit_set.
+int choose_set(const Buffer::Impl& b, LowLatencyCall call, int phases, int receive_set, const char* op) {
+  if (phases & kLowLatencySendPhase) {
+    const int set = b.ll_next_set;
+    EPX_REQUIRE(b.ll_waiting[set] == kNoCall, op, ": buffer set ", set, " still holds a ",
+                call_name(b.ll_waiting[set]), " that this rank has not received; call its receive (the hook) before "
+                "sending the call after next");
+    return set;
+  }
+  EPX_REQUIRE(receive_set == 0 || receive_set == 1, op, ": the receive call needs the send call's buffer set");
+  EPX_REQUIRE(b.ll_waiting[receive_set] == call, op, ": no ", call_name(call), " sent on buffer set ", receive_set,
+              " is waiting to be received (received twice, or cleaned since it was sent)");
+  return receive_set;
+}
+
+// After every check of the call, just before its launch.
+void commit_set(Buffer::Impl& b, LowLatencyCall call, int phases, int set) {
+  if (phases & kLowLatencySendPhase) b.ll_next_set ^= 1;
+  b.ll_waiting[set] = phases == kLowLatencySendPhase ? call : kNoCall;
+}
+
 void require_phases(int phases, const char* op) {
   EPX_REQUIRE(phases == kLowLatencySendPhase || phases == kLowLatencyRecvPhase || phases == kLowLatencyBothPhases, op,
               ": phases must be send (1), receive (2) or both (3), got ", phases);
@@ -111,6 +138,7 @@ void Buffer::clean_low_latency_buffer(cudaStream_t stream) {
   launch_notify(p, stream);  // nobody sends into a peer before the peer has cleaned
   b.check_launch(cudaGetLastError(), op);
   b.ll_next_set = 0;
+  b.ll_waiting[0] = b.ll_waiting[1] = kNoCall;
 }
 
 void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLatencyDispatchOutputs& o, int phases,
@@ -134,22 +162,21 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
               op, ": num_tokens * num_topk (", int64_t(a.num_tokens) * a.num_topk, ") with hidden ", a.hidden,
               " does not fit the ", kMaxSharedBytes, " bytes of shared memory a block can have");
 
-  int set;
-  if (phases & kLowLatencySendPhase) {
-    set = b.ll_next_set;
-    b.ll_next_set ^= 1;
-    h = LowLatencyHandle{set, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
-                         o.recv_src_info, o.recv_layout_range};
-  } else {
+  if (!(phases & kLowLatencySendPhase)) {
     EPX_REQUIRE(h.buffer_set == 0 || h.buffer_set == 1, op, ": the handle has no buffer set (send first)");
     EPX_REQUIRE(h.num_tokens == a.num_tokens && h.hidden == a.hidden && h.num_experts == a.num_experts &&
                     h.num_max_dispatch_tokens_per_rank == a.num_max_dispatch_tokens_per_rank,
                 op, ": the receive call must repeat the send call's arguments");
-    set = h.buffer_set;
   }
-  // The handle holds this call's shape: set just above (send) or checked against it (receive; num_topk aside,
-  // which the send call's handle carries).
-  auto p = low_latency_params<LowLatencyDispatchParams>(b, h, set, phases);
+  const int set = choose_set(b, kDispatchCall, phases, h.buffer_set, op);
+  // The handle holds this call's shape: filled here (send; the caller's handle only once every check passed)
+  // or checked against it above (receive; num_topk aside, which the send call's handle carries).
+  const LowLatencyHandle shape =
+      (phases & kLowLatencySendPhase)
+          ? LowLatencyHandle{set, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
+                             o.recv_src_info, o.recv_layout_range}
+          : h;
+  auto p = low_latency_params<LowLatencyDispatchParams>(b, shape, set, phases);
   p.num_topk = a.num_topk;
   check_staging(b, p.layout, a.num_max_dispatch_tokens_per_rank, a.hidden, a.use_fp8 != 0, op);
   p.fp8 = a.use_fp8 != 0;
@@ -163,6 +190,8 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
   p.packed_recv_count = o.packed_recv_count;
   p.recv_src_info = o.recv_src_info;
   p.recv_layout_range = o.recv_layout_range;
+  commit_set(b, kDispatchCall, phases, set);
+  h = shape;
   launch_low_latency_dispatch(p, low_latency_grid(b.num_device_sms), stream);
   b.check_launch(cudaGetLastError(), op);
 }
@@ -183,14 +212,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   EPX_REQUIRE(a.zero_copy || (a.x != nullptr && aligned16(a.x)), op,
               ": x must be a 16-byte aligned device pointer (or use zero_copy)");
 
-  int set;
-  if (phases & kLowLatencySendPhase) {
-    set = b.ll_next_set;
-    b.ll_next_set ^= 1;
-  } else {
-    EPX_REQUIRE(buffer_set == 0 || buffer_set == 1, op, ": the receive call needs the send call's buffer set");
-    set = buffer_set;
-  }
+  const int set = choose_set(b, kCombineCall, phases, buffer_set, op);
   auto p = low_latency_params<LowLatencyCombineParams>(b, h, set, phases);
   p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.ll_local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
@@ -199,6 +221,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   p.recv_src_info = h.recv_src_info;
   p.recv_layout_range = h.recv_layout_range;
   p.out = static_cast<int4*>(combined_x);
+  commit_set(b, kCombineCall, phases, set);
   launch_low_latency_combine(p, low_latency_grid(b.num_device_sms), stream);
   b.check_launch(cudaGetLastError(), op);
   return set;

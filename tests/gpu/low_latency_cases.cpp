@@ -170,6 +170,43 @@ std::vector<Case> low_latency_cases() {
     return err;
   }});
 
+  // The host keeps the order the kernels' epochs rely on (docs/semantics.md): a send into a set whose call this
+  // rank has not received yet, and a receive with no call of its kind waiting, are input errors that launch
+  // nothing; the calls around them still give exact results.
+  cases.push_back(Case{"ll: call order on a buffer set is checked (send over an unreceived call, receive twice)",
+                       [](Context& ctx) {
+    auto c = ll_case(32, 2048, true, 85);
+    LowLatencySession a(ctx.buffer, c, ctx.stream);
+    c.seed = 86;
+    LowLatencySession b(ctx.buffer, c, ctx.stream);
+    c.seed = 87;
+    LowLatencySession extra(ctx.buffer, c, ctx.stream);
+    std::string err;
+    const auto expect_rejected = [&](const char* what, const char* says, auto&& call) {
+      try {
+        call();
+        err += std::string(what) + ": not rejected\n";
+      } catch (const Error& e) {
+        if (e.status() != Status::kInvalidArgument || std::string(e.what()).find(says) == std::string::npos)
+          err += std::string(what) + ": wrong error: " + e.what() + "\n";
+      }
+    };
+    a.dispatch(kLowLatencySendPhase);  // set 0
+    b.dispatch(kLowLatencySendPhase);  // set 1
+    expect_rejected("a third send onto set 0 before dispatch A is received", "has not received",
+                    [&] { extra.dispatch(kLowLatencySendPhase); });
+    a.dispatch(kLowLatencyRecvPhase);
+    expect_rejected("dispatch A received twice", "waiting to be received", [&] { a.dispatch(kLowLatencyRecvPhase); });
+    b.dispatch(kLowLatencyRecvPhase);
+    a.set_combine_inputs(8500);
+    a.combine(kLowLatencySendPhase);  // set 0 again: dispatch A was received
+    a.combine(kLowLatencyRecvPhase);
+    expect_rejected("combine A received twice", "waiting to be received", [&] { a.combine(kLowLatencyRecvPhase); });
+    err += a.check_dispatch() + b.check_dispatch() + a.check_combine();
+    ctx.buffer.check(ctx.stream);
+    return err;
+  }});
+
   cases.push_back(Case{"ll: CUDA graph of dispatch + combine, 100 replays with new data", [](Context& ctx) {
     auto c = ll_case(64, 4096, false, 70);
     c.expert_identity = true;  // combine reads packed_recv_x: no host work between the two calls
