@@ -1,16 +1,18 @@
 // Low-latency dispatch (SPEC section 4): no count exchange before the data, fixed-size receive areas.
 //
-// Send phase: block b stages tokens b, b+G, ... in shared memory (quantized to FP8 if asked), then warp k
-// writes the token into the receive area of the rank that holds expert topk[t][k], at slot
-// (local expert, this rank, position of (t, k) among this rank's selections of that expert in (t, k) order):
-// rows arrive in token order with no atomics (kWarps / K warps share a slot, each writing part of the record).
-// Each part bumps a local per-expert counter; the warp that owns expert e waits for all parts of its
+// Send phase: block b stages tokens b, b+G, ... in shared memory (quantized to FP8 if asked), then sends the
+// token once to each rank that holds one of its experts (not once per expert): into that rank's records at
+// [this rank][token] (kWarps / R warps per destination, each writing part of the record), and for each slot
+// (t, k) the token index into the rank's row map at (local expert, this rank, position of (t, k) among this
+// rank's selections of that expert in (t, k) order): rows keep token order with no atomics. Each writer warp
+// bumps a local per-expert counter for every slot of the token at its rank; the warp that owns expert e waits for all of its
 // selections and sends count + 1 to e's rank. Before writing into a rank's set, a warp waits (a local poll)
 // until that rank has received every earlier op on the set (the set's epochs, runtime/ll_layout.hpp; once per
-// rank and warp). Writes into other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record is
-// also copied to symmetric memory, where puts can read it.
+// rank and warp). Writes into other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with
+// NVSHMEM peers the staged record is also copied to symmetric memory, where puts can read it.
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
-// rank ascending, copies them into the packed outputs (FP8 scales token-minor) in work items of one load round
+// rank ascending, reads each row's source token from the row map (all at once, into shared memory), copies the
+// rows from the records into the packed outputs (FP8 scales token-minor) in work items of one load round
 // each, spread over all warps, and clears its count slots; the last block to finish counts the receive and
 // stores the new count into every rank (recv_seen), which lets the next op on this set write here. The
 // receive phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its
@@ -68,6 +70,13 @@ __device__ int selections_of(const int16_t* s_topk, int num_entries, int e, int 
   return warp_sum(n);
 }
 
+// The top-k slots whose row map entries record-writer part `part` of `parts` writes: k = part, part + parts, ...
+__device__ __forceinline__ uint32_t slots_of_part(int part, int parts) {
+  uint32_t m = 0;
+  for (int k = part; k < 32; k += parts) m |= 1u << k;
+  return m;
+}
+
 // Stages token t as a record in shared memory: BF16 row, or e4m3 row + per-128 scales; then the source index.
 __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyRecord& rec, int t, uint8_t* s_rec) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -113,6 +122,8 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging
 
+  // Addresses of this rank's map, naming the same offsets at every peer.
+  int32_t* row_map = p.layout.dispatch_row_map(p.peers.local, p.set, R, M, rec.bytes);
   ReadyRanks ready;  // lane 0's
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
@@ -124,32 +135,44 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       __threadfence();  // before any warp of the block hands the record to NVSHMEM
       __syncthreads();
     }
-    // kWarps / K warps per top-k slot, each writing a contiguous part of the record.
-    const int parts = kWarps / K, k = warp / parts, part = warp % parts;
-    if (k < K) {
-      const int64_t e = p.topk_idx[int64_t(t) * K + k];
-      if ((e < -1 || e >= p.num_experts) && lane == 0 && part == 0)  // skipped, never written: Buffer::check()
-        report_input_error(p.env.self, p.env.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, k, e);
-      if (e >= 0 && e < p.num_experts) {
-        const int slot = position_of(s_topk, t, k, K, int(e), lane);
-        const int dest = int(e / L), local = int(e % L);
-        // Back-pressure: dest has received every earlier op on this set (it stores its receive count here
-        // after copying), so rows are never overwritten while a slow peer still reads them. A local poll; the
-        // acquire pairs with dest's release at the end of its receive phase.
-        // Lane 0 polls once per rank and op; later rows of this warp rely on that acquire.
+    // Warp roles per token: kWarps / R warps per destination rank d (record writers), each writing a contiguous
+    // part of the record once if the token has an expert at d; the part-p warp also writes the row map entries
+    // of the token's slots k = p, p + parts, ... that are at d.
+    const int parts = kWarps / R, d = warp / parts, part = warp % parts;
+    if (warp == 0 && lane < K && s_topk[t * K + lane] == -2)  // skipped, never written: Buffer::check()
+      report_input_error(p.env.self, p.env.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, lane,
+                         p.topk_idx[int64_t(t) * K + lane]);
+    if (d < R) {
+      const int e = lane < K ? int(s_topk[t * K + lane]) : -1;  // lane k holds slot k's expert
+      const bool here = e >= d * L && e < (d + 1) * L;          // -1 and -2 are at no rank
+      const uint32_t at_d = __ballot_sync(kFullMask, here);
+      if (at_d != 0) {
+        // Back-pressure: d has received every earlier op on this set (it stores its receive count here after
+        // copying), so nothing is overwritten while a slow peer still reads it. A local poll, once per rank and
+        // op for this warp (later tokens rely on that acquire); pairs with d's release at the end of its
+        // receive phase (finish_receive).
         if (lane == 0)
-          wait_rank_ready(ready, recv_seen, dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, int(e)});
+          wait_rank_ready(ready, recv_seen, d, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, d, -1});
         __syncwarp();
-        int4* dst = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set) +
-                                            ((int64_t(local) * R + me) * M + slot) * rec.bytes);
-        const int4* src =
-            has_peer_pointer(p.peers, dest) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
+        int4* dst = reinterpret_cast<int4*>(p.layout.dispatch_records(p.peers.local, p.set) +
+                                            (int64_t(me) * M + t) * rec.bytes);
+        const int4* src = has_peer_pointer(p.peers, d) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
         const int n = int(rec.bytes / 16), first = n * part / parts, last = n * (part + 1) / parts;
-        // On return this lane's part of the record is written (peer pointer) or complete at dest (NVSHMEM).
-        put_warp<2>(p.peers, dest, dst + first, src + first, last - first, lane, [](const int4* q) { return *q; });
-        __syncwarp();  // every lane's part is written before lane 0's release below
-        // One per part; the count sender acquires it, then its signal (a release) publishes these rows too.
-        if (lane == 0) atomic_add_release_gpu(&sent[e], 1);
+        // On return this lane's part of the record is written (peer pointer) or complete at d (NVSHMEM).
+        put_warp<2>(p.peers, d, dst + first, src + first, last - first, lane, [](const int4* q) { return *q; });
+        for (uint32_t mine = at_d & slots_of_part(part, parts); mine != 0; mine &= mine - 1) {
+          const int k = __ffs(mine) - 1;  // the same k in every lane: position_of is warp-collective
+          const int ek = __shfl_sync(kFullMask, e, k);
+          const int slot = position_of(s_topk, t, k, K, ek, lane);
+          if (lane == 0 && slot < M)
+            put_int(p.peers, d, row_map + (int64_t(ek % L) * R + me) * M + slot, t);
+          else if (lane == 0)  // only with an expert listed twice in a token: M rows per expert and source at most
+            report_input_error(p.env.self, p.env.host, kErrExpertRowsExceeded, kRoleLowLatencySend, ek, slot + 1, M);
+        }
+        __syncwarp();  // every lane's part and the map entries are written before the releases below
+        // One per part and slot: the count sender of slot k's expert acquires it, then its signal (a release)
+        // publishes the record and the map entry too.
+        if (here) atomic_add_release_gpu(&sent[e], 1);
       }
     }
     __syncthreads();  // the staged record is free again
@@ -161,29 +184,28 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
     const int expected = selections_of(s_topk, p.num_tokens * K, e, lane);
     if (lane == 0) {
       if (expected > 0)  // every part of every row
-        wait_at_least_i32(&sent[e], expected * (kWarps / K), p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
+        wait_at_least_i32(&sent[e], expected * (kWarps / R), p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
       sent[e] = 0;  // only this warp reads it; the next op on this set starts in a later kernel
       const int dest = e / L;
       int32_t* count = p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me;
       if (expected == 0)  // no row went there, so no token warp waited for the slot to be free
         wait_rank_ready(ready, recv_seen, dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
       // The acquire above saw every part announced; this release publishes them. Pairs with the receiver's
-      // wait_nonzero.
-      signal(p.peers, dest, count, expected + 1);
+      // wait_nonzero. Rows beyond M were not sent (an input error the writer reported).
+      signal(p.peers, dest, count, min(expected, M) + 1);
     }
   }
 }
 
 constexpr int kChunk = kCopyItemInt4;  // int4 per receive work item (kernels/ll_transport.cuh)
 
-// The scales (FP8, token-minor) and the source token index of row n of local expert i, from its record at src:
+// The scales (FP8, token-minor) of row n of local expert i, from its record at src, and its source token index:
 // every load issued before the first store, so the item costs one load latency.
 __device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p, const uint8_t* src, int i, int n,
-                                              int lane) {
+                                              int token, int lane) {
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   const int groups = p.hidden / kFp8GroupSize;
   const int64_t rows_per_expert = int64_t(p.num_ranks) * p.max_tokens;
-  const int32_t token = lane == 0 ? ld_cg(reinterpret_cast<const int32_t*>(src + rec.meta_offset)) : 0;
   if (p.fp8 && p.ue8m0) {  // 4 exponent bytes per int32, token-minor: [L][H/512][R*M]
     const int words = groups / 4;
     const int4* scales = reinterpret_cast<const int4*>(src + rec.scale_offset);  // 4 floats per word
@@ -208,13 +230,20 @@ __device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p,
   if (lane == 0) p.recv_src_info[int64_t(i) * rows_per_expert + n] = token;
 }
 
-__device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p) {
+// s_source: window_rows ints of shared memory (the send phase's staging area, free by now): per row of the
+// window, its source rank << 24 | its source token.
+__device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int* s_source, int window_rows) {
   __shared__ int s_begin[kMaxNvlRanks + 1];
+  __syncthreads();  // the send phase before this one (same launch) no longer reads the staging area
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   const int64_t rows_per_expert = int64_t(R) * M;
+  const uint8_t* records = p.layout.dispatch_records(p.peers.local, p.set);
+  const int32_t* row_map = p.layout.dispatch_row_map(p.peers.local, p.set, R, M, rec.bytes);
+  const int row_int4 = int(rec.row_bytes / 16);
+  const int chunks = (row_int4 + kChunk - 1) / kChunk, items = chunks + 1;
 
   for (int i = blockIdx.x; i < L; i += gridDim.x) {
     if (warp == 0) {
@@ -240,39 +269,55 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p) {
         if (p.cumulative_stats != nullptr) p.cumulative_stats[i] += total;
       }
     }
-    __syncthreads();
+    __syncthreads();  // warp 0's acquires of the counts now order every thread's loads below
     const int total = s_begin[R];
-    // Work items of kChunk int4 per row (one round of loads per lane each) plus one for the row's scales and
-    // source index, spread over all warps: a warp copying a whole 7 KB row paid ~8 dependent load latencies.
-    const int row_int4 = int(rec.row_bytes / 16);
-    const int chunks = (row_int4 + kChunk - 1) / kChunk, items = chunks + 1;
-    for (int w = warp; w < total * items; w += kWarps) {
-      const int n = w / items, c = w % items;
-      int s = 0;
-      while (n >= s_begin[s + 1]) ++s;
-      const uint8_t* src = p.layout.receive(p.peers.local, p.set) + ((int64_t(i) * R + s) * M + (n - s_begin[s])) * rec.bytes;
-      const int64_t row = int64_t(i) * rows_per_expert + n;
-      if (c < chunks) {
-        const int first = c * kChunk;
-        warp_copy_once<kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
-                                    reinterpret_cast<const int4*>(src) + first, min(kChunk, row_int4 - first), lane,
-                                    LoadCg{}, StoreNa{});
-      } else {
-        copy_row_meta(p, src, i, n, lane);
+    // Rows of expert i are numbered by (source, slot). A window of window_rows of them at a time (one for any
+    // realistic shape): first every row's source token from the row map, all loads at once, then work items
+    // of kChunk int4 per row (one round of loads per lane each) plus one for the row's scales and source index,
+    // spread over all warps.
+    for (int w0 = 0; w0 < total; w0 += window_rows) {
+      const int rows = min(window_rows, total - w0);
+      for (int n = threadIdx.x; n < rows; n += kThreads) {
+        int s = 0;
+        while (w0 + n >= s_begin[s + 1]) ++s;
+        s_source[n] = s << 24 | ld_cg(row_map + (int64_t(i) * R + s) * M + (w0 + n - s_begin[s]));  // token < M
       }
+      __syncthreads();
+      for (int w = warp; w < rows * items; w += kWarps) {
+        const int n = w / items, c = w % items;
+        // The token is below M unless a sender broke the protocol (or the receive call named another shape);
+        // clamped, so that even then every read stays inside the records.
+        const int source = s_source[n], token = min(source & 0xffffff, M - 1);
+        const uint8_t* src = records + (int64_t(source >> 24) * M + token) * rec.bytes;
+        const int64_t row = int64_t(i) * rows_per_expert + w0 + n;
+        if (c < chunks) {
+          const int first = c * kChunk;
+          warp_copy_once<kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
+                                      reinterpret_cast<const int4*>(src) + first, min(kChunk, row_int4 - first),
+                                      lane, LoadCg{}, StoreNa{});
+        } else {
+          copy_row_meta(p, src, i, w0 + n, token, lane);
+        }
+      }
+      __syncthreads();  // the window's sources are rewritten next
     }
-    __syncthreads();  // every row of expert i is copied (and s_begin may be reused)
+    __syncthreads();  // every row of expert i is copied and every warp has read s_begin (none if no rows)
     // The count slots are free for the next op on this set (published by the receive count below).
     if (warp == 0 && lane < R) p.layout.dispatch_count(p.peers.local, p.set)[i * R + lane] = 0;
   }
   finish_receive(p.layout, p.peers, p.set, p.env.rank, p.num_ranks);
 }
 
+// Dynamic shared memory of a launch: the staged record and topk as int16 (send), the row window (receive).
+__host__ __device__ __forceinline__ size_t dispatch_smem_bytes(const LowLatencyDispatchParams& p) {
+  return size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes) + size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
+}
+
 __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {
   extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
   int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
   if (p.phases & kLowLatencySend) send_phase(p, s_rec, s_topk);
-  if (p.phases & kLowLatencyRecv) receive_phase(p);
+  if (p.phases & kLowLatencyRecv) receive_phase(p, reinterpret_cast<int*>(s_rec), int(dispatch_smem_bytes(p) / sizeof(int)));
 }
 
 }  // namespace
@@ -280,8 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const
 int low_latency_grid(int num_device_sms) { return num_device_sms; }
 
 void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream) {
-  const size_t smem = size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes) +
-                     size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
+  const size_t smem = dispatch_smem_bytes(p);
   cudaFuncSetAttribute(low_latency_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);

@@ -14,7 +14,7 @@
 //
 // Ordering contract, the same on both paths:
 //   put_warp  : peer pointer: on return this lane's stores are issued; they become visible at the peer with
-//               the release chain that follows (__syncwarp, lane 0's GPU-scope release of a completion counter,
+//               the release chain that follows (__syncwarp, a lane's GPU-scope release of a completion counter,
 //               the publisher's acquire of it and its signal), so no lane needs a fence of its own.
 //               NVSHMEM: complete at the peer on return.
 //   signal    : the value lands after everything this thread has observed to be complete (cumulative), so a
@@ -92,6 +92,19 @@ __device__ __forceinline__ void put_warp_once(const LowLatencyPeers& peers, int 
     return;
   }
   put_warp<kUnroll>(peers, peer, dst, src, n, lane, load);
+}
+
+// One int32 into `mine`'s place in peer's region, with put_warp's ordering (peer pointer: issued here and
+// published by the release chain that follows; NVSHMEM: complete at the peer on return). One thread.
+__device__ __forceinline__ void put_int(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
+  if (has_peer_pointer(peers, peer)) {
+    *at_peer(peers, peer, mine) = value;
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  nvshmem_int_p(mine, value, peer);
+  nvshmem_quiet();
+#endif
 }
 
 // Sets the 32-bit signal `mine` (an address in this rank's region) to value in peer's region. Pairs with the

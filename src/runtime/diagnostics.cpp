@@ -26,6 +26,7 @@ const char* error_name(int code) {
     case kErrTimeout: return "timeout";
     case kErrAbortedByPeer: return "aborted by a peer";
     case kErrShapeMismatch: return "ranks disagree on the operation";
+    case kErrExpertRowsExceeded: return "more rows for one expert than num_max_dispatch_tokens_per_rank";
   }
   return "unknown error";
 }
@@ -92,6 +93,11 @@ std::string describe_input(int code, const DeviceDiag& d, int reporting_rank) {
       return cat("ranks disagree on this operation: rank ", d.a, " called it with a different shape than rank ",
                  d.rank, " (operation, hidden size, dtype, number of scales, num_topk, num_sms or ring size;"
                  " signatures ", d.b, " vs ", d.c, "); every rank must pass the same");
+    case kErrExpertRowsExceeded:
+      return cat("rank ", reporting_rank, " sends at least ", d.b, " rows to expert ", d.a,
+                 " but a low-latency dispatch holds num_max_dispatch_tokens_per_rank = ", d.c,
+                 " per expert and source (an expert listed twice in a token's topk_idx counts twice); the rows"
+                 " beyond were dropped");
   }
   return cat(error_name(code), " (rank ", reporting_rank, ")");
 }

@@ -18,6 +18,7 @@ enum DeviceError : int32_t {
   kErrTimeout = 4,            // a = value seen, b = value awaited, c = role-specific (see the role)
   kErrAbortedByPeer = 5,      // a = rank whose wait failed first
   kErrShapeMismatch = 6,      // a = first rank whose operation signature differs, b = its signature, c = ours
+  kErrExpertRowsExceeded = 7, // a = expert, b = rows this rank sends it (at least), c = M (low-latency dispatch)
 };
 
 enum DeviceRole : int32_t {

@@ -20,7 +20,9 @@
 // slots and flags are cleared before that store. Dispatch and combine share the counters, so a combine can
 // never overwrite dispatch records a slow peer has not received yet (dispatch A, dispatch B, combine A), and
 // nothing is set by one rank and cleared by another, so no clear can overtake a set.
-//     receive area   dispatch: [local expert][src rank][M] records (token row, scales, source token index)
+//     receive area   dispatch: [src rank][M] records (token row, scales, source token index; a token goes
+//                              once to each rank that holds one of its experts, at its own index), then the
+//                              row map [local expert][src rank][M] int32: the source token of each slot
 //                    combine:  [global expert][M] bf16 rows (expert outputs for this rank's tokens)
 //     combine send   [local expert][R * M] bf16 rows: where zero-copy combine reads expert outputs from;
 //                    with NVSHMEM peers also the staging of dispatch records and of combine rows (sources of
@@ -73,10 +75,15 @@ struct LowLatencyLayout {
   int64_t receive_bytes;       // of this call's shape
   int64_t combine_send_bytes;  // of this call's shape
 
+  // The dispatch's part of the receive area, [R][M] records and the [L][R][M] row map, for any rank count
+  // (R <= E): E * M records and E * M map entries.
+  EPX_HD static int64_t dispatch_receive_bound(int max_tokens, int num_experts, int64_t record_bytes) {
+    return int64_t(num_experts) * max_tokens * (record_bytes + 4);
+  }
   // Bytes one set needs for a shape (BF16 records: larger than FP8 ones).
   EPX_HD static int64_t required_set_bytes(int max_tokens, int hidden, int num_experts) {
     const int64_t record = LowLatencyRecord::make(hidden, false).bytes;
-    const int64_t dispatch_recv = int64_t(num_experts) * max_tokens * record;  // [L][R][M] = E * M records
+    const int64_t dispatch_recv = dispatch_receive_bound(max_tokens, num_experts, record);
     const int64_t combine_recv = int64_t(num_experts) * max_tokens * hidden * 2;
     const int64_t receive = align_up(dispatch_recv > combine_recv ? dispatch_recv : combine_recv, kAlign);
     const int64_t combine_send = align_up(int64_t(num_experts) * max_tokens * hidden * 2, kAlign);  // [L][R*M]
@@ -86,7 +93,7 @@ struct LowLatencyLayout {
     LowLatencyLayout l{};
     l.set_bytes = set_bytes;
     const int64_t record = LowLatencyRecord::make(hidden, false).bytes;
-    const int64_t dispatch_recv = int64_t(num_experts) * max_tokens * record;
+    const int64_t dispatch_recv = dispatch_receive_bound(max_tokens, num_experts, record);
     const int64_t combine_recv = int64_t(num_experts) * max_tokens * hidden * 2;
     l.receive_bytes = align_up(dispatch_recv > combine_recv ? dispatch_recv : combine_recv, kAlign);
     l.combine_send_bytes = align_up(int64_t(num_experts) * max_tokens * hidden * 2, kAlign);
@@ -110,6 +117,12 @@ struct LowLatencyLayout {
   }
   EPX_HD int32_t* recv_seen(void* region, int set) const { return recv_count(region, set) + 2; }
   EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
+  // The dispatch's records: rank s's token t at (s * M + t) * record_bytes.
+  EPX_HD uint8_t* dispatch_records(void* region, int set) const { return receive(region, set); }
+  // The dispatch's row map after the records: [(local expert * R + s) * M + slot] = rank s's token in that slot.
+  EPX_HD int32_t* dispatch_row_map(void* region, int set, int num_ranks, int max_tokens, int64_t record_bytes) const {
+    return reinterpret_cast<int32_t*>(receive(region, set) + int64_t(num_ranks) * max_tokens * record_bytes);
+  }
   EPX_HD uint8_t* combine_send(void* region, int set) const {
     return set_base(region, set) + kSignalsBytes + receive_bytes;
   }

@@ -11,7 +11,7 @@ namespace epx {
 namespace {
 
 constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;  // one NVLink domain (LowLatencyPeers holds one per rank)
-constexpr int kLowLatencyMaxTopk = 32;             // one warp per top-k slot of a token
+constexpr int kLowLatencyMaxTopk = 32;             // one lane per top-k slot of a token (dispatch send)
 
 // The order of the calls on the two buffer sets, kept on the host (Buffer::Impl::ll_waiting). The kernels
 // count the ops of a set by the receives this rank completed there (kernels/ll_epochs.cuh), which is right only

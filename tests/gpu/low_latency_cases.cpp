@@ -92,6 +92,25 @@ std::vector<Case> low_latency_cases() {
     c.routing = harness::Routing::kOneExpert;
     cases.push_back(step_case("ll: every token to expert 0", c));
   }
+  // An expert listed twice in each of M tokens gets 2 * M rows from every rank, more than the M a source may
+  // send it: every rank reports the input error (the rows beyond M are dropped, nothing is written out of place).
+  cases.push_back(Case{"ll: an expert listed twice in every token (2M rows for M slots) is an input error",
+                       [](Context& ctx) {
+    auto c = ll_case(64, 2048, true, 88);
+    c.max_tokens = 64;
+    c.routing = harness::Routing::kZeroTwice;
+    LowLatencySession s(ctx.buffer, c, ctx.stream);
+    s.dispatch(kLowLatencyBothPhases);
+    try {
+      ctx.buffer.check(ctx.stream);
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      if (e.status() != Status::kInvalidArgument || what.find("to expert 0") == std::string::npos)
+        return "wrong error: " + what;
+      return std::string();
+    }
+    return std::string("no error reported");
+  }});
   cases.push_back(step_case("ll: receive hook, bf16", ll_case(128, 7168, false, 51), true));
   cases.push_back(step_case("ll: receive hook, fp8 round_scale", [] {
     auto c = ll_case(128, 7168, true, 52);

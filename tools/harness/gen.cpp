@@ -19,8 +19,9 @@ void make_topk(const RoutingSpec& s, int rank, int num_ranks, int num_tokens, st
   weights.assign(size_t(num_tokens) * K, 0.f);
   for (int t = 0; t < num_tokens; ++t) {
     int64_t* row = idx.data() + size_t(t) * K;
-    if (s.kind == Routing::kOneExpert) {
+    if (s.kind == Routing::kOneExpert || s.kind == Routing::kZeroTwice) {
       row[0] = 0;
+      if (s.kind == Routing::kZeroTwice && K > 1) row[1] = 0;
     } else {
       for (int k = 0; k < K && k < choosable; ++k) {
         for (uint64_t attempt = 0;; ++attempt) {

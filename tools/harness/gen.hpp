@@ -18,6 +18,7 @@ enum class Routing {
   kSkewed,     // Zipf-like popularity: low expert ids (rank 0) are hot
   kLastIdle,   // the last rank's experts are never chosen: it receives nothing
   kOneExpert,  // every token's first slot is expert 0, the rest -1
+  kZeroTwice,  // every token's first two slots are expert 0 (a duplicate), the rest -1
 };
 
 struct RoutingSpec {
