@@ -80,42 +80,59 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // v0.4; not measured on the forced path since.
   const int parts = (row_int4 + kChunk - 1) / kChunk;
   ReadyRanks ready;  // lane 0's
-  for (int w = blockIdx.x * kWarps + warp; w < total * parts; w += warps) {
-    const int g = w / parts, part = w % parts;
-    int lo = 0, hi = L;  // largest i with s_first[i] <= g
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (s_first[mid] <= g) lo = mid; else hi = mid;
-    }
-    const int i = lo, n = g - s_first[i];
-    int s = 0;
-    while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;  // rows are by source, ascending
-    const int count = s_range[i * R + s].y;
-    const int e = me * L + i;
-    const int64_t row = int64_t(i) * rows_per_expert + n;
-    const int t = p.recv_src_info[row];  // issued before the poll below, so the two latencies overlap
-    // Back-pressure: s has received every earlier op on this set (dispatch or combine), so nothing unread is
-    // overwritten. Acquire; pairs with the release at the end of s's receive phase (finish_receive).
-    // Lane 0 polls once per rank and op (the later items of this warp rely on that acquire and the
-    // __syncwarp after it).
-    if (lane == 0) wait_rank_ready(ready, recv_seen, s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
-    __syncwarp();
-    const int first = part * kChunk, last = min(first + kChunk, row_int4);
-    const int4* src = p.x + row * row_int4 + first;
-    if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
-      warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
-      __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
+  // A warp takes its items two at a time (w and w + warps): both items' stores are issued before the first
+  // completion, so the second item's loads overlap the first one's release (which waits for its stores).
+  constexpr int kBatch = 2;
+  for (int w0 = blockIdx.x * kWarps + warp; w0 < total * parts; w0 += kBatch * warps) {
+    int b_pair[kBatch], b_target[kBatch], b_expert[kBatch], b_dest[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int w = w0 + j * warps;
+      b_pair[j] = -1;
+      if (w >= total * parts) break;
+      const int g = w / parts, part = w % parts;
+      int lo = 0, hi = L;  // largest i with s_first[i] <= g
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (s_first[mid] <= g) lo = mid; else hi = mid;
+      }
+      const int i = lo, n = g - s_first[i];
+      int s = 0;
+      while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;  // rows are by source, ascending
+      const int e = me * L + i;
+      const int64_t row = int64_t(i) * rows_per_expert + n;
+      const int t = p.recv_src_info[row];  // issued before the poll below, so the two latencies overlap
+      // Back-pressure: s has received every earlier op on this set (dispatch or combine), so nothing unread is
+      // overwritten. Acquire; pairs with the release at the end of s's receive phase (finish_receive).
+      // Lane 0 polls once per rank and op (the later items of this warp rely on that acquire and the
+      // __syncwarp after it).
+      if (lane == 0) wait_rank_ready(ready, recv_seen, s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
       __syncwarp();
-      src = stage + row * row_int4 + first;
+      const int first = part * kChunk, last = min(first + kChunk, row_int4);
+      const int4* src = p.x + row * row_int4 + first;
+      if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
+        warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
+        __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
+        __syncwarp();
+        src = stage + row * row_int4 + first;
+      }
+      put_warp_once<kChunk / 32>(p.peers, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first,
+                                 lane, LoadNc{});
+      b_pair[j] = i * R + s;
+      b_target[j] = s_range[i * R + s].y * parts;
+      b_expert[j] = e;
+      b_dest[j] = s;
     }
-    put_warp_once<kChunk / 32>(p.peers, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first, lane,
-                               LoadNc{});
-    __syncwarp();  // every lane's part is written before lane 0's release below
-    // acq_rel: releases this warp's part and, for the last one, acquires every other part of the pair, so the
-    // flag's signal (a release) publishes all of them (release is cumulative).
-    if (lane == 0 && atomic_add_acq_rel_gpu(&done[i * R + s], 1) + 1 == count * parts) {
-      done[i * R + s] = 0;
-      signal(p.peers, s, flags + e, 1);  // pairs with the receiver's wait_nonzero
+    __syncwarp();  // every lane's parts are written before lane 0's releases below
+    // acq_rel: releases this warp's parts and, for the last one of a pair, acquires every other part of it, so
+    // the flag's signal (a release) publishes all of them (release is cumulative).
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (lane != 0 || b_pair[j] < 0) continue;
+      if (atomic_add_acq_rel_gpu(&done[b_pair[j]], 1) + 1 == b_target[j]) {
+        done[b_pair[j]] = 0;
+        signal(p.peers, b_dest[j], flags + b_expert[j], 1);  // pairs with the receiver's wait_nonzero
+      }
     }
   }
   // Pairs with no rows still tell the source that nothing more comes from this expert.
