@@ -117,7 +117,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   int32_t* sent = p.layout.sent(p.peers.local, p.set);
   const int32_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
   // Earlier ops on this set, of either kind: every peer must have received them before this one writes there.
-  // Written by the last block of the previous send phase on the set (an earlier kernel).
+  // This rank's receive count on the set (kernels/ll_epochs.cuh), written by an earlier kernel.
   const int32_t k_ops = ops_before(p.layout, p.peers, p.set);
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging
