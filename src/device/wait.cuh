@@ -40,73 +40,51 @@ __device__ __forceinline__ void check_abort(const FailEnv& env, const WaitSite& 
   if (a != 0) fail_fatal(env, kErrAbortedByPeer, site, a - 1, 0);
 }
 
-// Waits until *p >= target (acquire). Returns the value seen.
-__device__ __forceinline__ uint64_t wait_at_least(const uint64_t* p, uint64_t target, const FailEnv& env,
-                                                  const WaitSite& site) {
-  uint64_t v = ld_acquire_sys(p);
-  if (v >= target) return v;
+// The loop every wait below shares: polls *p with acquire loads until reached(v), watching the budget and
+// the abort flag; on timeout the diagnostic records the value seen and `awaited`. Returns the value seen.
+template <typename T, typename Reached>
+__device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awaited, const FailEnv& env,
+                                        const WaitSite& site) {
+  T v = ld_acquire_sys(p);
+  if (reached(v)) return v;
   const uint64_t start = globaltimer_ns();
   while (true) {
     v = ld_acquire_sys(p);
-    if (v >= target) return v;
+    if (reached(v)) return v;
     check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(v), int64_t(target));
+    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(v), awaited);
   }
+}
+
+// Waits until *p >= target (acquire). Returns the value seen.
+__device__ __forceinline__ uint64_t wait_at_least(const uint64_t* p, uint64_t target, const FailEnv& env,
+                                                  const WaitSite& site) {
+  return wait_until(p, [target](uint64_t v) { return v >= target; }, int64_t(target), env, site);
 }
 
 // Waits until *p >= target (acquire), for 32-bit counters.
 __device__ __forceinline__ int32_t wait_at_least_i32(const int32_t* p, int32_t target, const FailEnv& env,
                                                      const WaitSite& site) {
-  int32_t v = ld_acquire_sys(p);
-  if (v >= target) return v;
-  const uint64_t start = globaltimer_ns();
-  while (true) {
-    v = ld_acquire_sys(p);
-    if (v >= target) return v;
-    check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, v, target);
-  }
+  return wait_until(p, [target](int32_t v) { return v >= target; }, target, env, site);
 }
 
 // Waits until the monotonic 32-bit counter *p has reached target (acquire), comparing so that the counter may
 // wrap (the two are never 2^31 apart).
 __device__ __forceinline__ int32_t wait_epoch(const int32_t* p, int32_t target, const FailEnv& env,
                                               const WaitSite& site) {
-  int32_t v = ld_acquire_sys(p);
-  if (int32_t(uint32_t(v) - uint32_t(target)) >= 0) return v;
-  const uint64_t start = globaltimer_ns();
-  while (true) {
-    v = ld_acquire_sys(p);
-    if (int32_t(uint32_t(v) - uint32_t(target)) >= 0) return v;
-    check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, v, target);
-  }
+  return wait_until(p, [target](int32_t v) { return int32_t(uint32_t(v) - uint32_t(target)) >= 0; }, target, env,
+                    site);
 }
 
 // Waits until *p == target (acquire), for epoch flags.
 __device__ __forceinline__ void wait_equal(const uint32_t* p, uint32_t target, const FailEnv& env,
                                            const WaitSite& site) {
-  if (ld_acquire_sys(p) == target) return;
-  const uint64_t start = globaltimer_ns();
-  while (true) {
-    const uint32_t v = ld_acquire_sys(p);
-    if (v == target) return;
-    check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(v), int64_t(target));
-  }
+  wait_until(p, [target](uint32_t v) { return v == target; }, int64_t(target), env, site);
 }
 
 // Waits until *p != 0 (acquire) and returns it, for count messages that are nonzero once written.
 __device__ __forceinline__ int32_t wait_nonzero(const int32_t* p, const FailEnv& env, const WaitSite& site) {
-  int32_t v = ld_acquire_sys(p);
-  if (v != 0) return v;
-  const uint64_t start = globaltimer_ns();
-  while (true) {
-    v = ld_acquire_sys(p);
-    if (v != 0) return v;
-    check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, 0, 1);
-  }
+  return wait_until(p, [](int32_t v) { return v != 0; }, 1, env, site);
 }
 
 // A spin with no memory to watch (a coordinator waiting on its own block) still has a budget.
