@@ -7,7 +7,8 @@
 //                                       the receiver after it copied the rows
 //                    combine_flag[E]:   at the token's source rank, index global expert; 1 when that expert's
 //                                       rows have all been written here, cleared after the reduction
-//                    sent[E]:           at the sender, tokens already written for expert e (local counter)
+//                    sent[E]:           at the sender, record parts written for expert e's rows (dispatch) or
+//                                       items done per (local expert, source) (combine); local counters
 //                    epochs:            per set and rank, monotonic int32 counters (never cleared but by clean):
 //                      recv_count       receive phases this rank has completed on the set (the last block of
 //                                       each receive phase adds one, then stores it into every peer). As this
@@ -80,24 +81,21 @@ struct LowLatencyLayout {
   EPX_HD static int64_t dispatch_receive_bound(int max_tokens, int num_experts, int64_t record_bytes) {
     return int64_t(num_experts) * max_tokens * (record_bytes + 4);
   }
-  // Bytes one set needs for a shape (BF16 records: larger than FP8 ones).
-  EPX_HD static int64_t required_set_bytes(int max_tokens, int hidden, int num_experts) {
-    const int64_t record = LowLatencyRecord::make(hidden, false).bytes;
-    const int64_t dispatch_recv = dispatch_receive_bound(max_tokens, num_experts, record);
-    const int64_t combine_recv = int64_t(num_experts) * max_tokens * hidden * 2;
-    const int64_t receive = align_up(dispatch_recv > combine_recv ? dispatch_recv : combine_recv, kAlign);
-    const int64_t combine_send = align_up(int64_t(num_experts) * max_tokens * hidden * 2, kAlign);  // [L][R*M]
-    return kSignalsBytes + receive + combine_send;
-  }
+  // The areas of a set for a shape (BF16 records: larger than FP8 ones) in a set of set_bytes.
   EPX_HD static LowLatencyLayout make(int64_t set_bytes, int max_tokens, int hidden, int num_experts) {
     LowLatencyLayout l{};
     l.set_bytes = set_bytes;
     const int64_t record = LowLatencyRecord::make(hidden, false).bytes;
     const int64_t dispatch_recv = dispatch_receive_bound(max_tokens, num_experts, record);
-    const int64_t combine_recv = int64_t(num_experts) * max_tokens * hidden * 2;
+    const int64_t combine_recv = int64_t(num_experts) * max_tokens * hidden * 2;  // [E][M]
     l.receive_bytes = align_up(dispatch_recv > combine_recv ? dispatch_recv : combine_recv, kAlign);
-    l.combine_send_bytes = align_up(int64_t(num_experts) * max_tokens * hidden * 2, kAlign);
+    l.combine_send_bytes = align_up(int64_t(num_experts) * max_tokens * hidden * 2, kAlign);  // [L][R*M]
     return l;
+  }
+  // Bytes one set needs for a shape.
+  EPX_HD static int64_t required_set_bytes(int max_tokens, int hidden, int num_experts) {
+    const LowLatencyLayout l = make(0, max_tokens, hidden, num_experts);
+    return kSignalsBytes + l.receive_bytes + l.combine_send_bytes;
   }
   EPX_HD bool fits() const { return kSignalsBytes + receive_bytes + combine_send_bytes <= set_bytes; }
 
