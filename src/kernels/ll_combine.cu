@@ -6,9 +6,10 @@
 // of an (expert, source) pair raises the flag at the source. Writes into
 // other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is
 // not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
-// Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up:
+// Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up (raised to this
+// op's number on the set; never cleared):
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
-// the last block to finish clears the flags and stores the set's receive count into every rank.
+// then the block adds its completion to every rank's epoch counter (kernels/ll_epochs.cuh): no last block.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -43,8 +44,9 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // at zero by every call.
   int32_t* done = p.layout.sent(p.peers.local, p.set);
   int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);  // addresses here = offsets at every peer
-  const int32_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
-  const int32_t k_ops = ops_before(p.layout, p.peers, p.set);  // earlier ops on this set, of either kind
+  const uint64_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
+  const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // earlier ops on this set, of either kind
+  const int32_t raised = int32_t(k_ops + 1u);                    // this op's flag value (wraps)
   int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
   int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.local, p.set));
   // Rows per (local expert, source) and their begins, from the layout ranges: one load per pair, all threads
@@ -131,7 +133,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       if (lane != 0 || b_pair[j] < 0) continue;
       if (atomic_add_acq_rel_gpu(&done[b_pair[j]], 1) + 1 == b_target[j]) {
         done[b_pair[j]] = 0;
-        signal(p.peers, b_dest[j], flags + b_expert[j], 1);  // pairs with the receiver's wait_nonzero
+        signal(p.peers, b_dest[j], flags + b_expert[j], raised);  // pairs with the receiver's wait_epoch
       }
     }
   }
@@ -140,19 +142,20 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     const int i = pair / R, s = pair % R;
     if (s_range[pair].y != 0 || lane != 0) continue;
     wait_rank_ready(ready, recv_seen, s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
-    signal(p.peers, s, flags + me * L + i, 1);
+    signal(p.peers, s, flags + me * L + i, raised);
   }
 }
 
-// Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait);
-// the last block to finish clears every flag once it is up, then stores the set's receive count into every
-// rank, which lets the next op on this set (of either kind) write here.
+// Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait),
+// then adds its completion to every rank's epoch counter, which (once all blocks have) lets the next op on
+// this set, of either kind, write here.
 __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
   __shared__ float s_weight[kMaxTopk];
   const int M = p.max_tokens, K = p.num_topk, E = p.num_experts;
   const int L = E / p.num_ranks;
-  int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);
+  const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // the send phase's too (same block, same op)
+  const int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);
   const int row_int4 = p.hidden / 8;
   const int4* recv = reinterpret_cast<const int4*>(p.layout.receive(p.peers.local, p.set));
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
@@ -162,9 +165,11 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
       const bool valid = e >= 0 && e < E;
       s_expert[k] = valid ? int(e) : -1;
       s_weight[k] = valid ? p.topk_weights[int64_t(t) * K + k] : 0.f;
-      // Acquire; pairs with the signal of e's rank after its last row for this rank. The __syncthreads below
-      // orders every thread's row loads after it.
-      if (valid) wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)});
+      // Acquire; pairs with the signal of e's rank after its last row of this op for this rank (value k + 1;
+      // earlier combines on the set left at most k). The __syncthreads below orders every thread's row loads
+      // after it.
+      if (valid)
+        wait_epoch(flags + e, int32_t(k_ops + 1u), p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)});
     }
     __syncthreads();
     for (int h = threadIdx.x; h < row_int4; h += kThreads) {
@@ -191,15 +196,9 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
     }
     __syncthreads();  // s_expert / s_weight are rewritten for the next token
   }
-  // The last block to get here clears the flags: every block's row loads are done by then (each arrival
-  // releases its block's loads; the last arrival acquires them all). A flag no token here waited for may still
-  // be on its way: it is waited for first, so that no late signal survives into the next call on this set.
-  if (!arrive_last_receiver(p.layout, p.peers, p.set)) return;
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    wait_nonzero(flags + e, p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, e / L, e});
-    flags[e] = 0;  // ordered before publish_receive's releases
-  }
-  publish_receive(p.layout, p.peers, p.set, p.env.rank, p.num_ranks);
+  // The flags stay as they are (the next combine on this set raises them further; a flag no token here waited
+  // for may still be on its way, and lands before any of its sender's later writes to this set).
+  finish_receive(p.layout, p.peers, p.set, k_ops, p.env.rank, p.num_ranks);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {

@@ -13,8 +13,8 @@
 // Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
 // rank ascending, reads each row's source token from the row map (all at once, into shared memory), copies the
 // rows from the records into the packed outputs (FP8 scales token-minor) in work items of one load round
-// each, spread over all warps, and clears its count slots; the last block to finish counts the receive and
-// stores the new count into every rank (recv_seen), which lets the next op on this set write here. The
+// each, spread over all warps, and clears its count slots; every block then adds its completion to every
+// rank's epoch counter (recv_seen), which (once all blocks have) lets the next op on this set write here. The
 // receive phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its
 // registers do not add to the send phase's.
 #include <cuda_runtime.h>
@@ -115,10 +115,10 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   int32_t* sent = p.layout.sent(p.peers.local, p.set);
-  const int32_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
+  const uint64_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
   // Earlier ops on this set, of either kind: every peer must have received them before this one writes there.
-  // This rank's receive count on the set (kernels/ll_epochs.cuh), written by an earlier kernel.
-  const int32_t k_ops = ops_before(p.layout, p.peers, p.set);
+  // This block's receive count on the set (kernels/ll_epochs.cuh), written by an earlier kernel.
+  const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging
 
@@ -235,6 +235,7 @@ __device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p,
 __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int* s_source, int window_rows) {
   __shared__ int s_begin[kMaxNvlRanks + 1];
   __syncthreads();  // the send phase before this one (same launch) no longer reads the staging area
+  const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // the send phase's too (same block, same op)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens;
   const int L = p.num_experts / R;
@@ -305,7 +306,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
     // The count slots are free for the next op on this set (published by the receive count below).
     if (warp == 0 && lane < R) p.layout.dispatch_count(p.peers.local, p.set)[i * R + lane] = 0;
   }
-  finish_receive(p.layout, p.peers, p.set, p.env.rank, p.num_ranks);
+  finish_receive(p.layout, p.peers, p.set, k_ops, p.env.rank, p.num_ranks);
 }
 
 // Dynamic shared memory of a launch: the staged record and topk as int16 (send), the row window (receive).

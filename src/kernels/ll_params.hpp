@@ -58,7 +58,8 @@ struct LowLatencyCombineParams {
   int4* out;                        // bf16 [T, H]
 };
 
-// Grid of every low-latency launch (the grid barrier needs the same G each time).
+// Grid of every low-latency launch on a GPU with that many SMs; a Buffer takes the smallest over its ranks, since
+// the epochs count G blocks per op (kernels/ll_epochs.cuh) and so need the same G on every rank and launch.
 int low_latency_grid(int num_device_sms);
 void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream);
 void launch_low_latency_combine(const LowLatencyCombineParams& p, int grid, cudaStream_t stream);

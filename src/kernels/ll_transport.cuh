@@ -122,4 +122,17 @@ __device__ __forceinline__ void signal(const LowLatencyPeers& peers, int peer, i
 #endif
 }
 
+// Adds value to the 64-bit counter `mine` (an address in this rank's region) in peer's region, as a release
+// like signal's. Pairs with the peer's acquire loads of that counter (wait_at_least on its own memory).
+__device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int peer, uint64_t* mine, uint64_t value) {
+  if (has_peer_pointer(peers, peer)) {
+    red_add_release_sys(at_peer(peers, peer, mine), value);
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  __threadfence_system();  // cumulative, as in signal
+  nvshmem_uint64_atomic_add(reinterpret_cast<uint64_t*>(mine), value, peer);
+#endif
+}
+
 }  // namespace epx::dev

@@ -1,6 +1,7 @@
 // Buffer creation and teardown (CUDA IPC mapping of every peer's NVLink buffer), failure reporting.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/diagnostics.hpp"
+#include "kernels/ll_params.hpp"
 
 namespace epx {
 namespace {
@@ -27,6 +29,7 @@ struct PeerInfo {
   int32_t low_latency_mode;
   int32_t ll_transport;  // LowLatencyTransport: the same build and switches on every rank
   int32_t ll_force_nvshmem;
+  int32_t num_sms;       // the low-latency grid is the smallest over the ranks (the same everywhere)
   int64_t alloc_bytes;
   char hostname[64];
   cudaIpcMemHandle_t handle;
@@ -193,6 +196,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   mine.low_latency_mode = opts.low_latency_mode;
   mine.ll_transport = int32_t(ll_transport);
   mine.ll_force_nvshmem = ll_force_nvshmem;
+  mine.num_sms = num_device_sms;
   mine.alloc_bytes = alloc_bytes;
   gethostname(mine.hostname, sizeof(mine.hostname) - 1);
   EPX_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, local));
@@ -200,6 +204,10 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   bs.all_gather(&mine, all.data(), sizeof(PeerInfo));
 
   const int domain_first = rank - nvl_rank;
+  // The low-latency kernels count completed blocks per op (kernels/ll_epochs.cuh): every rank launches the same
+  // grid, one block per SM of the smallest GPU (and at most kLowLatencyMaxBlocks).
+  ll_grid = kLowLatencyMaxBlocks;
+  for (const PeerInfo& p : all) ll_grid = std::min(ll_grid, low_latency_grid(p.num_sms));
   for (int i = 0; i < num_ranks; ++i) {
     const PeerInfo& p = all[i];
     EPX_REQUIRE(p.magic == kPeerInfoMagic && p.rank == i, "bootstrap all-gather returned garbage for rank ", i,

@@ -37,6 +37,7 @@ struct Buffer::Impl {
   int64_t ll_offset = 0;
   int64_t ll_set_bytes = 0;
   int ll_next_set = 0;             // alternates on every low-latency call (dispatch or combine)
+  int ll_grid = 0;                 // blocks of every low-latency launch, the same on every rank (create)
   // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};

@@ -5,22 +5,24 @@
 //   set s: [ signals | receive area | combine send area ]
 //     signals        dispatch_count[E]: at the receiver, index local_expert * R + src_rank; count + 1, cleared by
 //                                       the receiver after it copied the rows
-//                    combine_flag[E]:   at the token's source rank, index global expert; 1 when that expert's
-//                                       rows have all been written here, cleared after the reduction
+//                    combine_flag[E]:   at the token's source rank, index global expert; k + 1 when that
+//                                       expert's rows of the set's k-th op (a combine) have all been written
+//                                       here (never cleared: the next combine on the set raises it further)
 //                    sent[E]:           at the sender, record parts written for expert e's rows (dispatch) or
 //                                       items done per (local expert, source) (combine); local counters
-//                    epochs:            per set and rank, monotonic int32 counters (never cleared but by clean):
-//                      recv_count       receive phases this rank has completed on the set (the last block of
-//                                       each receive phase adds one, then stores it into every peer). As this
-//                                       rank receives every call before sending the next on the set (the host
-//                                       checks that order), it is also the number of earlier ops there: k
-//                      recv_seen[R]     recv_count of rank r, stored here by r
-//                      recv_arrivals:   the grid arrival counter of those last blocks (uint64)
+//                    epochs:            per set, monotonic counters (never cleared but by clean):
+//                      recv_seen[R]     uint64: receive phases of rank r's blocks on the set, added to here
+//                                       by each of r's blocks when it is done (G per op: every rank
+//                                       launches the same grid G)
+//                      block_ops[G]     uint32, this rank's own: ops block b has received on the set (block
+//                                       b's k; only block b reads and writes it). As a rank receives every
+//                                       call before sending the next on the set (the host checks that
+//                                       order), it is also the number of earlier ops there
 // Back-pressure: before writing into rank r's set for its k-th op there, of either kind, a sender waits (a
-// poll of its own memory) until recv_seen[r] >= k: r has received every earlier op on that set. The count
-// slots and flags are cleared before that store. Dispatch and combine share the counters, so a combine can
-// never overwrite dispatch records a slow peer has not received yet (dispatch A, dispatch B, combine A), and
-// nothing is set by one rank and cleared by another, so no clear can overtake a set.
+// poll of its own memory) until recv_seen[r] >= k * G: every block of r has received every earlier op on that
+// set. The count slots are cleared before that add. Dispatch and combine share the counters, so a combine can
+// never overwrite dispatch records a slow peer has not received yet (dispatch A, dispatch B, combine A).
+// The combine's flags are not cleared: the k-th op on a set raises them to k + 1, which its receivers await.
 //     receive area   dispatch: [src rank][M] records (token row, scales, source token index; a token goes
 //                              once to each rank that holds one of its experts, at its own index), then the
 //                              row map [local expert][src rank][M] int32: the source token of each slot
@@ -40,6 +42,7 @@ namespace epx {
 
 // Largest expert count of the low-latency signals (fixed offsets).
 constexpr int kLowLatencyMaxExperts = 1024;
+constexpr int kLowLatencyMaxBlocks = 256;  // the grid of the low-latency kernels (one block per SM, at most)
 // Largest num_max_dispatch_tokens_per_rank (M).
 constexpr int kLowLatencyMaxTokens = 4096;
 
@@ -69,7 +72,7 @@ struct LowLatencyRecord {
 
 struct LowLatencyLayout {
   static constexpr int64_t kSignalBytes = int64_t(kLowLatencyMaxExperts) * 4;
-  static constexpr int64_t kEpochBytes = 8 + 8 + kMaxNvlRanks * 4;  // recv_arrivals, recv_count (+ pad), recv_seen
+  static constexpr int64_t kEpochBytes = kMaxNvlRanks * 8 + kLowLatencyMaxBlocks * 4;  // recv_seen, block_ops
   static constexpr int64_t kSignalsBytes = align_up(3 * kSignalBytes + kEpochBytes, kAlign);
 
   int64_t set_bytes;           // fixed for the buffer: half of num_rdma_bytes, so set 1 never moves
@@ -107,13 +110,12 @@ struct LowLatencyLayout {
   EPX_HD int32_t* sent(void* region, int set) const {
     return reinterpret_cast<int32_t*>(set_base(region, set) + 2 * kSignalBytes);
   }
-  EPX_HD uint64_t* recv_arrivals(void* region, int set) const {
+  EPX_HD uint64_t* recv_seen(void* region, int set) const {
     return reinterpret_cast<uint64_t*>(set_base(region, set) + 3 * kSignalBytes);
   }
-  EPX_HD int32_t* recv_count(void* region, int set) const {
-    return reinterpret_cast<int32_t*>(set_base(region, set) + 3 * kSignalBytes + 8);
+  EPX_HD uint32_t* block_ops(void* region, int set) const {
+    return reinterpret_cast<uint32_t*>(set_base(region, set) + 3 * kSignalBytes + kMaxNvlRanks * 8);
   }
-  EPX_HD int32_t* recv_seen(void* region, int set) const { return recv_count(region, set) + 2; }
   EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
   // The dispatch's records: rank s's token t at (s * M + t) * record_bytes.
   EPX_HD uint8_t* dispatch_records(void* region, int set) const { return receive(region, set); }

@@ -192,7 +192,7 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
   p.recv_layout_range = o.recv_layout_range;
   commit_set(b, kDispatchCall, phases, set);
   h = shape;
-  launch_low_latency_dispatch(p, low_latency_grid(b.num_device_sms), stream);
+  launch_low_latency_dispatch(p, b.ll_grid, stream);
   b.check_launch(cudaGetLastError(), op);
 }
 
@@ -222,7 +222,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   p.recv_layout_range = h.recv_layout_range;
   p.out = static_cast<int4*>(combined_x);
   commit_set(b, kCombineCall, phases, set);
-  launch_low_latency_combine(p, low_latency_grid(b.num_device_sms), stream);
+  launch_low_latency_combine(p, b.ll_grid, stream);
   b.check_launch(cudaGetLastError(), op);
   return set;
 }

@@ -152,9 +152,8 @@ TEST(Transport, LowLatencySignalsAreDisjointInsideTheSignalsArea) {
     const Range ranges[] = {at("dispatch_count", layout.dispatch_count(region, set)),
                             at("combine_flag", layout.combine_flag(region, set)),
                             at("sent", layout.sent(region, set)),
-                            sized("recv_arrivals", layout.recv_arrivals(region, set), 8),
-                            sized("recv_count", layout.recv_count(region, set), 4),
-                            sized("recv_seen", layout.recv_seen(region, set), epx::kMaxNvlRanks * 4)};
+                            sized("recv_seen", layout.recv_seen(region, set), epx::kMaxNvlRanks * 8),
+                            sized("block_ops", layout.block_ops(region, set), epx::kLowLatencyMaxBlocks * 4)};
     for (const Range& a : ranges) {
       EXPECT_GE(a.begin, 0) << a.name;
       EXPECT_LE(a.end, epx::LowLatencyLayout::kSignalsBytes) << a.name;
