@@ -147,8 +147,8 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       const bool here = e >= d * L && e < (d + 1) * L;          // -1 and -2 are at no rank
       const uint32_t at_d = __ballot_sync(kFullMask, here);
       if (at_d != 0) {
-        // Back-pressure: d has received every earlier op on this set (it stores its receive count here after
-        // copying), so nothing is overwritten while a slow peer still reads it. A local poll, once per rank and
+        // Back-pressure: d has received every earlier op on this set (its blocks add their completions here
+        // after copying), so nothing is overwritten while a slow peer still reads it. A local poll, once per rank and
         // op for this warp (later tokens rely on that acquire); pairs with d's release at the end of its
         // receive phase (finish_receive).
         if (lane == 0)
@@ -303,7 +303,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       __syncthreads();  // the window's sources are rewritten next
     }
     __syncthreads();  // every row of expert i is copied and every warp has read s_begin (none if no rows)
-    // The count slots are free for the next op on this set (published by the receive count below).
+    // The count slots are free for the next op on this set (published by the block's completion below).
     if (warp == 0 && lane < R) p.layout.dispatch_count(p.peers.local, p.set)[i * R + lane] = 0;
   }
   finish_receive(p.layout, p.peers, p.set, k_ops, p.env.rank, p.num_ranks);

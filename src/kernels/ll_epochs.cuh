@@ -20,6 +20,23 @@ __device__ __forceinline__ uint32_t ops_before(const LowLatencyLayout& layout, c
   return layout.block_ops(peers.local, set)[blockIdx.x];
 }
 
+// Waits until the block counter *p has reached target, compared in its low 32 bits, wrap-safe (the counter
+// is a sum of ones, so that is exact modulo 2^32 while it is less than 2^31 ahead: it can be at most one op's G
+// ahead here). Acquire.
+__device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, const FailEnv& env,
+                                            const WaitSite& site) {
+  const auto reached = [&](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; };
+  uint64_t v = ld_acquire_sys(p);
+  if (reached(v)) return;
+  const uint64_t start = globaltimer_ns();
+  while (true) {
+    v = ld_acquire_sys(p);
+    if (reached(v)) return;
+    check_abort(env, site);
+    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(uint32_t(v)), target);
+  }
+}
+
 // The ranks a thread has already seen ready for this op (bit r: r's blocks have all received the k earlier
 // ops). A sender polls a rank's epoch once per op instead of once per row: the many warps that write to the
 // same rank would otherwise all poll the same word with system-scope acquires.
@@ -36,7 +53,7 @@ __device__ __forceinline__ void wait_rank_ready(ReadyRanks& ready, const uint64_
                                                 const FailEnv& env, const WaitSite& site) {
   const uint32_t bit = 1u << r;
   if (ready.bits & bit) return;
-  wait_at_least(recv_seen + r, uint64_t(k_ops) * gridDim.x, env, site);
+  wait_blocks(recv_seen + r, k_ops * gridDim.x, env, site);
   ready.bits |= bit;
 }
 

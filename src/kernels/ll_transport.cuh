@@ -9,7 +9,7 @@
 //
 // Every address below is an address in *this* rank's region; the same offset is meant in the peer's region.
 // Every rank only ever polls its own memory with acquire loads (device/wait.cuh): back-pressure too, since a
-// receiver stores its receive count into every sender's memory with a signal (kernels/ll_epochs.cuh).
+// receiver's blocks add their completions into every sender's memory (signal_add, kernels/ll_epochs.cuh).
 // Nothing here reads a peer's memory.
 //
 // Ordering contract, the same on both paths:
@@ -119,6 +119,9 @@ __device__ __forceinline__ void signal(const LowLatencyPeers& peers, int peer, i
   // announcement) is ordered before the atomic, which lands in the peer's memory as one 32-bit write.
   __threadfence_system();
   nvshmem_int_atomic_set(mine, value, peer);
+  // Complete at the peer before this thread goes on: a later signal into the same slot (a later kernel's; the
+  // combine's flags are raised, never cleared) can then never land first, also through a proxy or IBGDA.
+  nvshmem_quiet();
 #endif
 }
 

@@ -204,10 +204,6 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   bs.all_gather(&mine, all.data(), sizeof(PeerInfo));
 
   const int domain_first = rank - nvl_rank;
-  // The low-latency kernels count completed blocks per op (kernels/ll_epochs.cuh): every rank launches the same
-  // grid, one block per SM of the smallest GPU (and at most kLowLatencyMaxBlocks).
-  ll_grid = kLowLatencyMaxBlocks;
-  for (const PeerInfo& p : all) ll_grid = std::min(ll_grid, low_latency_grid(p.num_sms));
   for (int i = 0; i < num_ranks; ++i) {
     const PeerInfo& p = all[i];
     EPX_REQUIRE(p.magic == kPeerInfoMagic && p.rank == i, "bootstrap all-gather returned garbage for rank ", i,
@@ -223,6 +219,11 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
                 " (EPX_DISABLE_NVSHMEM and EPX_LL_FORCE_NVSHMEM must be the same on every rank, and libepx the same"
                 " build)");
   }
+  // The low-latency kernels count completed blocks per op (kernels/ll_epochs.cuh): every rank launches the same
+  // grid, one block per SM of the smallest GPU (and at most kLowLatencyMaxBlocks).
+  ll_grid = kLowLatencyMaxBlocks;
+  for (const PeerInfo& p : all) ll_grid = std::min(ll_grid, low_latency_grid(p.num_sms));
+  EPX_REQUIRE(ll_grid >= 1, "a rank reported no SMs");
   for (int j = 0; j < num_nvl_ranks; ++j) {
     const PeerInfo& p = all[domain_first + j];
     if (j == nvl_rank) {

@@ -7,7 +7,8 @@
 //                                       the receiver after it copied the rows
 //                    combine_flag[E]:   at the token's source rank, index global expert; k + 1 when that
 //                                       expert's rows of the set's k-th op (a combine) have all been written
-//                                       here (never cleared: the next combine on the set raises it further)
+//                                       here (never cleared: the next combine on the set raises it further;
+//                                       compared wrap-safe, so a set must not see 2^31 ops between combines)
 //                    sent[E]:           at the sender, record parts written for expert e's rows (dispatch) or
 //                                       items done per (local expert, source) (combine); local counters
 //                    epochs:            per set, monotonic counters (never cleared but by clean):
