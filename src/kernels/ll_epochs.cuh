@@ -25,16 +25,7 @@ __device__ __forceinline__ uint32_t ops_before(const LowLatencyLayout& layout, c
 // ahead here). Acquire.
 __device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, const FailEnv& env,
                                             const WaitSite& site) {
-  const auto reached = [&](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; };
-  uint64_t v = ld_acquire_sys(p);
-  if (reached(v)) return;
-  const uint64_t start = globaltimer_ns();
-  while (true) {
-    v = ld_acquire_sys(p);
-    if (reached(v)) return;
-    check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(uint32_t(v)), target);
-  }
+  wait_until(p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, env, site);
 }
 
 // The ranks a thread has already seen ready for this op (bit r: r's blocks have all received the k earlier
