@@ -77,7 +77,7 @@ __device__ __forceinline__ uint32_t slots_of_part(int part, int parts) {
   return m;
 }
 
-// Stages token t as a record in shared memory: BF16 row, or e4m3 row + per-128 scales; then the source index.
+// Stages token t as a record in shared memory: BF16 row, or e4m3 row + per-128 scales.
 __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyRecord& rec, int t, uint8_t* s_rec) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int4* src = p.x + int64_t(t) * (p.hidden / 8);
@@ -101,7 +101,6 @@ __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyR
       if (lane == 0) s_scales[g] = scale;
     }
   }
-  if (threadIdx.x == 0) *reinterpret_cast<int32_t*>(s_rec + rec.meta_offset) = t;
 }
 
 // Token t's record in symmetric memory, the source of NVSHMEM puts.

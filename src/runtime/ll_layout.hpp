@@ -24,7 +24,7 @@
 // set. The count slots are cleared before that add. Dispatch and combine share the counters, so a combine can
 // never overwrite dispatch records a slow peer has not received yet (dispatch A, dispatch B, combine A).
 // The combine's flags are not cleared: the k-th op on a set raises them to k + 1, which its receivers await.
-//     receive area   dispatch: [src rank][M] records (token row, scales, source token index; a token goes
+//     receive area   dispatch: [src rank][M] records (token row, then scales with FP8; a token goes
 //                              once to each rank that holds one of its experts, at its own index), then the
 //                              row map [local expert][src rank][M] int32: the source token of each slot
 //                    combine:  [global expert][M] bf16 rows (expert outputs for this rank's tokens)
@@ -55,18 +55,17 @@ struct LowLatencyShape {
   int fp8;         // records carry e4m3 rows and float scales instead of bf16 rows
 };
 
-// One dispatch record: [row][scales][src token int32 + padding]
+// One dispatch record: [row][scales (FP8 only)], 16-byte aligned. The source token is its index in [src rank][M]
+// (the row map names it per slot), so the record carries no metadata.
 struct LowLatencyRecord {
   int64_t row_bytes;
   int64_t scale_offset;
-  int64_t meta_offset;
   int64_t bytes;
   EPX_HD static LowLatencyRecord make(int hidden, bool fp8) {
     LowLatencyRecord r{};
     r.row_bytes = int64_t(hidden) * (fp8 ? 1 : 2);
     r.scale_offset = align_up(r.row_bytes, 16);
-    r.meta_offset = r.scale_offset + (fp8 ? align_up(int64_t(hidden / kFp8GroupSize) * 4, 16) : 0);
-    r.bytes = r.meta_offset + 16;
+    r.bytes = r.scale_offset + (fp8 ? align_up(int64_t(hidden / kFp8GroupSize) * 4, 16) : 0);
     return r;
   }
 };
