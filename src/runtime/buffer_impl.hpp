@@ -41,6 +41,7 @@ struct Buffer::Impl {
   // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};
+  int ll_waiting_format[2] = {0, 0};  // a dispatch waiting there: its record format (fp8 | ue8m0 << 1)
   LowLatencyTransport ll_transport = LowLatencyTransport::kNone;
   bool ll_force_nvshmem = false;
   uint8_t* ll_local = nullptr;                // this rank's region

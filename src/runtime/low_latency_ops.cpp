@@ -169,6 +169,12 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
                 op, ": the receive call must repeat the send call's arguments");
   }
   const int set = choose_set(b, kDispatchCall, phases, h.buffer_set, op);
+  // The record format decides where the receive finds rows and scales: it must be the send call's.
+  const int format = (a.use_fp8 ? 1 : 0) | (a.use_ue8m0 ? 2 : 0);
+  if (phases == kLowLatencyRecvPhase)
+    EPX_REQUIRE(b.ll_waiting_format[set] == format, op, ": the receive call must repeat the send call's use_fp8 (",
+                b.ll_waiting_format[set] & 1, ") and use_ue8m0 (", b.ll_waiting_format[set] >> 1, "), got ",
+                format & 1, " and ", format >> 1);
   // The handle holds this call's shape: filled here (send; the caller's handle only once every check passed)
   // or checked against it above (receive; num_topk aside, which the send call's handle carries).
   const LowLatencyHandle shape =
@@ -191,6 +197,7 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
   p.recv_src_info = o.recv_src_info;
   p.recv_layout_range = o.recv_layout_range;
   commit_set(b, kDispatchCall, phases, set);
+  b.ll_waiting_format[set] = format;
   h = shape;
   launch_low_latency_dispatch(p, b.ll_grid, stream);
   b.check_launch(cudaGetLastError(), op);

@@ -214,6 +214,8 @@ std::vector<Case> low_latency_cases() {
     b.dispatch(kLowLatencySendPhase);  // set 1
     expect_rejected("a third send onto set 0 before dispatch A is received", "has not received",
                     [&] { extra.dispatch(kLowLatencySendPhase); });
+    // Dispatch A's receive with BF16 named: the records on its set are FP8.
+    expect_rejected("dispatch A received as BF16", "use_fp8", [&] { a.receive_with_fp8(false); });
     a.dispatch(kLowLatencyRecvPhase);
     expect_rejected("dispatch A received twice", "waiting to be received", [&] { a.dispatch(kLowLatencyRecvPhase); });
     b.dispatch(kLowLatencyRecvPhase);

@@ -124,6 +124,14 @@ void LowLatencySession::dispatch(int phases, bool counted) {
   if (counted && (phases & kLowLatencyRecvPhase)) note_replayed_dispatch();
 }
 
+void LowLatencySession::receive_with_fp8(bool fp8) {
+  LowLatencyDispatchArgs a = dispatch_args();
+  a.use_fp8 = fp8;
+  LowLatencyDispatchOutputs o{packed_x_.get(), packed_scales_.get(), packed_count_.get(), src_info_.get(),
+                              layout_range_.get()};
+  buffer_.low_latency_dispatch(a, o, kLowLatencyRecvPhase, handle_, stream_);
+}
+
 void LowLatencySession::set_combine_inputs(uint64_t seed) {
   combine_seed_ = seed;
   if (c_.expert_identity) return;  // combine reads packed_recv_x itself

@@ -44,6 +44,8 @@ class LowLatencySession {
   // kLowLatencySendPhase, kLowLatencyRecvPhase or both. `counted`: false while capturing a graph (the
   // dispatch does not run then; each replay is counted with note_replayed_dispatch).
   void dispatch(int phases, bool counted = true);
+  // The receive of this session's sent dispatch with use_fp8 replaced (for tests of the Buffer's checks).
+  void receive_with_fp8(bool fp8);
   // Expert outputs for the next combine, at the packed positions of the reference model (zero-copy: written
   // into the buffer's next combine area).
   void set_combine_inputs(uint64_t seed);
