@@ -42,6 +42,10 @@ struct Buffer::Impl {
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};
   int ll_waiting_format[2] = {0, 0};  // a dispatch waiting there: its record format (fp8 | ue8m0 << 1)
+  // ... and which call it is: two pointers its receive must repeat (dispatch: its recv_src_info and
+  // recv_layout_range; combine: the handle's recv_src_info and combined_x), so that a stale hook is rejected
+  // unless it names the very same tensors.
+  const void* ll_waiting_id[2][2] = {};
   LowLatencyTransport ll_transport = LowLatencyTransport::kNone;
   bool ll_force_nvshmem = false;
   uint8_t* ll_local = nullptr;                // this rank's region

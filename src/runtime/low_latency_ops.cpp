@@ -20,7 +20,8 @@ enum LowLatencyCall { kNoCall = 0, kDispatchCall = 1, kCombineCall = 2 };
 const char* call_name(int c) { return c == kDispatchCall ? "dispatch" : "combine"; }
 
 // The set a call uses, checked against the calls waiting on the sets; nothing changes until commit_set.
-int choose_set(const Buffer::Impl& b, LowLatencyCall call, int phases, int receive_set, const char* op) {
+int choose_set(const Buffer::Impl& b, LowLatencyCall call, int phases, int receive_set, const void* id0,
+               const void* id1, const char* op) {
   if (phases & kLowLatencySendPhase) {
     const int set = b.ll_next_set;
     EPX_REQUIRE(b.ll_waiting[set] == kNoCall, op, ": buffer set ", set, " still holds a ",
@@ -31,13 +32,18 @@ int choose_set(const Buffer::Impl& b, LowLatencyCall call, int phases, int recei
   EPX_REQUIRE(receive_set == 0 || receive_set == 1, op, ": the receive call needs the send call's buffer set");
   EPX_REQUIRE(b.ll_waiting[receive_set] == call, op, ": no ", call_name(call), " sent on buffer set ", receive_set,
               " is waiting to be received (received twice, or cleaned since it was sent)");
+  EPX_REQUIRE(b.ll_waiting_id[receive_set][0] == id0 && b.ll_waiting_id[receive_set][1] == id1, op,
+              ": this receive names other tensors than the ", call_name(call), " waiting on buffer set ", receive_set,
+              " (a stale hook, or a handle or output of another call?)");
   return receive_set;
 }
 
 // After every check of the call, just before its launch.
-void commit_set(Buffer::Impl& b, LowLatencyCall call, int phases, int set) {
+void commit_set(Buffer::Impl& b, LowLatencyCall call, int phases, int set, const void* id0, const void* id1) {
   if (phases & kLowLatencySendPhase) b.ll_next_set ^= 1;
   b.ll_waiting[set] = phases == kLowLatencySendPhase ? call : kNoCall;
+  b.ll_waiting_id[set][0] = id0;
+  b.ll_waiting_id[set][1] = id1;
 }
 
 void require_phases(int phases, const char* op) {
@@ -168,7 +174,7 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
                     h.num_max_dispatch_tokens_per_rank == a.num_max_dispatch_tokens_per_rank,
                 op, ": the receive call must repeat the send call's arguments");
   }
-  const int set = choose_set(b, kDispatchCall, phases, h.buffer_set, op);
+  const int set = choose_set(b, kDispatchCall, phases, h.buffer_set, o.recv_src_info, o.recv_layout_range, op);
   // The record format decides where the receive finds rows and scales: it must be the send call's.
   const int format = (a.use_fp8 ? 1 : 0) | (a.use_ue8m0 ? 2 : 0);
   if (phases == kLowLatencyRecvPhase)
@@ -196,7 +202,7 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
   p.packed_recv_count = o.packed_recv_count;
   p.recv_src_info = o.recv_src_info;
   p.recv_layout_range = o.recv_layout_range;
-  commit_set(b, kDispatchCall, phases, set);
+  commit_set(b, kDispatchCall, phases, set, o.recv_src_info, o.recv_layout_range);
   b.ll_waiting_format[set] = format;
   h = shape;
   launch_low_latency_dispatch(p, b.ll_grid, stream);
@@ -219,7 +225,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   EPX_REQUIRE(a.zero_copy || (a.x != nullptr && aligned16(a.x)), op,
               ": x must be a 16-byte aligned device pointer (or use zero_copy)");
 
-  const int set = choose_set(b, kCombineCall, phases, buffer_set, op);
+  const int set = choose_set(b, kCombineCall, phases, buffer_set, h.recv_src_info, combined_x, op);
   auto p = low_latency_params<LowLatencyCombineParams>(b, h, set, phases);
   p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.ll_local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
@@ -228,7 +234,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   p.recv_src_info = h.recv_src_info;
   p.recv_layout_range = h.recv_layout_range;
   p.out = static_cast<int4*>(combined_x);
-  commit_set(b, kCombineCall, phases, set);
+  commit_set(b, kCombineCall, phases, set, h.recv_src_info, combined_x);
   launch_low_latency_combine(p, b.ll_grid, stream);
   b.check_launch(cudaGetLastError(), op);
   return set;

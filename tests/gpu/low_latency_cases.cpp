@@ -224,6 +224,12 @@ std::vector<Case> low_latency_cases() {
     a.combine(kLowLatencyRecvPhase);
     expect_rejected("combine A received twice", "waiting to be received", [&] { a.combine(kLowLatencyRecvPhase); });
     err += a.check_dispatch() + b.check_dispatch() + a.check_combine();
+    // A stale hook while a newer dispatch waits on its set: B's receive again, with another dispatch on set 1.
+    extra.dispatch(kLowLatencySendPhase);  // set 1
+    expect_rejected("dispatch B received again while another dispatch waits on its set", "names other tensors",
+                    [&] { b.dispatch(kLowLatencyRecvPhase); });
+    extra.dispatch(kLowLatencyRecvPhase);
+    err += extra.check_dispatch();
     ctx.buffer.check(ctx.stream);
     return err;
   }});
