@@ -82,16 +82,16 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // v0.4; not measured on the forced path since.
   const int parts = (row_int4 + kChunk - 1) / kChunk;
   ReadyRanks ready;  // lane 0's
-  // A warp takes its items two at a time (w and w + warps): both items' stores are issued before the first
-  // completion, so the second item's loads overlap the first one's release (which waits for its stores).
+  // A warp takes its items kBatch at a time (w, w + warps, ...): every item's stores are issued before the
+  // first completion, so the later items' loads overlap the first one's release (which waits for its stores).
   constexpr int kBatch = 2;
   for (int w0 = blockIdx.x * kWarps + warp; w0 < total * parts; w0 += kBatch * warps) {
     int b_pair[kBatch], b_target[kBatch], b_expert[kBatch], b_dest[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int w = w0 + j * warps;
-      b_pair[j] = -1;
-      if (w >= total * parts) break;
+      b_pair[j] = -1;                     // every slot is set, also those past the end: lane 0 reads them all
+      if (w >= total * parts) continue;  // (a break here left slots j + 1.. unset once kBatch > 2)
       const int g = w / parts, part = w % parts;
       int lo = 0, hi = L;  // largest i with s_first[i] <= g
       while (hi - lo > 1) {
