@@ -17,10 +17,11 @@ int default_chunk(int num_ranks) {
 }
 
 // Dispatch senders also scan the routing once per chunk, so a longer chunk pays off sooner. At 4 ranks on
-// 4 x H200 (24 SMs), 16 against 12 measured dispatch FP8 269.5 vs 263.6 GB/s and BF16 329.6 vs 325.0, while
-// combine was best at 12 (363.3 vs 349.7 GB/s at 16); docs/bench-notes.md. Other rank counts keep two tokens
-// per warp (2 ranks: 24, measured; 8 ranks: 6, not measured yet).
-int default_dispatch_chunk(int num_ranks) { return num_ranks == 4 ? 16 : default_chunk(num_ranks); }
+// 4 x H200 (24 SMs), one sweep of chunks 12 / 16 / 24 (v0.6) measured dispatch FP8 265.3 / 273.8 / 291.2 GB/s,
+// BF16 331.4 / 332.4 / 332.2, cached 340.5 / 340.9 / 343.1, while combine was best at 12 (374.5 vs 359.2 at
+// 16); two earlier machines agree (FP8 at 24: 288.3 and 292.4); docs/bench-notes.md. Other rank counts keep
+// two tokens per warp (2 ranks: 24, measured; 8 ranks: 6, not measured yet).
+int default_dispatch_chunk(int num_ranks) { return num_ranks == 4 ? 24 : default_chunk(num_ranks); }
 
 // The defaults must pass validate_config: a rank count the kernels cannot run is an error here, not a config.
 void require_default_ranks(int num_ranks) {
