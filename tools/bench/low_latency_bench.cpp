@@ -39,7 +39,9 @@ const char* kUsage =
     "Times low-latency dispatch (FP8 unless --bf16), combine, dispatch + combine, and the send / receive\n"
     "phases with the receive hook, per rank (CUDA events, median), after checking one step against the\n"
     "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline.\n"
-    "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n";
+    "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n"
+    "Rows '... (queued)' issue the call while a 200 us gate kernel holds the stream: the GPU's time only,\n"
+    "without the host's launch latency (which the single-call rows include).\n";
 
 LowLatencyOptions parse(int argc, char** argv, bool* help) {
   LowLatencyOptions o;
@@ -70,6 +72,7 @@ LowLatencyOptions parse(int argc, char** argv, bool* help) {
 struct Row {
   std::string what;
   std::vector<double> median_us;  // per rank
+  int overruns = -1;              // queued rows: iterations (all ranks) whose host part outlasted half the gate
 };
 
 Row measure(Bootstrap& bs, cudaStream_t stream, const std::string& what, const TimingPlan& plan,
@@ -91,6 +94,25 @@ Row measure_in_a_row(Bootstrap& bs, cudaStream_t stream, const std::string& what
     for (int i = 0; i < kInARow; ++i) op();
   });
   for (double& v : r.median_us) v /= kInARow;
+  return r;
+}
+
+// Launch queued: the call is issued while a kGateUs gate kernel holds the stream, so the events time the GPU
+// work only (block launch included), as in a decoding step whose launches run ahead of the GPU and as kernel
+// durations read by a profiler. The single-call rows above carry the host's launch latency as well.
+constexpr int kGateUs = 200;
+
+Row measure_queued(Bootstrap& bs, cudaStream_t stream, const std::string& what, const TimingPlan& plan,
+                   const std::function<void()>& op) {
+  int overruns = 0;
+  TimingPlan queued = plan;
+  queued.gate_us = kGateUs;
+  queued.gate_overruns = &overruns;
+  Row r = measure(bs, stream, what, queued, [](int) {}, op);
+  std::vector<int> all(bs.size());
+  bs.all_gather(&overruns, all.data(), sizeof(int));
+  r.overruns = 0;
+  for (int v : all) r.overruns += v;
   return r;
 }
 
@@ -182,6 +204,10 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
                          },
                          [&] { s.combine(kLowLatencyRecvPhase); }));
 
+  rows.push_back(measure_queued(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16") + " (queued)", plan,
+                                [&] { s.dispatch(kLowLatencyBothPhases); }));
+  rows.push_back(measure_queued(bs, stream, "combine bf16 (queued)", plan, [&] { s.combine(kLowLatencyBothPhases); }));
+
   // The same tokens through a CUDA graph (dispatch + combine), as frameworks run decoding.
   {
     cudaGraph_t graph = nullptr;
@@ -189,9 +215,12 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
     cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed);
     s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
     s.combine(kLowLatencyBothPhases);
-    if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess)
+    if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
       rows.push_back(measure(bs, stream, "dispatch + combine (graph)", plan, none,
                              [&] { cudaGraphLaunch(exec, stream); }));
+      rows.push_back(measure_queued(bs, stream, "dispatch + combine (graph, queued)", plan,
+                                    [&] { cudaGraphLaunch(exec, stream); }));
+    }
     if (exec) cudaGraphExecDestroy(exec);
     if (graph) cudaGraphDestroy(graph);
     cudaGetLastError();
@@ -221,6 +250,10 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
       send2.fill_bytes(0x3c, stream);
       rows.push_back(measure(bs, stream, "nccl all-to-all (combine bytes)", plan, none,
                              [&] { comm.all_to_all(send2.get(), back, recv2.get(), back, stream); }));
+      rows.push_back(measure_queued(bs, stream, "nccl all-to-all (dispatch bytes, queued)", plan,
+                                    [&] { comm.all_to_all(send.get(), bytes, recv.get(), bytes, stream); }));
+      rows.push_back(measure_queued(bs, stream, "nccl all-to-all (combine bytes, queued)", plan,
+                                    [&] { comm.all_to_all(send2.get(), back, recv2.get(), back, stream); }));
       rows.push_back(measure_in_a_row(bs, stream, "nccl (dispatch bytes)", plan,
                                       [&] { comm.all_to_all(send.get(), bytes, recv.get(), bytes, stream); }));
       rows.push_back(measure_in_a_row(bs, stream, "nccl (combine bytes)", plan,
@@ -232,14 +265,19 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
   }
   if (rank == 0) {
     std::printf("%s\n", nccl_note.c_str());
-    std::printf("%-34s |", "op (median us per rank)");
+    std::printf("%-41s |", "op (median us per rank)");
     for (int r = 0; r < R; ++r) std::printf("  rank%-3d", r);
     std::printf(" |   max us\n");
     for (const Row& row : rows) {
-      std::printf("%-34s |", row.what.c_str());
+      std::printf("%-41s |", row.what.c_str());
       for (double v : row.median_us) std::printf(" %8.1f", v);
       std::printf(" | %8.1f\n", *std::max_element(row.median_us.begin(), row.median_us.end()));
     }
+    for (const Row& row : rows)
+      if (row.overruns > 0)
+        std::printf("warning: %s: in %d timed iterations (all ranks) the host took more than half of the %d us "
+                    "gate to queue the call; those may include launch latency\n",
+                    row.what.c_str(), row.overruns, kGateUs);
   }
   if (rank == 0 && !o.json.empty()) {
     if (std::FILE* f = std::fopen(o.json.c_str(), "w")) {
@@ -250,7 +288,9 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
       for (size_t i = 0; i < rows.size(); ++i) {
         std::fprintf(f, "%s{\"op\": \"%s\", \"median_us\": [", i ? ", " : "", rows[i].what.c_str());
         for (int r = 0; r < R; ++r) std::fprintf(f, "%s%.2f", r ? ", " : "", rows[i].median_us[r]);
-        std::fprintf(f, "]}");
+        std::fprintf(f, "]");
+        if (rows[i].overruns >= 0) std::fprintf(f, ", \"queue_overruns\": %d", rows[i].overruns);
+        std::fprintf(f, "}");
       }
       std::fprintf(f, "]}\n");
       std::fclose(f);

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "device_array.hpp"
+#include "gate.hpp"
 
 namespace epx::bench {
 namespace {
@@ -56,9 +57,14 @@ std::vector<double> time_iterations(Bootstrap& bs, cudaStream_t stream, const Ti
     // iteration, and no rank starts before every rank is ready.
     cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize before a timed iteration");
     start_together(bs);
+    const Clock::time_point queued_from = Clock::now();
+    if (plan.gate_us > 0) cuda_check(launch_gate(stream, plan.gate_us), "gate kernel");
     cuda_check(cudaEventRecord(start.get(), stream), "cudaEventRecord(start)");
     op();
     cuda_check(cudaEventRecord(stop.get(), stream), "cudaEventRecord(stop)");
+    if (plan.gate_us > 0 && plan.gate_overruns && timed >= 0 &&
+        Clock::now() - queued_from > std::chrono::microseconds(plan.gate_us / 2))
+      ++*plan.gate_overruns;
     cuda_check(cudaEventSynchronize(stop.get()), "cudaEventSynchronize(stop)");
     float ms = 0;
     cuda_check(cudaEventElapsedTime(&ms, start.get(), stop.get()), "cudaEventElapsedTime");

@@ -14,6 +14,13 @@ namespace epx::bench {
 struct TimingPlan {
   int warmup = 5;
   int iters = 30;
+  // > 0: each iteration first launches a gate kernel of gate_us on the stream, then records the start event
+  // and queues op() behind it, so the events time the GPU's work only, not the host's launch latency (a
+  // decoding step's launches run ahead of the GPU). An iteration whose host part (gate launch to the stop
+  // event's record) took more than half the gate may have let the GPU wait for the host: counted into
+  // *gate_overruns when that is set.
+  int gate_us = 0;
+  int* gate_overruns = nullptr;
 };
 
 // Per-rank statistics of one measurement, in microseconds.
@@ -27,7 +34,7 @@ struct Stats {
 //   prepare(timed_index)  -- untimed (e.g. fresh x); timed_index is -1 during warm-up
 //   cudaStreamSynchronize; bootstrap barrier   -- every rank idle; then all ranks leave the barrier at one
 //                                                 shared deadline (1 ms after the last arrival, host clock)
-//   event start; op(); event stop; wait for stop
+//   [gate kernel, when plan.gate_us > 0]; event start; op(); event stop; wait for stop
 // Returns the elapsed time of each timed iteration (us). op() may block on the host (notify's count wait):
 // that wait is inside the events, as a caller of the API sees it.
 std::vector<double> time_iterations(Bootstrap& bs, cudaStream_t stream, const TimingPlan& plan,
