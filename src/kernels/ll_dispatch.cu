@@ -273,7 +273,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
     const int total = s_begin[R];
     // Rows of expert i are numbered by (source, slot). A window of window_rows of them at a time (one for any
     // realistic shape): first every row's source token from the row map, all loads at once, then work items
-    // of kChunk int4 per row (one round of loads per lane each) plus one for the row's scales and source index,
+    // of kChunk int4 per row (one round of loads per lane each) plus one for the row's scales and source token,
     // spread over all warps.
     for (int w0 = 0; w0 < total; w0 += window_rows) {
       const int rows = min(window_rows, total - w0);

@@ -86,6 +86,8 @@ LowLatencyPeers peers_of(const Buffer::Impl& b) {
 }
 
 // NVSHMEM puts read dispatch records staged in the combine-send area (LowLatencyLayout::dispatch_stage).
+// A guard: since records carry no metadata (v0.6) M records always fit E * M combine rows for a shape that
+// validate_shape accepts, so this fires only if the layout or the record format changes.
 void check_staging(const Buffer::Impl& b, const LowLatencyLayout& layout, int max_tokens, int hidden, bool fp8,
                    const char* op) {
   const int64_t record = LowLatencyRecord::make(hidden, fp8).bytes;

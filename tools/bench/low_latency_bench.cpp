@@ -40,7 +40,7 @@ const char* kUsage =
     "phases with the receive hook, per rank (CUDA events, median), after checking one step against the\n"
     "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline.\n"
     "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n"
-    "Rows '... (queued)' issue the call while a 200 us gate kernel holds the stream: the GPU's time only,\n"
+    "Rows marked queued issue the call while a 200 us gate kernel holds the stream: the GPU's time only,\n"
     "without the host's launch latency (which the single-call rows include).\n";
 
 LowLatencyOptions parse(int argc, char** argv, bool* help) {
