@@ -82,14 +82,17 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // v0.4; not measured on the forced path since.
   const int parts = (row_int4 + kChunk - 1) / kChunk;
   ReadyRanks ready;  // lane 0's
-  // A warp takes its items kBatch at a time (w, w + warps, ...): every item's stores are issued before the
-  // first completion, so the later items' loads overlap the first one's release (which waits for its stores).
+  // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
+  // the start of the next): every item's stores are issued before the first completion, so the later items'
+  // loads overlap the first one's release (which waits for its stores). Adjacent items per warp measured
+  // 1.2-1.4 us faster at the bench defaults than items a grid apart (w0, w0 + warps), 4 adjacent ones ~0.5 us;
+  // spreading a block's warps over many rows (part-major items) was 4-5 us slower (docs/bench-notes.md, v0.7).
   constexpr int kBatch = 2;
-  for (int w0 = blockIdx.x * kWarps + warp; w0 < total * parts; w0 += kBatch * warps) {
+  for (int w0 = (blockIdx.x * kWarps + warp) * kBatch; w0 < total * parts; w0 += kBatch * warps) {
     int b_pair[kBatch], b_target[kBatch], b_expert[kBatch], b_dest[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      const int w = w0 + j * warps;
+      const int w = w0 + j;
       b_pair[j] = -1;                     // every slot is set, also those past the end: lane 0 reads them all
       if (w >= total * parts) continue;  // (a break here left slots j + 1.. unset once kBatch > 2)
       const int g = w / parts, part = w % parts;
