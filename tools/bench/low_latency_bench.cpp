@@ -38,7 +38,8 @@ const char* kUsage =
     "                             [--iters 200] [--warmup 20] [--no-nccl] [--seed S] [--json FILE]\n"
     "Times low-latency dispatch (FP8 unless --bf16), combine, dispatch + combine, and the send / receive\n"
     "phases with the receive hook, per rank (CUDA events, median), after checking one step against the\n"
-    "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline.\n"
+    "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline,\n"
+    "and of the combine's own rows (one per selected expert: twice those bytes at the defaults).\n"
     "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n"
     "Rows marked queued issue the call while a 200 us gate kernel holds the stream: the GPU's time only,\n"
     "without the host's launch latency (which the single-call rows include).\n";
@@ -254,6 +255,23 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
                                     [&] { comm.all_to_all(send.get(), bytes, recv.get(), bytes, stream); }));
       rows.push_back(measure_queued(bs, stream, "nccl all-to-all (combine bytes, queued)", plan,
                                     [&] { comm.all_to_all(send2.get(), back, recv2.get(), back, stream); }));
+      // The combine's own rows per peer (a row per selected expert, not per token and rank): the same bytes
+      // as our combine moves.
+      const std::vector<size_t> to = s.combine_rows_to(), from = s.combine_rows_from();
+      std::vector<size_t> rows_out(R), rows_in(R);
+      size_t total_out = 0, total_in = 0;
+      for (int r = 0; r < R; ++r) {
+        rows_out[r] = to[r] * o.hidden * 2;
+        rows_in[r] = from[r] * o.hidden * 2;
+        total_out += rows_out[r];
+        total_in += rows_in[r];
+      }
+      harness::DeviceArray<uint8_t> send3(std::max<size_t>(total_out, 16)), recv3(std::max<size_t>(total_in, 16));
+      send3.fill_bytes(0x3c, stream);
+      rows.push_back(measure(bs, stream, "nccl all-to-all (combine's rows)", plan, none,
+                             [&] { comm.all_to_all(send3.get(), rows_out, recv3.get(), rows_in, stream); }));
+      rows.push_back(measure_queued(bs, stream, "nccl all-to-all (combine's rows, queued)", plan,
+                                    [&] { comm.all_to_all(send3.get(), rows_out, recv3.get(), rows_in, stream); }));
       rows.push_back(measure_in_a_row(bs, stream, "nccl (dispatch bytes)", plan,
                                       [&] { comm.all_to_all(send.get(), bytes, recv.get(), bytes, stream); }));
       rows.push_back(measure_in_a_row(bs, stream, "nccl (combine bytes)", plan,

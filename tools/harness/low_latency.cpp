@@ -253,6 +253,21 @@ double LowLatencySession::dispatch_bytes() const {
   return double(rows) * row;
 }
 
+std::vector<size_t> LowLatencySession::combine_rows_to() const {
+  std::vector<size_t> n(num_ranks_, 0);
+  for (const auto& expert_rows : rows_)
+    for (const auto& row : expert_rows) ++n[row.src_rank];
+  return n;
+}
+
+std::vector<size_t> LowLatencySession::combine_rows_from() const {
+  std::vector<size_t> n(num_ranks_, 0);
+  const int per_rank = num_experts_ / num_ranks_;
+  for (int64_t e : topk_[rank_])
+    if (e >= 0 && e < num_experts_) ++n[e / per_rank];
+  return n;
+}
+
 double LowLatencySession::combine_bytes() const {
   size_t n = 0;
   for (int t = 0; t < num_tokens_; ++t)

@@ -56,6 +56,10 @@ class LowLatencySession {
 
   double dispatch_bytes() const;  // bytes this rank receives in dispatch (rows incl. scales)
   double combine_bytes() const;   // bf16 rows this rank receives back in combine
+  // Rows the combine moves, per peer rank: those this rank returns to each source (its local experts' rows
+  // from that source) and those each rank returns to this one (this rank's slots at that rank's experts).
+  std::vector<size_t> combine_rows_to() const;
+  std::vector<size_t> combine_rows_from() const;
   int num_local_experts() const { return num_experts_ / num_ranks_; }
 
  private:
