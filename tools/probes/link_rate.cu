@@ -1,0 +1,269 @@
+// Link-rate probe: how fast SMs move rows between all GPUs of one host at once, pushing (load local, store to the
+// peer) or pulling (load from the peer, store local), by grid, block size and loads in flight per lane. Every GPU
+// moves `rows` rows of `row_bytes` to (or from) each peer at the same time, as the low-latency combine does (each
+// rank returns ~3/4 of its 1024 rows of 14336 bytes to 3 peers at the benchmark's defaults). Kernels on all GPUs
+// are released together by a host-mapped flag. Rate = bytes to/from peers per GPU / the slowest GPU's time
+// (CUDA events), median of 50 after 5 warm-up; copy engines (cudaMemcpyPeerAsync, one stream per peer) as a
+// reference. Not part of the build; one process, all local GPUs:
+//   nvcc -O2 -std=c++17 -arch=sm_90 -o link_rate tools/probes/link_rate.cu && ./link_rate
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                                \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+constexpr int kMaxGpus = 8;
+
+struct Peers {
+  int4* src[kMaxGpus];  // the pushing side reads src[self], the pulling side src[peer]
+  int4* dst[kMaxGpus];  // dst[g] holds a region per source GPU
+};
+
+// Waits (bounded, ~2 s) for the host to release all GPUs at once.
+__global__ void gate_kernel(volatile int* flag) {
+  for (long i = 0; i < 200000000L && *flag == 0; ++i) {
+  }
+}
+
+// Work item = (peer, row). Warps take items round-robin over the grid; each lane moves `U` int4 per round.
+template <int U>
+__global__ void move_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int pull) {
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int nwarps = gridDim.x * blockDim.x / 32;
+  const int items = (ngpus - 1) * rows;
+  for (int item = warp; item < items; item += nwarps) {
+    const int pi = item % (ngpus - 1);  // peers interleaved, so every link is busy from the start
+    const int row = item / (ngpus - 1);
+    const int peer = pi >= self ? pi + 1 : pi;
+    const int4* s;
+    int4* d;
+    if (pull) {  // read the peer's rows meant for me, write my region for that peer
+      s = p.src[peer] + (size_t(self) * rows + row) * row_int4;
+      d = p.dst[self] + (size_t(peer) * rows + row) * row_int4;
+    } else {  // read my rows meant for the peer, write the peer's region for me
+      s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
+      d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
+    }
+    for (int base = 0; base < row_int4; base += 32 * U) {
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < row_int4) v[u] = s[i];
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = base + u * 32 + lane;
+        if (i < row_int4) d[i] = v[u];
+      }
+    }
+  }
+}
+
+// Bulk push: per warp, lane 0 bulk-loads a row into the warp's shared buffer (mbarrier), then bulk-stores it to
+// the peer (cp.async.bulk, the SM's copy engine) and waits for the store to have read the buffer before reuse.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int /*pull*/) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ uint64_t bars[32];
+  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int nwarps = gridDim.x * blockDim.x / 32;
+  const uint32_t row_bytes = uint32_t(row_int4) * 16;
+  unsigned char* buf = smem + size_t(wib) * row_bytes;
+  uint64_t* bar = &bars[wib];
+  if (lane == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  uint32_t parity = 0;
+  const int items = (ngpus - 1) * rows;
+  for (int item = warp; item < items; item += nwarps) {
+    const int pi = item % (ngpus - 1);
+    const int row = item / (ngpus - 1);
+    const int peer = pi >= self ? pi + 1 : pi;
+    const int4* s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
+    int4* d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
+    if (lane == 0) {
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the previous store has read buf
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(row_bytes)
+                   : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                       smem_u32(buf)),
+                   "l"(s), "r"(row_bytes), "r"(smem_u32(bar))
+                   : "memory");
+      uint32_t done = 0;
+      while (!done)
+        asm volatile(
+            "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n selp.u32 %0, 1, 0, q;\n}\n"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(parity)
+            : "memory");
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d), "r"(smem_u32(buf)),
+                   "r"(row_bytes)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    parity ^= 1;
+  }
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+using Kernel = void (*)(Peers, int, int, int, int, int);
+
+int main(int argc, char** argv) {
+  int ngpus = 0;
+  CHECK(cudaGetDeviceCount(&ngpus));
+  if (ngpus < 2) {
+    std::printf("link_rate needs 2 or more GPUs (found %d)\n", ngpus);
+    return 0;
+  }
+  ngpus = std::min(ngpus, kMaxGpus);
+  const int row_bytes = argc > 1 ? std::atoi(argv[1]) : 14336;
+  const int row_int4 = row_bytes / 16;
+  std::vector<int> rows_list = {1024 * 3 / 4 / (ngpus - 1) + 1, 1024};
+  const size_t max_rows = 1024;
+  Peers p{};
+  std::vector<cudaStream_t> streams(ngpus * kMaxGpus);
+  std::vector<cudaEvent_t> ev0(ngpus), ev1(ngpus);
+  int* flag = nullptr;
+  CHECK(cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
+  for (int g = 0; g < ngpus; ++g) {
+    CHECK(cudaSetDevice(g));
+    for (int h = 0; h < ngpus; ++h)
+      if (h != g) CHECK(cudaDeviceEnablePeerAccess(h, 0));
+    const size_t bytes = size_t(ngpus) * max_rows * row_bytes;
+    CHECK(cudaMalloc(&p.src[g], bytes));
+    CHECK(cudaMalloc(&p.dst[g], bytes));
+    CHECK(cudaMemset(p.src[g], 0x3c + g, bytes));  // not zeros
+    for (int s = 0; s < kMaxGpus; ++s) CHECK(cudaStreamCreateWithFlags(&streams[g * kMaxGpus + s], cudaStreamNonBlocking));
+    CHECK(cudaEventCreate(&ev0[g]));
+    CHECK(cudaEventCreate(&ev1[g]));
+  }
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+
+  // Runs `launch(g, stream)` on every GPU behind the gate; returns the median over iterations of the slowest GPU.
+  auto time_all = [&](auto launch) {
+    std::vector<double> v;
+    for (int it = 0; it < 55; ++it) {
+      *(volatile int*)flag = 0;
+      for (int g = 0; g < ngpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        cudaStream_t s = streams[g * kMaxGpus];
+        gate_kernel<<<1, 1, 0, s>>>(flag);
+        CHECK(cudaEventRecord(ev0[g], s));
+        launch(g, s);
+        CHECK(cudaEventRecord(ev1[g], s));
+      }
+      *(volatile int*)flag = 1;
+      double worst = 0;
+      for (int g = 0; g < ngpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaEventSynchronize(ev1[g]));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, ev0[g], ev1[g]));
+        worst = std::max(worst, double(ms) * 1e3);
+      }
+      if (it >= 5) v.push_back(worst);
+    }
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+
+  // Clears every dst before a mode and checks afterwards that the last row from every peer arrived (the memset
+  // pattern of src is 0x3c + source GPU), so a mode that moves nothing cannot report a rate.
+  auto clear_dst = [&] {
+    for (int g = 0; g < ngpus; ++g) {
+      CHECK(cudaSetDevice(g));
+      CHECK(cudaMemset(p.dst[g], 0, size_t(ngpus) * max_rows * row_bytes));
+      CHECK(cudaDeviceSynchronize());
+    }
+  };
+  auto check_dst = [&](int rows, const char* mode) {
+    std::vector<unsigned char> h(row_bytes);
+    for (int g = 0; g < ngpus; ++g)
+      for (int s = 0; s < ngpus; ++s) {
+        if (s == g) continue;
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaMemcpy(h.data(), p.dst[g] + (size_t(s) * rows + rows - 1) * row_int4, row_bytes, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < row_bytes; ++i)
+          if (h[i] != 0x3c + s) {
+            std::printf("MISMATCH mode %s gpu %d from %d byte %d: %d\n", mode, g, s, i, h[i]);
+            std::exit(1);
+          }
+      }
+  };
+  std::printf("%d GPUs, rows of %d bytes; rate = bytes to/from the %d peers per GPU / slowest GPU's time\n", ngpus,
+              row_bytes, ngpus - 1);
+  std::printf("%-5s %6s %6s %7s %3s | %8s %8s\n", "mode", "rows", "blocks", "threads", "U", "us", "GB/s");
+  for (int rows : rows_list) {
+    const double bytes = double(ngpus - 1) * rows * row_bytes;
+    // Copy engines: one stream per peer, pushing.
+    {
+      clear_dst();
+      const double us = time_all([&](int g, cudaStream_t s) {
+        cudaEvent_t fork = ev0[g];
+        for (int h = 0, i = 1; h < ngpus; ++h) {
+          if (h == g) continue;
+          cudaStream_t t = streams[g * kMaxGpus + i++];
+          CHECK(cudaStreamWaitEvent(t, fork, 0));
+          CHECK(cudaMemcpyPeerAsync(p.dst[h] + size_t(g) * rows * row_int4, h, p.src[g] + size_t(h) * rows * row_int4, g,
+                                    size_t(rows) * row_bytes, t));
+          cudaEvent_t done;
+          CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+          CHECK(cudaEventRecord(done, t));
+          CHECK(cudaStreamWaitEvent(s, done, 0));
+          CHECK(cudaEventDestroy(done));
+        }
+      });
+      check_dst(rows, "ce");
+      std::printf("%-5s %6d %6s %7s %3s | %8.1f %8.1f\n", "ce", rows, "-", "-", "-", us, bytes / us * 1e-3);
+    }
+    for (int blocks : {sms / 4, sms / 2, sms})
+      for (int threads : {128, 256}) {
+        const size_t smem = size_t(threads / 32) * row_bytes;
+        for (int g = 0; g < ngpus; ++g) {
+          CHECK(cudaSetDevice(g));
+          CHECK(cudaFuncSetAttribute(bulk_push_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+        }
+        clear_dst();
+        const double us = time_all([&](int g, cudaStream_t s) {
+          bulk_push_kernel<<<blocks, threads, smem, s>>>(p, g, ngpus, rows, row_int4, 0);
+          CHECK(cudaGetLastError());
+        });
+        check_dst(rows, "bulk");
+        std::printf("%-5s %6d %6d %7d %3s | %8.1f %8.1f\n", "bulk", rows, blocks, threads, "-", us, bytes / us * 1e-3);
+      }
+    const Kernel kernels[] = {move_kernel<1>, move_kernel<2>, move_kernel<4>, move_kernel<8>};
+    const int us_[] = {1, 2, 4, 8};
+    for (int pull : {0, 1})
+      for (int blocks : {sms / 4, sms / 2, sms})
+        for (int threads : {512, 1024})
+          for (int k = 0; k < 4; ++k) {
+            clear_dst();
+            const double us = time_all([&](int g, cudaStream_t s) {
+              kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, pull);
+              CHECK(cudaGetLastError());
+            });
+            check_dst(rows, pull ? "pull" : "push");
+            std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", pull ? "pull" : "push", rows, blocks, threads, us_[k],
+                        us, bytes / us * 1e-3);
+          }
+  }
+  return 0;
+}
