@@ -12,14 +12,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
+#include "check.hpp"
 
 __global__ void __launch_bounds__(1024) empty_kernel(int* sink) {
   extern __shared__ int smem[];

@@ -14,14 +14,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                                \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+#include "check.hpp"
 
 constexpr int kMaxGpus = 8;
 

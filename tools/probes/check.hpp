@@ -1,0 +1,16 @@
+// CHECK(call) for the single-file probes in this folder: a failing CUDA runtime call prints where and why, and
+// exits the probe.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#define CHECK(x)                                                                                \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
