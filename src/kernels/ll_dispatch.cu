@@ -1,22 +1,27 @@
-// Low-latency dispatch (SPEC section 4): no count exchange before the data, fixed-size receive areas.
+// Low-latency dispatch (SPEC section 4): no exchange of counts before the data, fixed-size receive areas.
 //
-// Send phase: block b stages tokens b, b+G, ... in shared memory (quantized to FP8 if asked), then sends the
-// token once to each rank that holds one of its experts (not once per expert): into that rank's records at
-// [this rank][token] (kWarps / R warps per destination, each writing part of the record), and for each slot
-// (t, k) the token index into the rank's row map at (local expert, this rank, position of (t, k) among this
-// rank's selections of that expert in (t, k) order): rows keep token order with no atomics. Each writer warp
-// bumps a local per-expert counter for every slot of the token at its rank; the warp that owns expert e waits for all of its
-// selections and sends count + 1 to e's rank. Before writing into a rank's set, a warp waits (a local poll)
-// until that rank has received every earlier op on the set (the set's epochs, runtime/ll_layout.hpp; once per
-// rank and warp). Writes into other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with
-// NVSHMEM peers the staged record is also copied to symmetric memory, where puts can read it.
-// Receive phase: the block owning a local expert waits for all ranks' counts, lays the rows out by source
-// rank ascending, reads each row's source token from the row map (all at once, into shared memory), copies the
-// rows from the records into the packed outputs (FP8 scales token-minor) in work items of one load round
-// each, spread over all warps, and clears its count slots; every block then adds its completion to every
-// rank's epoch counter (recv_seen), which (once all blocks have) lets the next op on this set write here. The
-// receive phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its
-// registers do not add to the send phase's.
+// Send phase: every warp owning an expert counts this rank's selections of it and sends the count (+ 1) to
+// the expert's rank at once, before any row: the receiver lays its rows out while they are in flight. Block b
+// stages tokens b, b+G, ... in shared memory (quantized to FP8 if asked) and sends each once to every rank
+// that holds one of its experts (not once per expert), one writer warp per destination rank (the block's last
+// R warps): the record at [this rank][token], then for each slot (t, k) at that rank the token index (+ 1)
+// into its row map at (local expert, this rank, position of (t, k) among this rank's selections of that
+// expert in (t, k) order): rows keep token order with no atomics. After its last token the writer adds one per
+// slot to the destination's arrival counter of (local expert, this rank), a release that publishes the
+// records and map entries before it (deferred to the end so that no token waits for an earlier one's stores
+// to land). Before writing into a rank's set, a warp waits (a local poll) until that rank has received every
+// earlier op on the set (the set's epochs, runtime/ll_layout.hpp; once per rank and warp). Writes into other
+// ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record
+// is also copied to symmetric memory, where puts can read it.
+// Receive phase (the block's warps other than the writers, so that it starts while the block's own stores
+// drain): the block owning a local expert waits for all ranks' counts, lays the rows out by source rank
+// ascending and copies them from the records into the packed outputs (FP8 scales token-minor) in work items
+// of one load round each, spread over its warps; an item waits until every row of its (expert, source) has
+// arrived (the arrival counter), so the rows of early sources are copied while later ones are in flight. Then
+// it clears the counts and arrival counters; every block then adds its completion to every rank's epoch
+// counter (recv_seen), which (once all blocks have) lets the next op on this set write here. The receive
+// phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its registers do
+// not add to the send phase's.
 #include <cuda_runtime.h>
 
 #include "device/fp8.cuh"
@@ -70,13 +75,6 @@ __device__ int selections_of(const int16_t* s_topk, int num_entries, int e, int 
   return warp_sum(n);
 }
 
-// The top-k slots whose row map entries record-writer part `part` of `parts` writes: k = part, part + parts, ...
-__device__ __forceinline__ uint32_t slots_of_part(int part, int parts) {
-  uint32_t m = 0;
-  for (int k = part; k < 32; k += parts) m |= 1u << k;
-  return m;
-}
-
 // Stages token t as a record in shared memory: BF16 row, or e4m3 row + per-128 scales.
 __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyRecord& rec, int t, uint8_t* s_rec) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -108,22 +106,43 @@ __device__ __forceinline__ int4* staged_record(const LowLatencyDispatchParams& p
   return reinterpret_cast<int4*>(p.layout.dispatch_stage(p.peers.local, p.set) + int64_t(t) * rec.bytes);
 }
 
+// Count senders: warps cw = 0 .. ncw-1 of block b own experts b + G * cw, stride G * ncw. Each sends its
+// selections of the expert (uncapped, + 1) to the expert's rank once that rank has received every earlier op
+// on this set. The count carries no data: the rows are published by the arrival counters.
+__device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_topk, int cw, int ncw,
+                            const uint64_t* recv_seen, uint32_t k_ops, ReadyRanks& ready) {
+  const int lane = threadIdx.x % 32;
+  const int R = p.num_ranks, me = p.env.rank;
+  const int L = p.num_experts / R;
+  for (int e = blockIdx.x + gridDim.x * cw; e < p.num_experts; e += gridDim.x * ncw) {
+    const int expected = selections_of(s_topk, p.num_tokens * p.num_topk, e, lane);
+    if (lane == 0) {
+      const int dest = e / L;
+      wait_rank_ready(ready, recv_seen, dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
+      signal(p.peers, dest, p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me, expected + 1);
+    }
+  }
+}
+
+// The first of the R writer warps (one per destination rank) of a send phase: the block's last warps.
+__device__ __forceinline__ int first_writer(int num_ranks) { return kWarps - num_ranks; }
+
 __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, int16_t* s_topk) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk, me = p.env.rank;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
-  int32_t* sent = p.layout.sent(p.peers.local, p.set);
   const uint64_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
   // Earlier ops on this set, of either kind: every peer must have received them before this one writes there.
   // This block's receive count on the set (kernels/ll_epochs.cuh), written by an earlier kernel.
   const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
-  load_topk(p, s_topk);  // made visible by the __syncthreads after staging
+  load_topk(p, s_topk);  // made visible by the __syncthreads after staging (or before the counts below)
 
-  // Addresses of this rank's map, naming the same offsets at every peer.
   int32_t* row_map = p.layout.dispatch_row_map(p.peers.local, p.set, R, M, rec.bytes);
+  const int writer0 = first_writer(R), d = warp - writer0;  // d: this warp's destination if it is a writer
   ReadyRanks ready;  // lane 0's
+  bool counted = false;
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
     __syncthreads();
@@ -134,64 +153,59 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       __threadfence();  // before any warp of the block hands the record to NVSHMEM
       __syncthreads();
     }
-    // Warp roles per token: kWarps / R warps per destination rank d (record writers), each writing a contiguous
-    // part of the record once if the token has an expert at d; the part-p warp also writes the row map entries
-    // of the token's slots k = p, p + parts, ... that are at d.
-    const int parts = kWarps / R, d = warp / parts, part = warp % parts;
     if (warp == 0 && lane < K && s_topk[t * K + lane] == -2)  // skipped, never written: Buffer::check()
       report_input_error(p.env.self, p.env.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, lane,
                          p.topk_idx[int64_t(t) * K + lane]);
-    if (d < R) {
+    if (d >= 0) {
+      // Writer of destination d: the whole record once if the token has an expert at d, then the row map entry
+      // of each of the token's slots at d.
       const int e = lane < K ? int(s_topk[t * K + lane]) : -1;  // lane k holds slot k's expert
       const bool here = e >= d * L && e < (d + 1) * L;          // -1 and -2 are at no rank
       const uint32_t at_d = __ballot_sync(kFullMask, here);
       if (at_d != 0) {
         // Back-pressure: d has received every earlier op on this set (its blocks add their completions here
-        // after copying), so nothing is overwritten while a slow peer still reads it. A local poll, once per rank and
-        // op for this warp (later tokens rely on that acquire); pairs with d's release at the end of its
-        // receive phase (finish_receive).
+        // after copying), so nothing is overwritten while a slow peer still reads it. A local poll, once per
+        // rank and op for this warp (later writes rely on that acquire); pairs with d's release at the end of
+        // its receive phase (finish_receive).
         if (lane == 0)
           wait_rank_ready(ready, recv_seen, d, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, d, -1});
         __syncwarp();
         int4* dst = reinterpret_cast<int4*>(p.layout.dispatch_records(p.peers.local, p.set) +
                                             (int64_t(me) * M + t) * rec.bytes);
         const int4* src = has_peer_pointer(p.peers, d) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
-        const int n = int(rec.bytes / 16), first = n * part / parts, last = n * (part + 1) / parts;
-        // On return this lane's part of the record is written (peer pointer) or complete at d (NVSHMEM).
-        put_warp<2>(p.peers, d, dst + first, src + first, last - first, lane, [](const int4* q) { return *q; });
-        for (uint32_t mine = at_d & slots_of_part(part, parts); mine != 0; mine &= mine - 1) {
+        // On return this lane's stores are issued (peer pointer) or complete at d (NVSHMEM); published by the
+        // arrival adds after the token loop.
+        put_warp<2>(p.peers, d, dst, src, int(rec.bytes / 16), lane, [](const int4* q) { return *q; });
+        for (uint32_t mine = at_d; mine != 0; mine &= mine - 1) {
           const int k = __ffs(mine) - 1;  // the same k in every lane: position_of is warp-collective
           const int ek = __shfl_sync(kFullMask, e, k);
           const int slot = position_of(s_topk, t, k, K, ek, lane);
           if (lane == 0 && slot < M)
-            put_int(p.peers, d, row_map + (int64_t(ek % L) * R + me) * M + slot, t);
+            put_int(p.peers, d, row_map + (int64_t(ek % L) * R + me) * M + slot, t + 1);
           else if (lane == 0)  // only with an expert listed twice in a token: M rows per expert and source at most
             report_input_error(p.env.self, p.env.host, kErrExpertRowsExceeded, kRoleLowLatencySend, ek, slot + 1, M);
         }
-        __syncwarp();  // every lane's part and the map entries are written before the releases below
-        // One per part and slot: the count sender of slot k's expert acquires it, then its signal (a release)
-        // publishes the record and the map entry too.
-        if (here) atomic_add_release_gpu(&sent[e], 1);
       }
+    } else if (!counted) {
+      send_counts(p, s_topk, warp, writer0, recv_seen, k_ops, ready);
     }
-    __syncthreads();  // the staged record is free again
+    counted = true;
+    __syncthreads();  // the staged record is free again (every lane's loads of it have returned)
   }
-
-  // Count senders: warp (block b, warp w) owns experts b * kWarps + w, stride G * kWarps.
-  __syncthreads();  // s_topk is complete even if this block staged no token
-  for (int e = blockIdx.x * kWarps + warp; e < p.num_experts; e += gridDim.x * kWarps) {
-    const int expected = selections_of(s_topk, p.num_tokens * K, e, lane);
-    if (lane == 0) {
-      if (expected > 0)  // every part of every row
-        wait_at_least_i32(&sent[e], expected * (kWarps / R), p.env, WaitSite{kRoleLowLatencySend, -1, int(e / L), e});
-      sent[e] = 0;  // only this warp reads it; the next op on this set starts in a later kernel
-      const int dest = e / L;
-      int32_t* count = p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me;
-      if (expected == 0)  // no row went there, so no token warp waited for the slot to be free
-        wait_rank_ready(ready, recv_seen, dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
-      // The acquire above saw every part announced; this release publishes them. Pairs with the receiver's
-      // wait_nonzero. Rows beyond M were not sent (an input error the writer reported).
-      signal(p.peers, dest, count, min(expected, M) + 1);
+  if (!counted) {  // no token here: every warp sends counts
+    __syncthreads();  // s_topk is complete
+    send_counts(p, s_topk, warp, kWarps, recv_seen, k_ops, ready);
+  }
+  if (d >= 0) {
+    // Publication, one add per slot at d (also for slots past M, which the receiver's count includes but that
+    // were not written: it waits for the arrivals its count names). A release: every lane's record stores and
+    // lane 0's map entries (ordered by the __syncwarp) land before the add. Pairs with the receiver's
+    // wait_at_least on dispatch_arrived.
+    __syncwarp();
+    int32_t* arrived = p.layout.dispatch_arrived(p.peers.local, p.set);
+    for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+      const int e = lane < K ? int(s_topk[t * K + lane]) : -1;
+      if (e >= d * L && e < (d + 1) * L) signal_add(p.peers, d, arrived + (e % L) * R + me, 1);
     }
   }
 }
@@ -229,11 +243,11 @@ __device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p,
   if (lane == 0) p.recv_src_info[int64_t(i) * rows_per_expert + n] = token;
 }
 
-// s_source: window_rows ints of shared memory (the send phase's staging area, free by now): per row of the
-// window, its source rank << 24 | its source token.
-__device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int* s_source, int window_rows) {
+// Receive warps: warps 0 .. recv_warps - 1 of the block (every warp without a send phase in this launch; with
+// one, all but the writers, which join at the end once their arrival adds are issued).
+__device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int recv_warps) {
   __shared__ int s_begin[kMaxNvlRanks + 1];
-  __syncthreads();  // the send phase before this one (same launch) no longer reads the staging area
+  __shared__ int s_expected[kMaxNvlRanks];  // per source: its count as sent (uncapped), the arrivals to await
   const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // the send phase's too (same block, same op)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens;
@@ -242,15 +256,21 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
   const int64_t rows_per_expert = int64_t(R) * M;
   const uint8_t* records = p.layout.dispatch_records(p.peers.local, p.set);
   const int32_t* row_map = p.layout.dispatch_row_map(p.peers.local, p.set, R, M, rec.bytes);
+  int32_t* counts = p.layout.dispatch_count(p.peers.local, p.set);
+  int32_t* arrived = p.layout.dispatch_arrived(p.peers.local, p.set);
   const int row_int4 = int(rec.row_bytes / 16);
   const int chunks = (row_int4 + kChunk - 1) / kChunk, items = chunks + 1;
+  const int threads = recv_warps * 32;
 
-  for (int i = blockIdx.x; i < L; i += gridDim.x) {
+  for (int i = blockIdx.x; i < L && warp < recv_warps; i += gridDim.x) {
     if (warp == 0) {
       int count = 0;
       if (lane < R) {
-        int32_t* c = p.layout.dispatch_count(p.peers.local, p.set) + i * R + lane;
-        count = wait_nonzero(c, p.env, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;  // pairs with the sender
+        // The count carries no data (its rows are published by the arrival counter below), so it is sent
+        // before them; rows past M (an expert listed twice in a token) were reported and not written.
+        const int expected = wait_nonzero(counts + i * R + lane, p.env, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;
+        s_expected[lane] = expected;
+        count = min(expected, M);
       }
       int incl = count;  // inclusive scan over source ranks
 #pragma unroll
@@ -269,46 +289,48 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
         if (p.cumulative_stats != nullptr) p.cumulative_stats[i] += total;
       }
     }
-    __syncthreads();  // warp 0's acquires of the counts now order every thread's loads below
+    named_barrier(1, threads);  // s_begin and s_expected are written
     const int total = s_begin[R];
-    // Rows of expert i are numbered by (source, slot). A window of window_rows of them at a time (one for any
-    // realistic shape): first every row's source token from the row map, all loads at once, then work items
-    // of kChunk int4 per row (one round of loads per lane each) plus one for the row's scales and source token,
-    // spread over all warps.
-    for (int w0 = 0; w0 < total; w0 += window_rows) {
-      const int rows = min(window_rows, total - w0);
-      for (int n = threadIdx.x; n < rows; n += kThreads) {
-        int s = 0;
-        while (w0 + n >= s_begin[s + 1]) ++s;
-        s_source[n] = s << 24 | ld_cg(row_map + (int64_t(i) * R + s) * M + (w0 + n - s_begin[s]));  // token < M
+    // Rows of expert i are numbered by (source, slot); work items of kChunk int4 per row (one round of loads
+    // per lane each) plus one for the row's scales and source token, spread over the receive warps. An item
+    // starts once every row of its source has arrived (lane 0 polls each source once per expert).
+    uint32_t complete = 0;  // lane 0's: sources whose rows of expert i have all arrived
+    for (int w = warp; w < total * items; w += recv_warps) {
+      const int n = w / items, c = w % items;
+      int s = 0;
+      while (n >= s_begin[s + 1]) ++s;
+      if (lane == 0 && !(complete >> s & 1)) {
+        // Acquire; pairs with the writers' release adds (send_phase): the rows' records and map entries are here.
+        wait_at_least_i32(arrived + i * R + s, s_expected[s], p.env, WaitSite{kRoleLowLatencyRecv, -1, s, i});
+        complete |= 1u << s;
       }
-      __syncthreads();
-      for (int w = warp; w < rows * items; w += kWarps) {
-        const int n = w / items, c = w % items;
-        // The token is below M unless a sender broke the protocol (or the receive call named another shape);
-        // clamped, so that even then every read stays inside the records.
-        const int source = s_source[n], token = min(source & 0xffffff, M - 1);
-        const uint8_t* src = records + (int64_t(source >> 24) * M + token) * rec.bytes;
-        const int64_t row = int64_t(i) * rows_per_expert + w0 + n;
-        if (c < chunks) {
-          const int first = c * kChunk;
-          warp_copy_once<kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
-                                      reinterpret_cast<const int4*>(src) + first, min(kChunk, row_int4 - first),
-                                      lane, LoadCg{}, StoreNa{});
-        } else {
-          copy_row_meta(p, src, i, w0 + n, token, lane);
-        }
+      __syncwarp();  // lane 0's acquire orders every lane's loads below
+      // The entry is token + 1, below M + 1 unless a sender broke the protocol (or the receive call named
+      // another shape); clamped, so that even then every read stays inside the records.
+      const int token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + (n - s_begin[s])) - 1, 0), M - 1);
+      const uint8_t* src = records + (int64_t(s) * M + token) * rec.bytes;
+      const int64_t row = int64_t(i) * rows_per_expert + n;
+      if (c < chunks) {
+        const int first = c * kChunk;
+        warp_copy_once<kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
+                                    reinterpret_cast<const int4*>(src) + first, min(kChunk, row_int4 - first),
+                                    lane, LoadCg{}, StoreNa{});
+      } else {
+        copy_row_meta(p, src, i, n, token, lane);
       }
-      __syncthreads();  // the window's sources are rewritten next
     }
-    __syncthreads();  // every row of expert i is copied and every warp has read s_begin (none if no rows)
-    // The count slots are free for the next op on this set (published by the block's completion below).
-    if (warp == 0 && lane < R) p.layout.dispatch_count(p.peers.local, p.set)[i * R + lane] = 0;
+    named_barrier(1, threads);  // every row of expert i is copied; no warp reads s_begin / s_expected any more
+    // The count and arrival slots are free for the next op on this set (published by the block's completion
+    // below). Every arrival of a source with rows was awaited above; a source without rows sent none.
+    if (warp == 0 && lane < R) {
+      counts[i * R + lane] = 0;
+      arrived[i * R + lane] = 0;
+    }
   }
   finish_receive(p.layout, p.peers, p.set, k_ops, p.env.rank, p.num_ranks);
 }
 
-// Dynamic shared memory of a launch: the staged record and topk as int16 (send), the row window (receive).
+// Dynamic shared memory of a launch: the staged record and topk as int16 (send).
 __host__ __device__ __forceinline__ size_t dispatch_smem_bytes(const LowLatencyDispatchParams& p) {
   return size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes) + size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
 }
@@ -317,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const
   extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
   int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
   if (p.phases & kLowLatencySend) send_phase(p, s_rec, s_topk);
-  if (p.phases & kLowLatencyRecv) receive_phase(p, reinterpret_cast<int*>(s_rec), int(dispatch_smem_bytes(p) / sizeof(int)));
+  if (p.phases & kLowLatencyRecv) receive_phase(p, (p.phases & kLowLatencySend) ? first_writer(p.num_ranks) : kWarps);
 }
 
 }  // namespace

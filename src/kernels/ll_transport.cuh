@@ -138,4 +138,16 @@ __device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int pee
 #endif
 }
 
+// The same for a 32-bit counter (the dispatch's arrival counters).
+__device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
+  if (has_peer_pointer(peers, peer)) {
+    red_add_release_sys(at_peer(peers, peer, mine), value);
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  __threadfence_system();  // cumulative, as in signal
+  nvshmem_int_atomic_add(mine, value, peer);
+#endif
+}
+
 }  // namespace epx::dev

@@ -3,14 +3,18 @@
 // memory (runtime/symmetric_memory.hpp). Two buffer sets alternate between calls (double buffering):
 //
 //   set s: [ signals | receive area | combine send area ]
-//     signals        dispatch_count[E]: at the receiver, index local_expert * R + src_rank; count + 1, cleared by
-//                                       the receiver after it copied the rows
+//     signals        dispatch_count[E]: at the receiver, index local_expert * R + src_rank; the source's
+//                                       selections of the expert + 1 (sent before the rows), cleared by the
+//                                       receiver after it copied the rows
+//                    dispatch_arrived[E]: at the receiver, same index; rows of that (expert, source) whose
+//                                       record and row map entry are written (added to by the senders, a
+//                                       release each), cleared by the receiver after it copied the rows
 //                    combine_flag[E]:   at the token's source rank, index global expert; k + 1 when that
 //                                       expert's rows of the set's k-th op (a combine) have all been written
 //                                       here (never cleared: the next combine on the set raises it further;
 //                                       compared wrap-safe, so a set must not see 2^31 ops between combines)
-//                    sent[E]:           at the sender, record parts written for expert e's rows (dispatch) or
-//                                       items done per (local expert, source) (combine); local counters
+//                    sent[E]:           at the sender, items done per (local expert, source) (combine); local
+//                                       counters
 //                    epochs:            per set, monotonic counters (never cleared but by clean):
 //                      recv_seen[R]     uint64: receive phases of rank r's blocks on the set, added to here
 //                                       by each of r's blocks when it is done (G per op: every rank
@@ -73,7 +77,7 @@ struct LowLatencyRecord {
 struct LowLatencyLayout {
   static constexpr int64_t kSignalBytes = int64_t(kLowLatencyMaxExperts) * 4;
   static constexpr int64_t kEpochBytes = kMaxNvlRanks * 8 + kLowLatencyMaxBlocks * 4;  // recv_seen, block_ops
-  static constexpr int64_t kSignalsBytes = align_up(3 * kSignalBytes + kEpochBytes, kAlign);
+  static constexpr int64_t kSignalsBytes = align_up(4 * kSignalBytes + kEpochBytes, kAlign);
 
   int64_t set_bytes;           // fixed for the buffer: half of num_rdma_bytes, so set 1 never moves
   int64_t receive_bytes;       // of this call's shape
@@ -110,11 +114,14 @@ struct LowLatencyLayout {
   EPX_HD int32_t* sent(void* region, int set) const {
     return reinterpret_cast<int32_t*>(set_base(region, set) + 2 * kSignalBytes);
   }
+  EPX_HD int32_t* dispatch_arrived(void* region, int set) const {
+    return reinterpret_cast<int32_t*>(set_base(region, set) + 3 * kSignalBytes);
+  }
   EPX_HD uint64_t* recv_seen(void* region, int set) const {
-    return reinterpret_cast<uint64_t*>(set_base(region, set) + 3 * kSignalBytes);
+    return reinterpret_cast<uint64_t*>(set_base(region, set) + 4 * kSignalBytes);
   }
   EPX_HD uint32_t* block_ops(void* region, int set) const {
-    return reinterpret_cast<uint32_t*>(set_base(region, set) + 3 * kSignalBytes + kMaxNvlRanks * 8);
+    return reinterpret_cast<uint32_t*>(set_base(region, set) + 4 * kSignalBytes + kMaxNvlRanks * 8);
   }
   EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
   // The dispatch's records: rank s's token t at (s * M + t) * record_bytes.

@@ -154,6 +154,7 @@ TEST(Transport, LowLatencySignalsAreDisjointInsideTheSignalsArea) {
     const Range ranges[] = {at("dispatch_count", layout.dispatch_count(region, set)),
                             at("combine_flag", layout.combine_flag(region, set)),
                             at("sent", layout.sent(region, set)),
+                            at("dispatch_arrived", layout.dispatch_arrived(region, set)),
                             sized("recv_seen", layout.recv_seen(region, set), epx::kMaxNvlRanks * 8),
                             sized("block_ops", layout.block_ops(region, set), epx::kLowLatencyMaxBlocks * 4)};
     for (const Range& a : ranges) {
