@@ -1,7 +1,8 @@
 // Low-latency dispatch (SPEC section 4): no exchange of counts before the data, fixed-size receive areas.
 //
 // Send phase: every warp owning an expert counts this rank's selections of it and sends the count (+ 1) to
-// the expert's rank at once, before any row: the receiver lays its rows out while they are in flight. Block b
+// the expert's rank at once, before any row, as a relaxed store (it carries no data; a release would wait for
+// the block's rows to land): the receiver lays its rows out while they are in flight. Block b
 // stages tokens b, b+G, ... in shared memory (quantized to FP8 if asked) and sends each once to every rank
 // that holds one of its experts (not once per expert), one writer warp per destination rank (the block's last
 // R warps): the record at [this rank][token], then for each slot (t, k) at that rank the token index (+ 1)
@@ -119,7 +120,7 @@ __device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_
     if (lane == 0) {
       const int dest = e / L;
       wait_rank_ready(ready, recv_seen, dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
-      signal(p.peers, dest, p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me, expected + 1);
+      post(p.peers, dest, p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me, expected + 1);
     }
   }
 }

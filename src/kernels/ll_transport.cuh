@@ -125,6 +125,21 @@ __device__ __forceinline__ void signal(const LowLatencyPeers& peers, int peer, i
 #endif
 }
 
+// Sets the 32-bit slot `mine` in peer's region to value without ordering anything before it: for a message
+// that carries no data (the dispatch's counts), whose receiver only needs the value. A relaxed system-scope
+// store; a fence here (signal's release) waits for the stores this SM has in flight to land, which put the
+// counts behind the rows they were meant to precede (~15 us at the bench defaults, v0.8 probe). The slot's
+// reuse is still ordered: the sender's earlier acquire (back-pressure) comes before it in program order.
+__device__ __forceinline__ void post(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
+  if (has_peer_pointer(peers, peer)) {
+    st_relaxed_sys(at_peer(peers, peer, mine), value);
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  nvshmem_int_atomic_set(mine, value, peer);  // one 32-bit write; nothing to order before it
+#endif
+}
+
 // Adds value to the 64-bit counter `mine` (an address in this rank's region) in peer's region, as a release
 // like signal's. Pairs with the peer's acquire loads of that counter (wait_at_least on its own memory).
 __device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int peer, uint64_t* mine, uint64_t value) {
