@@ -52,13 +52,6 @@ __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-// Completion counters on this GPU. A writer warp's lane 0 adds with release after __syncwarp: every lane's
-// stores before it (local or to a peer) are ordered before the add; the reader acquires the counter and
-// only then publishes with st_release_sys, which carries those stores along (release is cumulative). So no
-// writer needs a system-scope fence of its own: one release chain per signal does the ordering.
-__device__ __forceinline__ void atomic_add_release_gpu(int32_t* p, int32_t v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 // A system-scope release add (no return): cumulative over what the thread has observed, for counters that
 // other GPUs or this one poll with ld_acquire_sys.
 __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
@@ -67,19 +60,15 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ void red_add_release_sys(int32_t* p, int32_t v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// Completion counters on this GPU. A writer warp's lane 0 adds after __syncwarp: every lane's stores before it
+// (local or to a peer) are ordered before the add (release); the warp whose add completes the count has
+// acquired every other warp's, and only then publishes with a system-scope release, which carries those stores
+// along (release is cumulative). So no writer needs a system-scope fence of its own.
 __device__ __forceinline__ int32_t atomic_add_acq_rel_gpu(int32_t* p, int32_t v) {
   int32_t old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
-__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-__device__ __forceinline__ void fence_acq_rel_cta() { asm volatile("fence.acq_rel.cta;" ::: "memory"); }
 
 // ---- data --------------------------------------------------------------------------------------------------
 // Inputs that no one writes while the kernel runs: skip L1, prefetch a 256-byte L2 sector.

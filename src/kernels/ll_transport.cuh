@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
@@ -140,28 +141,23 @@ __device__ __forceinline__ void post(const LowLatencyPeers& peers, int peer, int
 #endif
 }
 
-// Adds value to the 64-bit counter `mine` (an address in this rank's region) in peer's region, as a release
-// like signal's. Pairs with the peer's acquire loads of that counter (wait_at_least on its own memory).
-__device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int peer, uint64_t* mine, uint64_t value) {
+// Adds value to the counter `mine` (an address in this rank's region; 64-bit: the epochs, 32-bit: the dispatch's
+// arrival counters) in peer's region, as a release like signal's. Pairs with the peer's acquire loads of that
+// counter (wait_at_least / wait_at_least_i32 on its own memory).
+template <typename T>
+__device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int peer, T* mine,
+                                           typename std::remove_cv<T>::type value) {  // T from `mine` alone
+  static_assert(sizeof(T) == 8 || sizeof(T) == 4, "64- or 32-bit counters");
   if (has_peer_pointer(peers, peer)) {
     red_add_release_sys(at_peer(peers, peer, mine), value);
     return;
   }
 #if EPX_HAVE_NVSHMEM
   __threadfence_system();  // cumulative, as in signal
-  nvshmem_uint64_atomic_add(reinterpret_cast<uint64_t*>(mine), value, peer);
-#endif
-}
-
-// The same for a 32-bit counter (the dispatch's arrival counters).
-__device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
-  if (has_peer_pointer(peers, peer)) {
-    red_add_release_sys(at_peer(peers, peer, mine), value);
-    return;
-  }
-#if EPX_HAVE_NVSHMEM
-  __threadfence_system();  // cumulative, as in signal
-  nvshmem_int_atomic_add(mine, value, peer);
+  if constexpr (sizeof(T) == 8)
+    nvshmem_uint64_atomic_add(reinterpret_cast<uint64_t*>(mine), uint64_t(value), peer);
+  else
+    nvshmem_int_atomic_add(reinterpret_cast<int*>(mine), int(value), peer);
 #endif
 }
 
