@@ -25,6 +25,9 @@
 // not add to the send phase's.
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <mutex>
+
 #include "device/fp8.cuh"
 #include "device/ptx.cuh"
 #include "device/report.cuh"
@@ -347,9 +350,34 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const
 
 int low_latency_grid(int num_device_sms) { return num_device_sms; }
 
+namespace {
+
+// Dynamic shared memory past the 48 KiB any kernel may take needs the kernel's limit raised first. Raised once per
+// device to the largest size asked so far, not on every launch: the call is host time inside the op (it used to
+// run on every launch, although the bench defaults take ~9 KiB). A failure shows in the caller's
+// cudaGetLastError.
+void allow_dispatch_smem(size_t smem) {
+  constexpr size_t kDefaultLimit = 48 * 1024;
+  constexpr int kDevices = 64;
+  static std::atomic<size_t> allowed[kDevices] = {};  // per device: the limit set so far (0: the default)
+  static std::mutex raising;                          // the attribute is only raised, under this lock
+  if (smem <= kDefaultLimit) return;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return;
+  if (device < kDevices && allowed[device].load(std::memory_order_acquire) >= smem) return;
+  std::lock_guard<std::mutex> lock(raising);
+  if (device < kDevices && allowed[device].load(std::memory_order_relaxed) >= smem) return;
+  if (cudaFuncSetAttribute(low_latency_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) ==
+          cudaSuccess &&
+      device < kDevices)
+    allowed[device].store(smem, std::memory_order_release);
+}
+
+}  // namespace
+
 void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream) {
   const size_t smem = dispatch_smem_bytes(p);
-  cudaFuncSetAttribute(low_latency_dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  allow_dispatch_smem(smem);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(kThreads);

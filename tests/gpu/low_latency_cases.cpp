@@ -77,6 +77,16 @@ std::vector<Case> low_latency_cases() {
   cases.push_back(step_case("ll: bf16 h2048, 1 token", ll_case(1, 2048, false, 46)));
   cases.push_back(step_case("ll: fp8 h4096, 64 tokens", ll_case(64, 4096, true, 47)));
   {
+    // A BF16 record of hidden 32768 is 64 KiB of the send phase's shared memory, past the 48 KiB a kernel gets
+    // by default: the launch raises the kernel's limit (once per device; this case runs twice, the second
+    // launch on the limit the first one set).
+    auto c = ll_case(3, 32768, false, 54);
+    c.max_tokens = 4;
+    c.num_experts = 16;
+    cases.push_back(step_case("ll: bf16 h32768, shared memory past 48 KiB", c));
+    cases.push_back(step_case("ll: bf16 h32768 again, shared memory past 48 KiB", c));
+  }
+  {
     auto c = ll_case(100, 4096, true, 48);
     c.max_tokens = 256;
     c.tokens = {100, 37, 256, 0, 5, 200, 1, 77};
