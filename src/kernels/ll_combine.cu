@@ -1,9 +1,9 @@
 // Low-latency combine (SPEC section 5).
 //
 // Send phase: rows are cut into work items of kChunk int4, one per warp at a time over the whole grid; a row
-// goes back into its source rank's receive area at [global expert][source token] once the source has received
-// every earlier op on this buffer set (its epoch, kernels/ll_epochs.cuh; a poll of local memory); the last item
-// of an (expert, source) pair raises the flag at the source. Writes into
+// goes back into its source rank's receive area at [global expert][source token] once every rank has received
+// every earlier op on this buffer set (their epochs, kernels/ll_epochs.cuh; polls of local memory, once per rank
+// and block); the last item of an (expert, source) pair raises the flag at the source. Writes into
 // other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is
 // not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
 // Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up (raised to this
@@ -55,6 +55,13 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     const int64_t range = p.recv_layout_range[pair];
     s_range[pair] = int2{int(range >> 32), int(range & 0xffffffff)};
   }
+  // Back-pressure, once per block instead of once per warp and destination (4224 warps polling the same R
+  // words): every rank has received every earlier op on this set, so nothing unread is overwritten. Thread r's
+  // acquire (alongside the range loads) pairs with the release at the end of r's receive phase
+  // (finish_receive); the barrier orders every thread's writes into r's set after it.
+  if (threadIdx.x < R)
+    wait_blocks(recv_seen + threadIdx.x, k_ops * gridDim.x, p.env,
+                WaitSite{kRoleLowLatencyCombineSend, -1, int(threadIdx.x), -1});
   __syncthreads();
   if (warp == 0) {
     int carry = 0;
@@ -81,7 +88,6 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // NVSHMEM peer each item is a put and a quiet (put_warp): more completions per row than the 1-4 parts before
   // v0.4; not measured on the forced path since.
   const int parts = (row_int4 + kChunk - 1) / kChunk;
-  ReadyRanks ready;  // lane 0's
   // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
   // the start of the next): every item's stores are issued before the first completion, so the later items'
   // loads overlap the first one's release (which waits for its stores). Adjacent items per warp measured
@@ -106,13 +112,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;  // rows are by source, ascending
       const int e = me * L + i;
       const int64_t row = int64_t(i) * rows_per_expert + n;
-      const int t = p.recv_src_info[row];  // issued before the poll below, so the two latencies overlap
-      // Back-pressure: s has received every earlier op on this set (dispatch or combine), so nothing unread is
-      // overwritten. Acquire; pairs with the release at the end of s's receive phase (finish_receive).
-      // Lane 0 polls once per rank and op (the later items of this warp rely on that acquire and the
-      // __syncwarp after it).
-      if (lane == 0) wait_rank_ready(ready, recv_seen, s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, e});
-      __syncwarp();
+      const int t = p.recv_src_info[row];
       const int first = part * kChunk, last = min(first + kChunk, row_int4);
       const int4* src = p.x + row * row_int4 + first;
       if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
@@ -144,7 +144,6 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
     const int i = pair / R, s = pair % R;
     if (s_range[pair].y != 0 || lane != 0) continue;
-    wait_rank_ready(ready, recv_seen, s, k_ops, p.env, WaitSite{kRoleLowLatencyCombineSend, -1, s, me * L + i});
     signal(p.peers, s, flags + me * L + i, raised);
   }
 }
