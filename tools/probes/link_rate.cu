@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "check.hpp"
@@ -30,8 +31,14 @@ __global__ void gate_kernel(volatile int* flag) {
 }
 
 // Work item = (peer, row). Warps take items round-robin over the grid; each lane moves `U` int4 per round.
+// Destination row of `row` in a peer's region for one source: contiguous (window == rows), or spread over a
+// window of `window` rows as the low-latency combine's rows land at [global expert][token] (window = L * M).
+__device__ __forceinline__ size_t dst_row(int row, int rows, int window) {
+  return window == rows ? size_t(row) : size_t(row) * 97 % size_t(window);
+}
+
 template <int U>
-__global__ void move_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int pull) {
+__global__ void move_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int pull, int window) {
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int nwarps = gridDim.x * blockDim.x / 32;
@@ -44,10 +51,10 @@ __global__ void move_kernel(Peers p, int self, int ngpus, int rows, int row_int4
     int4* d;
     if (pull) {  // read the peer's rows meant for me, write my region for that peer
       s = p.src[peer] + (size_t(self) * rows + row) * row_int4;
-      d = p.dst[self] + (size_t(peer) * rows + row) * row_int4;
+      d = p.dst[self] + (size_t(peer) * window + dst_row(row, rows, window)) * row_int4;
     } else {  // read my rows meant for the peer, write the peer's region for me
       s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
-      d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
+      d = p.dst[peer] + (size_t(self) * window + dst_row(row, rows, window)) * row_int4;
     }
     for (int base = 0; base < row_int4; base += 32 * U) {
       int4 v[U];
@@ -116,7 +123,7 @@ __global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-using Kernel = void (*)(Peers, int, int, int, int, int);
+using Kernel = void (*)(Peers, int, int, int, int, int, int);
 
 int main(int argc, char** argv) {
   int ngpus = 0;
@@ -128,8 +135,12 @@ int main(int argc, char** argv) {
   ngpus = std::min(ngpus, kMaxGpus);
   const int row_bytes = argc > 1 ? std::atoi(argv[1]) : 14336;
   const int row_int4 = row_bytes / 16;
+  // `./link_rate 14336 scatter`: only SM push, contiguous destination rows against rows spread over a window of
+  // kWindow rows per source (the combine's [expert][token] layout at 72 local experts x 128 tokens).
+  const bool scatter = argc > 2 && std::string(argv[2]) == "scatter";
+  constexpr int kWindow = 72 * 128;
   std::vector<int> rows_list = {1024 * 3 / 4 / (ngpus - 1) + 1, 1024};
-  const size_t max_rows = 1024;
+  const size_t max_rows = scatter ? kWindow : 1024;
   Peers p{};
   std::vector<cudaStream_t> streams(ngpus * kMaxGpus);
   std::vector<cudaEvent_t> ev0(ngpus), ev1(ngpus);
@@ -187,13 +198,15 @@ int main(int argc, char** argv) {
       CHECK(cudaDeviceSynchronize());
     }
   };
-  auto check_dst = [&](int rows, const char* mode) {
+  auto check_dst = [&](int rows, const char* mode, int window = 0) {
+    if (window == 0) window = rows;
     std::vector<unsigned char> h(row_bytes);
     for (int g = 0; g < ngpus; ++g)
       for (int s = 0; s < ngpus; ++s) {
         if (s == g) continue;
         CHECK(cudaSetDevice(g));
-        CHECK(cudaMemcpy(h.data(), p.dst[g] + (size_t(s) * rows + rows - 1) * row_int4, row_bytes, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(h.data(), p.dst[g] + (size_t(s) * window + (window == rows ? rows - 1 : size_t(rows - 1) * 97 % window)) * row_int4,
+                         row_bytes, cudaMemcpyDeviceToHost));
         for (int i = 0; i < row_bytes; ++i)
           if (h[i] != 0x3c + s) {
             std::printf("MISMATCH mode %s gpu %d from %d byte %d: %d\n", mode, g, s, i, h[i]);
@@ -204,6 +217,28 @@ int main(int argc, char** argv) {
   std::printf("%d GPUs, rows of %d bytes; rate = bytes to/from the %d peers per GPU / slowest GPU's time\n", ngpus,
               row_bytes, ngpus - 1);
   std::printf("%-5s %6s %6s %7s %3s | %8s %8s\n", "mode", "rows", "blocks", "threads", "U", "us", "GB/s");
+  if (scatter) {
+    const Kernel kernels[] = {move_kernel<4>, move_kernel<8>};
+    const int us_[] = {4, 8};
+    for (int rows : rows_list) {
+      const double bytes = double(ngpus - 1) * rows * row_bytes;
+      for (int rep = 0; rep < 2; ++rep)
+        for (int window : {rows, kWindow})
+          for (int blocks : {sms / 2, sms})
+            for (int threads : {512, 1024})
+              for (int k = 0; k < 2; ++k) {
+                clear_dst();
+                const double us = time_all([&](int g, cudaStream_t s) {
+                  kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, 0, window);
+                  CHECK(cudaGetLastError());
+                });
+                check_dst(rows, "push", window);
+                std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", window == rows ? "push" : "spush", rows, blocks,
+                            threads, us_[k], us, bytes / us * 1e-3);
+              }
+    }
+    return 0;
+  }
   for (int rows : rows_list) {
     const double bytes = double(ngpus - 1) * rows * row_bytes;
     // Copy engines: one stream per peer, pushing.
@@ -250,7 +285,7 @@ int main(int argc, char** argv) {
           for (int k = 0; k < 4; ++k) {
             clear_dst();
             const double us = time_all([&](int g, cudaStream_t s) {
-              kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, pull);
+              kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, pull, rows);
               CHECK(cudaGetLastError());
             });
             check_dst(rows, pull ? "pull" : "push");
