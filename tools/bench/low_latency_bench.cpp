@@ -104,12 +104,12 @@ Row measure_in_a_row(Bootstrap& bs, cudaStream_t stream, const std::string& what
 constexpr int kGateUs = 200;
 
 Row measure_queued(Bootstrap& bs, cudaStream_t stream, const std::string& what, const TimingPlan& plan,
-                   const std::function<void()>& op) {
+                   const std::function<void()>& op, const std::function<void(int)>& prepare = [](int) {}) {
   int overruns = 0;
   TimingPlan queued = plan;
   queued.gate_us = kGateUs;
   queued.gate_overruns = &overruns;
-  Row r = measure(bs, stream, what, queued, [](int) {}, op);
+  Row r = measure(bs, stream, what, queued, prepare, op);
   std::vector<int> all(bs.size());
   bs.all_gather(&overruns, all.data(), sizeof(int));
   r.overruns = 0;
@@ -197,6 +197,11 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
   s.combine(kLowLatencySendPhase);
   rows.push_back(measure(bs, stream, "combine send phase (hook)", plan, [&](int) { s.combine(kLowLatencyRecvPhase); },
                          [&] { s.combine(kLowLatencySendPhase); }));
+  // The send phase alone on the GPU (no host launch latency): how far the rows' transfer is from the links'
+  // rate (tools/probes/link_rate.cu).
+  rows.push_back(measure_queued(bs, stream, "combine send phase (hook, queued)", plan,
+                                [&] { s.combine(kLowLatencySendPhase); },
+                                [&](int) { s.combine(kLowLatencyRecvPhase); }));
   s.combine(kLowLatencyRecvPhase);
   rows.push_back(measure(bs, stream, "combine recv phase (hook)", plan,
                          [&](int) {

@@ -22,6 +22,7 @@ constexpr int kMaxGpus = 8;
 struct Peers {
   int4* src[kMaxGpus];  // the pushing side reads src[self], the pulling side src[peer]
   int4* dst[kMaxGpus];  // dst[g] holds a region per source GPU
+  int* flag[kMaxGpus];  // flag[g]: one int per (source GPU, row), for shape_kernel's release mode 3
 };
 
 // Waits (bounded, ~2 s) for the host to release all GPUs at once.
@@ -67,6 +68,68 @@ __global__ void move_kernel(Peers p, int self, int ngpus, int rows, int row_int4
       for (int u = 0; u < U; ++u) {
         const int i = base + u * 32 + lane;
         if (i < row_int4) d[i] = v[u];
+      }
+    }
+  }
+}
+
+// The low-latency combine's send shape: parts of 128 int4 (2 KB), rows x peers x parts flattened (peers
+// interleaved per row), each warp of the whole grid takes 2 adjacent parts (4 KB) and issues them at once;
+// then, by `release`: 0 nothing, 1 lane 0 adds 1 to a per-row counter with a relaxed GPU-scope atomic, 2 the
+// same add as acq_rel (the combine's: it waits for the warp's stores to land), 3 as 2 and the warp whose add
+// completes its row raises a flag at the peer with a system-scope release store (the combine's signal).
+// `with_self`: the rows for this GPU itself are copied too (the combine returns ~1/4 of its rows to itself);
+// `src_window` > rows: source rows spread over that many rows per destination, as the combine reads x
+// [L][R*M][H] (the first ~14 of every expert's 512 rows at the defaults).
+__global__ void shape_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int release, int* counters,
+                             int with_self, int src_window, int peer_major) {
+  constexpr int kPart = 128;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int nwarps = gridDim.x * blockDim.x / 32;
+  const int parts = (row_int4 + kPart - 1) / kPart;
+  const int npeers = with_self ? ngpus : ngpus - 1;
+  const int total = npeers * rows * parts;
+  for (int f0 = warp * 2; f0 < total; f0 += nwarps * 2) {
+    int item_of[2];
+    for (int j = 0; j < 2; ++j) {
+      const int f = f0 + j;
+      item_of[j] = -1;
+      if (f >= total) continue;
+      const int item = f / parts, part = f % parts;
+      // peer_major: runs of one destination (the combine's items go by (expert, source) pair)
+      const int pi = peer_major ? item / rows : item % npeers, row = peer_major ? item % rows : item / npeers;
+      const int peer = with_self ? pi : (pi >= self ? pi + 1 : pi);
+      const int4* s = p.src[self] + (size_t(peer) * src_window + dst_row(row, rows, src_window)) * row_int4;
+      int4* d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
+      const int first = part * kPart, last = min(first + kPart, row_int4);
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = first + u * 32 + lane;
+        if (i < last) v[u] = s[i];
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = first + u * 32 + lane;
+        if (i < last) d[i] = v[u];
+      }
+      item_of[j] = item;
+    }
+    if (release == 0) continue;
+    __syncwarp();
+    for (int j = 0; j < 2; ++j) {
+      if (lane != 0 || item_of[j] < 0) continue;
+      int old;
+      if (release == 1)
+        asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counters + item_of[j]) : "memory");
+      else
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counters + item_of[j]) : "memory");
+      if (release == 3 && old + 1 == parts) {
+        const int pi = peer_major ? item_of[j] / rows : item_of[j] % npeers;
+        const int peer = with_self ? pi : (pi >= self ? pi + 1 : pi);
+        int* flag = reinterpret_cast<int*>(p.flag[peer]) + self * rows + (peer_major ? item_of[j] % rows : item_of[j] / npeers);
+        asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(flag), "r"(old + 1) : "memory");
       }
     }
   }
@@ -138,9 +201,12 @@ int main(int argc, char** argv) {
   // `./link_rate 14336 scatter`: only SM push, contiguous destination rows against rows spread over a window of
   // kWindow rows per source (the combine's [expert][token] layout at 72 local experts x 128 tokens).
   const bool scatter = argc > 2 && std::string(argv[2]) == "scatter";
+  // `./link_rate 14336 shape`: the best plain push against the combine's send shape (shape_kernel) with each
+  // of its release modes.
+  const bool shape = argc > 2 && std::string(argv[2]) == "shape";
   constexpr int kWindow = 72 * 128;
   std::vector<int> rows_list = {1024 * 3 / 4 / (ngpus - 1) + 1, 1024};
-  const size_t max_rows = scatter ? kWindow : 1024;
+  const size_t max_rows = scatter || shape ? kWindow : 1024;
   Peers p{};
   std::vector<cudaStream_t> streams(ngpus * kMaxGpus);
   std::vector<cudaEvent_t> ev0(ngpus), ev1(ngpus);
@@ -154,6 +220,8 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&p.src[g], bytes));
     CHECK(cudaMalloc(&p.dst[g], bytes));
     CHECK(cudaMemset(p.src[g], 0x3c + g, bytes));  // not zeros
+    CHECK(cudaMalloc(&p.flag[g], size_t(kMaxGpus) * max_rows * sizeof(int)));
+    CHECK(cudaMemset(p.flag[g], 0, size_t(kMaxGpus) * max_rows * sizeof(int)));
     for (int s = 0; s < kMaxGpus; ++s) CHECK(cudaStreamCreateWithFlags(&streams[g * kMaxGpus + s], cudaStreamNonBlocking));
     CHECK(cudaEventCreate(&ev0[g]));
     CHECK(cudaEventCreate(&ev1[g]));
@@ -217,6 +285,40 @@ int main(int argc, char** argv) {
   std::printf("%d GPUs, rows of %d bytes; rate = bytes to/from the %d peers per GPU / slowest GPU's time\n", ngpus,
               row_bytes, ngpus - 1);
   std::printf("%-5s %6s %6s %7s %3s | %8s %8s\n", "mode", "rows", "blocks", "threads", "U", "us", "GB/s");
+  if (shape) {
+    std::vector<int*> counters(ngpus);
+    for (int g = 0; g < ngpus; ++g) {
+      CHECK(cudaSetDevice(g));
+      CHECK(cudaMalloc(&counters[g], size_t(kMaxGpus) * max_rows * sizeof(int)));
+      CHECK(cudaMemset(counters[g], 0, size_t(kMaxGpus) * max_rows * sizeof(int)));
+    }
+    const int rows = rows_list[0];
+    const double bytes = double(ngpus - 1) * rows * row_bytes;
+    for (int rep = 0; rep < 2; ++rep) {
+      clear_dst();
+      double us = time_all([&](int g, cudaStream_t s) {
+        move_kernel<8><<<sms / 2, 512, 0, s>>>(p, g, ngpus, rows, row_int4, 0, rows);
+        CHECK(cudaGetLastError());
+      });
+      check_dst(rows, "push");
+      std::printf("%-12s %6d %6d %7d | %8.1f %8.1f\n", "push-U8", rows, sms / 2, 512, us, bytes / us * 1e-3);
+      struct Variant { const char* name; int release, with_self, src_window, peer_major; };
+      const Variant variants[] = {{"shape", 0, 0, rows, 0},           {"shape+flag", 3, 0, rows, 0},
+                                  {"flag+self", 3, 1, rows, 0},       {"flag+self+spread", 3, 1, kWindow / 4, 0},
+                                  {"flag+peermajor", 3, 0, rows, 1},  {"flag+self+spread+pm", 3, 1, kWindow / 4, 1}};
+      for (const Variant& v : variants) {
+        clear_dst();
+        us = time_all([&](int g, cudaStream_t s) {
+          shape_kernel<<<sms, 1024, 0, s>>>(p, g, ngpus, rows, row_int4, v.release, counters[g], v.with_self,
+                                            v.src_window, v.peer_major);
+          CHECK(cudaGetLastError());
+        });
+        check_dst(rows, "shape");
+        std::printf("%-20s %6d %6d %7d | %8.1f %8.1f\n", v.name, rows, sms, 1024, us, bytes / us * 1e-3);
+      }
+    }
+    return 0;
+  }
   if (scatter) {
     const Kernel kernels[] = {move_kernel<4>, move_kernel<8>};
     const int us_[] = {4, 8};
