@@ -10,8 +10,8 @@
 // expert in (t, k) order): rows keep token order with no atomics. After its last token the writer adds one per
 // slot to the destination's arrival counter of (local expert, this rank), a release that publishes the
 // records and map entries before it (deferred to the end so that no token waits for an earlier one's stores
-// to land). Before writing into a rank's set, a warp waits (a local poll) until that rank has received every
-// earlier op on the set (the set's epochs, runtime/ll_layout.hpp; once per rank and warp). Writes into other
+// to land). Before any write into a rank's set, the block waits (a local poll) until that rank has received
+// every earlier op on the set (the set's epochs, runtime/ll_layout.hpp; once per rank and block). Writes into other
 // ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record
 // is also copied to symmetric memory, where puts can read it.
 // Receive phase (the block's warps other than the writers, so that it starts while the block's own stores
@@ -111,10 +111,10 @@ __device__ __forceinline__ int4* staged_record(const LowLatencyDispatchParams& p
 }
 
 // Count senders: warps cw = 0 .. ncw-1 of block b own experts b + G * cw, stride G * ncw. Each sends its
-// selections of the expert (uncapped, + 1) to the expert's rank once that rank has received every earlier op
-// on this set. The count carries no data: the rows are published by the arrival counters.
-__device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_topk, int cw, int ncw,
-                            const uint64_t* recv_seen, uint32_t k_ops, ReadyRanks& ready) {
+// selections of the expert (uncapped, + 1) to the expert's rank (called after the block's back-pressure poll
+// and a barrier: the rank has received every earlier op on this set). The count carries no data: the rows are
+// published by the arrival counters.
+__device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_topk, int cw, int ncw) {
   const int lane = threadIdx.x % 32;
   const int R = p.num_ranks, me = p.env.rank;
   const int L = p.num_experts / R;
@@ -122,7 +122,6 @@ __device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_
     const int expected = selections_of(s_topk, p.num_tokens * p.num_topk, e, lane);
     if (lane == 0) {
       const int dest = e / L;
-      wait_rank_ready(ready, recv_seen, dest, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, dest, e});
       post(p.peers, dest, p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me, expected + 1);
     }
   }
@@ -142,10 +141,17 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging (or before the counts below)
+  // Back-pressure, once per rank and block (not once per writer or count warp and destination): every rank has
+  // received every earlier op on this set (its blocks add their completions here after copying), so nothing
+  // is overwritten while a slow peer still reads it. Lane r of the last warp (the lightest stager: FP8 groups
+  // and BF16 int4 run out before it) polls rank r's epoch word, a local acquire that pairs with the release at
+  // the end of r's receive phase (finish_receive); the barrier after staging (or before the counts when the
+  // block has no token) orders every thread's writes into r's set after it.
+  if (warp == kWarps - 1 && lane < R)
+    wait_blocks(recv_seen + lane, k_ops * gridDim.x, p.env, WaitSite{kRoleLowLatencySend, -1, lane, -1});
 
   int32_t* row_map = p.layout.dispatch_row_map(p.peers.local, p.set, R, M, rec.bytes);
   const int writer0 = first_writer(R), d = warp - writer0;  // d: this warp's destination if it is a writer
-  ReadyRanks ready;  // lane 0's
   bool counted = false;
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
@@ -167,13 +173,6 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       const bool here = e >= d * L && e < (d + 1) * L;          // -1 and -2 are at no rank
       const uint32_t at_d = __ballot_sync(kFullMask, here);
       if (at_d != 0) {
-        // Back-pressure: d has received every earlier op on this set (its blocks add their completions here
-        // after copying), so nothing is overwritten while a slow peer still reads it. A local poll, once per
-        // rank and op for this warp (later writes rely on that acquire); pairs with d's release at the end of
-        // its receive phase (finish_receive).
-        if (lane == 0)
-          wait_rank_ready(ready, recv_seen, d, k_ops, p.env, WaitSite{kRoleLowLatencySend, -1, d, -1});
-        __syncwarp();
         int4* dst = reinterpret_cast<int4*>(p.layout.dispatch_records(p.peers.local, p.set) +
                                             (int64_t(me) * M + t) * rec.bytes);
         const int4* src = has_peer_pointer(p.peers, d) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
@@ -191,14 +190,14 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
         }
       }
     } else if (!counted) {
-      send_counts(p, s_topk, warp, writer0, recv_seen, k_ops, ready);
+      send_counts(p, s_topk, warp, writer0);
     }
     counted = true;
     __syncthreads();  // the staged record is free again (every lane's loads of it have returned)
   }
   if (!counted) {  // no token here: every warp sends counts
     __syncthreads();  // s_topk is complete
-    send_counts(p, s_topk, warp, kWarps, recv_seen, k_ops, ready);
+    send_counts(p, s_topk, warp, kWarps);
   }
   if (d >= 0) {
     // Publication, one add per slot at d (also for slots past M, which the receiver's count includes but that

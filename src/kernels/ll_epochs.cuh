@@ -28,30 +28,10 @@ __device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, 
   wait_until(p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, env, site);
 }
 
-// The ranks a thread has already seen ready for this op (bit r: r's blocks have all received the k earlier
-// ops). A sender polls a rank's epoch once per op instead of once per row: the many warps that write to the
-// same rank would otherwise all poll the same word with system-scope acquires.
-struct ReadyRanks {
-  uint32_t bits = 0;
-  static_assert(kMaxNvlRanks <= 32, "one bit per low-latency rank");
-};
-
-// The thread's writes into rank r's set after this come after every block of r received every earlier op
-// there (k per block, G blocks: the same grid on every rank). Acquire (the first time per rank; later calls
-// rely on that acquire, earlier in this thread's program order); pairs with the releases in r's
-// finish_receive.
-__device__ __forceinline__ void wait_rank_ready(ReadyRanks& ready, const uint64_t* recv_seen, int r, uint32_t k_ops,
-                                                const FailEnv& env, const WaitSite& site) {
-  const uint32_t bit = 1u << r;
-  if (ready.bits & bit) return;
-  wait_blocks(recv_seen + r, k_ops * gridDim.x, env, site);
-  ready.bits |= bit;
-}
-
 // End of a receive phase, every thread of every block, after the block's last read of the receive area and its
 // clears of count slots: the block counts the op as received (its own block_ops) and adds one to every rank's
 // recv_seen[me]. Release (the barrier first, so it covers every thread's reads and clears): pairs with
-// wait_rank_ready at the senders of the next op on this set.
+// the back-pressure polls (wait_blocks) at the senders of the next op on this set.
 __device__ __forceinline__ void finish_receive(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set,
                                                uint32_t k_ops, int me, int num_ranks) {
   __syncthreads();
