@@ -6,6 +6,8 @@
 // and block); the last item of an (expert, source) pair raises the flag at the source. Writes into
 // other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is
 // not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
+// A row for this rank itself is copied only when the receive runs in a later launch (hook); with both phases
+// in one launch it stays in x and its receive slot holds its row index instead (~1.3 us, v0.11).
 // Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up (raised to this
 // op's number on the set; never cleared):
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
@@ -29,6 +31,12 @@ using namespace dev;
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = kCopyItemInt4;  // int4 per send work item (kernels/ll_transport.cuh)
+
+// Where a row this rank returns to itself leaves its index in x (its receive slot's first word) when the
+// receive phase reads it in place.
+__device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, int row_int4) {
+  return reinterpret_cast<int32_t*>(receive + slot * row_int4);
+}
 
 // Rows this rank sends back, in items of kChunk int4 spread over the whole grid's warps. Row g of the
 // concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and
@@ -88,6 +96,10 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // NVSHMEM peer each item is a put and a quiet (put_warp): more completions per row than the 1-4 parts before
   // v0.4; not measured on the forced path since.
   const int parts = (row_int4 + kChunk - 1) / kChunk;
+  // With both phases in this launch, this rank's own rows are not copied: the receive phase reads them from x
+  // in place, through the row index each one leaves in its receive slot (local_row_of). A send-only launch
+  // (hook) copies them, since x may change before the hook runs.
+  const bool local_in_place = (p.phases & kLowLatencyRecv) != 0;
   // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
   // the start of the next): every item's stores are issued before the first completion, so the later items'
   // loads overlap the first one's release (which waits for its stores). Adjacent items per warp measured
@@ -115,14 +127,19 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       const int t = p.recv_src_info[row];
       const int first = part * kChunk, last = min(first + kChunk, row_int4);
       const int4* src = p.x + row * row_int4 + first;
-      if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
-        warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
-        __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
-        __syncwarp();
-        src = stage + row * row_int4 + first;
+      if (s == me && local_in_place) {
+        if (part == 0 && lane == 0)  // published like the data items (the same release chain)
+          *local_row_of(receive, int64_t(e) * M + t, row_int4) = int32_t(row);
+      } else {
+        if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
+          warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
+          __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
+          __syncwarp();
+          src = stage + row * row_int4 + first;
+        }
+        put_warp_once<kChunk / 32>(p.peers, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first,
+                                   lane, LoadNc{});
       }
-      put_warp_once<kChunk / 32>(p.peers, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first,
-                                 lane, LoadNc{});
       b_pair[j] = i * R + s;
       b_target[j] = s_range[i * R + s].y * parts;
       b_expert[j] = e;
@@ -154,12 +171,15 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
 __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
   __shared__ float s_weight[kMaxTopk];
+  __shared__ const int4* s_row[kMaxTopk];  // token t's row of slot k: in the receive area, or in x (own rows)
   const int M = p.max_tokens, K = p.num_topk, E = p.num_experts;
   const int L = E / p.num_ranks;
   const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // the send phase's too (same block, same op)
   const int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);
   const int row_int4 = p.hidden / 8;
-  const int4* recv = reinterpret_cast<const int4*>(p.layout.receive(p.peers.local, p.set));
+  int4* recv = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
+  const bool local_in_place = (p.phases & kLowLatencySend) != 0;  // the send phase of this launch left them in x
+  const int me = p.env.rank;
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     if (threadIdx.x < K) {
       const int k = threadIdx.x;
@@ -170,8 +190,13 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
       // Acquire; pairs with the signal of e's rank after its last row of this op for this rank (value k + 1;
       // earlier combines on the set left at most k). The __syncthreads below orders every thread's row loads
       // after it.
-      if (valid)
+      if (valid) {
         wait_epoch(flags + e, int32_t(k_ops + 1u), p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)});
+        const int64_t slot = e * M + t;
+        s_row[k] = recv + slot * row_int4;
+        if (local_in_place && e / L == me)  // written by this launch's send phase before the flag's release
+          s_row[k] = p.x + int64_t(ld_cg(local_row_of(recv, slot, row_int4))) * row_int4;
+      }
     }
     __syncthreads();
     for (int h = threadIdx.x; h < row_int4; h += kThreads) {
@@ -181,7 +206,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
           if (k0 + j < K && s_expert[k0 + j] >= 0)
-            v[j] = ld_cg(recv + (int64_t(s_expert[k0 + j]) * M + t) * row_int4 + h);
+            v[j] = ld_cg(s_row[k0 + j] + h);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (k0 + j >= K || s_expert[k0 + j] < 0) continue;
