@@ -168,6 +168,11 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
 // Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait),
 // then adds its completion to every rank's epoch counter, which (once all blocks have) lets the next op on
 // this set, of either kind, write here.
+// kInPlace: this launch's send phase left this rank's own rows in x (both phases in one launch). A separate
+// instantiation, so that the receive of a hook keeps the reduction's code of v0.10 (16 bytes of spills; reading
+// every row through a pointer per slot spills 48 there). Measured on 4 x H200 against one version for both:
+// within the noise (hook receive 16.7-18.2 vs 17.1-18.2 us, combine queued 53.7-53.8 vs 54.0-54.1).
+template <bool kInPlace>
 __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
   __shared__ float s_weight[kMaxTopk];
@@ -178,7 +183,6 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   const int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);
   const int row_int4 = p.hidden / 8;
   int4* recv = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
-  const bool local_in_place = (p.phases & kLowLatencySend) != 0;  // the send phase of this launch left them in x
   const int me = p.env.rank;
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     if (threadIdx.x < K) {
@@ -192,10 +196,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
       // after it.
       if (valid) {
         wait_epoch(flags + e, int32_t(k_ops + 1u), p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)});
-        const int64_t slot = e * M + t;
-        s_row[k] = recv + slot * row_int4;
-        if (local_in_place && e / L == me)  // written by this launch's send phase before the flag's release
-          s_row[k] = p.x + int64_t(ld_cg(local_row_of(recv, slot, row_int4))) * row_int4;
+        if constexpr (kInPlace) {
+          const int64_t slot = e * M + t;
+          s_row[k] = recv + slot * row_int4;
+          if (e / L == me)  // written by this launch's send phase before the flag's release
+            s_row[k] = p.x + int64_t(ld_cg(local_row_of(recv, slot, row_int4))) * row_int4;
+        }
       }
     }
     __syncthreads();
@@ -206,7 +212,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
           if (k0 + j < K && s_expert[k0 + j] >= 0)
-            v[j] = ld_cg(s_row[k0 + j] + h);
+            v[j] = kInPlace ? ld_cg(s_row[k0 + j] + h)
+                            : ld_cg(recv + (int64_t(s_expert[k0 + j]) * M + t) * row_int4 + h);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (k0 + j >= K || s_expert[k0 + j] < 0) continue;
@@ -232,7 +239,12 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const 
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
   __shared__ int2 s_range[kLowLatencyMaxExperts];  // [L * R] (begin, count) of every (local expert, source)
   if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range);
-  if (p.phases & kLowLatencyRecv) receive_phase(p);
+  if (p.phases & kLowLatencyRecv) {
+    if (p.phases & kLowLatencySend)
+      receive_phase<true>(p);
+    else
+      receive_phase<false>(p);
+  }
 }
 
 }  // namespace
