@@ -125,7 +125,7 @@ __global__ void shape_kernel(Peers p, int self, int ngpus, int rows, int row_int
         asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counters + item_of[j]) : "memory");
       else
         asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counters + item_of[j]) : "memory");
-      if (release == 3 && old + 1 == parts) {
+      if (release == 3 && (old + 1) % parts == 0) {  // counters accumulate over the timed iterations
         const int pi = peer_major ? item_of[j] / rows : item_of[j] % npeers;
         const int peer = with_self ? pi : (pi >= self ? pi + 1 : pi);
         int* flag = reinterpret_cast<int*>(p.flag[peer]) + self * rows + (peer_major ? item_of[j] % rows : item_of[j] / npeers);
