@@ -206,6 +206,11 @@ int main(int argc, char** argv) {
   const bool shape = argc > 2 && std::string(argv[2]) == "shape";
   constexpr int kWindow = 72 * 128;
   std::vector<int> rows_list = {1024 * 3 / 4 / (ngpus - 1) + 1, 1024};
+  // `./link_rate 7424 rows 115`: the default sweep for one row count only (e.g. the low-latency dispatch's
+  // records: ~115 of 7424 bytes to each peer at the bench defaults), with 128-thread blocks as well (the
+  // dispatch's writers: a few warps per SM, one record each).
+  const bool rows_mode = argc > 3 && std::string(argv[2]) == "rows";
+  if (rows_mode) rows_list = {std::max(1, std::atoi(argv[3]))};
   const size_t max_rows = scatter || shape ? kWindow : 1024;
   Peers p{};
   std::vector<cudaStream_t> streams(ngpus * kMaxGpus);
@@ -383,8 +388,9 @@ int main(int argc, char** argv) {
     const int us_[] = {1, 2, 4, 8};
     for (int pull : {0, 1})
       for (int blocks : {sms / 4, sms / 2, sms})
-        for (int threads : {512, 1024})
+        for (int threads : {128, 512, 1024})
           for (int k = 0; k < 4; ++k) {
+            if (threads == 128 && !rows_mode) continue;
             clear_dst();
             const double us = time_all([&](int g, cudaStream_t s) {
               kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, pull, rows);
