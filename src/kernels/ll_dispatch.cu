@@ -295,22 +295,30 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
     named_barrier(1, threads);  // s_begin and s_expected are written
     const int total = s_begin[R];
     // Rows of expert i are numbered by (source, slot); work items of kChunk int4 per row (one round of loads
-    // per lane each) plus one for the row's scales and source token, spread over the receive warps. An item
-    // starts once every row of its source has arrived (lane 0 polls each source once per expert).
+    // per lane each) plus one for the row's scales and source token. Each receive warp takes a contiguous range
+    // of items, so that it waits for one source (two where its range crosses a boundary) and loads each row's
+    // map entry once: with items dealt round-robin every warp held items of every source and waited for them
+    // in source order, so a late source was first polled only after the earlier ones' copies (v0.12 probe).
+    const int all_items = total * items, per_warp = (all_items + recv_warps - 1) / recv_warps;
+    const int w_end = min(all_items, (warp + 1) * per_warp);
     uint32_t complete = 0;  // lane 0's: sources whose rows of expert i have all arrived
-    for (int w = warp; w < total * items; w += recv_warps) {
+    int s = 0, n_cached = -1, token = 0;
+    for (int w = warp * per_warp; w < w_end; ++w) {
       const int n = w / items, c = w % items;
-      int s = 0;
-      while (n >= s_begin[s + 1]) ++s;
-      if (lane == 0 && !(complete >> s & 1)) {
-        // Acquire; pairs with the writers' release adds (send_phase): the rows' records and map entries are here.
-        wait_at_least_i32(arrived + i * R + s, s_expected[s], p.env, WaitSite{kRoleLowLatencyRecv, -1, s, i});
-        complete |= 1u << s;
+      if (n != n_cached) {  // a new row: its source (rows ascend, so s only moves forward) and its record
+        while (n >= s_begin[s + 1]) ++s;
+        if (lane == 0 && !(complete >> s & 1)) {
+          // Acquire; pairs with the writers' release adds (send_phase): the rows' records and map entries are
+          // here.
+          wait_at_least_i32(arrived + i * R + s, s_expected[s], p.env, WaitSite{kRoleLowLatencyRecv, -1, s, i});
+          complete |= 1u << s;
+        }
+        __syncwarp();  // lane 0's acquire orders every lane's loads below
+        // The entry is token + 1, below M + 1 unless a sender broke the protocol (or the receive call named
+        // another shape); clamped, so that even then every read stays inside the records.
+        token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + (n - s_begin[s])) - 1, 0), M - 1);
+        n_cached = n;
       }
-      __syncwarp();  // lane 0's acquire orders every lane's loads below
-      // The entry is token + 1, below M + 1 unless a sender broke the protocol (or the receive call named
-      // another shape); clamped, so that even then every read stays inside the records.
-      const int token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + (n - s_begin[s])) - 1, 0), M - 1);
       const uint8_t* src = records + (int64_t(s) * M + token) * rec.bytes;
       const int64_t row = int64_t(i) * rows_per_expert + n;
       if (c < chunks) {
