@@ -295,13 +295,19 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
     named_barrier(1, threads);  // s_begin and s_expected are written
     const int total = s_begin[R];
     // Rows of expert i are numbered by (source, slot); work items of kChunk int4 per row (one round of loads
-    // per lane each) plus one for the row's scales and source token, spread over the receive warps. An item
-    // starts once every row of its source has arrived (lane 0 polls each source once per expert).
+    // per lane each) plus one for the row's scales and source token. Each receive warp takes a contiguous range
+    // of items, so that it waits for one source (two where its range crosses a boundary) and loads each row's
+    // map entry once: with items dealt round-robin every warp held items of every source and waited for them
+    // in source order, so a late source was first polled only after the earlier ones' copies (v0.12 probe).
+    const int all_items = total * items, per_warp = (all_items + recv_warps - 1) / recv_warps;
+    const int w_end = min(all_items, (warp + 1) * per_warp);
     uint32_t complete = 0;  // lane 0's: sources whose rows of expert i have all arrived
-    for (int w = warp; w < total * items; w += recv_warps) {
-      const int n = w / items, c = w % items;
-      int s = 0;
-      while (n >= s_begin[s + 1]) ++s;
+    int s = 0;
+    for (int w = warp * per_warp; w < w_end;) {
+      // The warp's items of row n: [c0, c1) (data chunks below `chunks`, then the row's scales and token).
+      const int n = w / items, c0 = w % items, c1 = min(w_end - n * items, items);
+      w = n * items + c1;
+      while (n >= s_begin[s + 1]) ++s;  // rows ascend, so s only moves forward
       if (lane == 0 && !(complete >> s & 1)) {
         // Acquire; pairs with the writers' release adds (send_phase): the rows' records and map entries are here.
         wait_at_least_i32(arrived + i * R + s, s_expected[s], p.env, WaitSite{kRoleLowLatencyRecv, -1, s, i});
@@ -313,14 +319,13 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       const int token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + (n - s_begin[s])) - 1, 0), M - 1);
       const uint8_t* src = records + (int64_t(s) * M + token) * rec.bytes;
       const int64_t row = int64_t(i) * rows_per_expert + n;
-      if (c < chunks) {
-        const int first = c * kChunk;
-        warp_copy_once<kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
-                                    reinterpret_cast<const int4*>(src) + first, min(kChunk, row_int4 - first),
-                                    lane, LoadCg{}, StoreNa{});
-      } else {
-        copy_row_meta(p, src, i, n, token, lane);
-      }
+      // The data chunks in rounds of two (8 int4 per lane in flight): one load latency per 4 KB, not per 2 KB.
+      const int end4 = min(min(c1, chunks) * kChunk, row_int4);
+      for (int first = c0 * kChunk; first < end4; first += 2 * kChunk)
+        warp_copy_once<2 * kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
+                                        reinterpret_cast<const int4*>(src) + first, min(2 * kChunk, end4 - first),
+                                        lane, LoadCg{}, StoreNa{});
+      if (c1 > chunks) copy_row_meta(p, src, i, n, token, lane);
     }
     named_barrier(1, threads);  // every row of expert i is copied; no warp reads s_begin / s_expected any more
     // The count and arrival slots are free for the next op on this set (published by the block's completion
