@@ -17,8 +17,9 @@
 // Receive phase (the block's warps other than the writers, so that it starts while the block's own stores
 // drain): the block owning a local expert waits for all ranks' counts, lays the rows out by source rank
 // ascending and copies them from the records into the packed outputs (FP8 scales token-minor) in work items
-// of one load round each, spread over its warps; an item waits until every row of its (expert, source) has
-// arrived (the arrival counter), so the rows of early sources are copied while later ones are in flight. Then
+// of one load round each, a contiguous range of them per warp; an item waits until every row of its (expert,
+// source) has arrived (the arrival counter), so the rows of early sources are copied while later ones are in
+// flight. Then
 // it clears the counts and arrival counters; every block then adds its completion to every rank's epoch
 // counter (recv_seen), which (once all blocks have) lets the next op on this set write here. The receive
 // phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its registers do
