@@ -19,9 +19,8 @@
 // ascending and copies them from the records into the packed outputs (FP8 scales token-minor) in work items
 // of one load round each, a contiguous range of them per warp; an item waits until every row of its (expert,
 // source) has arrived (the arrival counter), so the rows of early sources are copied while later ones are in
-// flight. Then
-// it clears the counts and arrival counters; every block then adds its completion to every rank's epoch
-// counter (recv_seen), which (once all blocks have) lets the next op on this set write here. The receive
+// flight. Then it clears the counts and arrival counters; every block then adds its completion to every rank's
+// epoch counter (recv_seen), which (once all blocks have) lets the next op on this set write here. The receive
 // phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its registers do
 // not add to the send phase's.
 #include <cuda_runtime.h>
