@@ -16,7 +16,7 @@ RingLayout ring_for(const Buffer::Impl& b, const Config& c, int64_t record_bytes
   if (need > b.ring_bytes_available())
     raise(Status::kBufferTooSmall, op, ": num_nvl_bytes is ", b.ring_bytes_available(), " but this call needs ", need,
           " (", c.num_sms / 2, " channels x ", b.num_nvl_ranks, " ranks x ", c.num_max_recv_tokens, " tokens x ",
-          record_bytes, " bytes per token); create the Buffer with at least that, e.g. from nvl_size_hint");
+          ring.stride(), " bytes per token); create the Buffer with at least that, e.g. from nvl_size_hint");
   return ring;
 }
 

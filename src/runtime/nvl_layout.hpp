@@ -83,19 +83,20 @@ struct CombineRecord {
   }
 };
 
-// Ring data region: [channel][peer][slot] records of `record_bytes`.
+// Ring data region: [channel][peer][slot] records of `record_bytes`, each slot starting on a kAlign (128-byte)
+// line: a 14416-byte BF16 record (14336 row + 80 meta) at a 16-byte stride put every warp's 512-byte store
+// across five lines instead of four.
 struct RingLayout {
   int num_peers;
   int capacity;  // slots per (channel, peer)
   int64_t record_bytes;
 
   EPX_HD static constexpr int64_t data_offset() { return align_up(int64_t(sizeof(NvlControl)), kAlign); }
-  EPX_HD int64_t bytes(int num_channels) const {
-    return int64_t(num_channels) * num_peers * capacity * record_bytes;
-  }
+  EPX_HD int64_t stride() const { return align_up(record_bytes, kAlign); }
+  EPX_HD int64_t bytes(int num_channels) const { return int64_t(num_channels) * num_peers * capacity * stride(); }
   EPX_HD uint8_t* slot(void* buffer_base, int channel, int peer, uint64_t position) const {
     const int64_t index = (int64_t(channel) * num_peers + peer) * capacity + int64_t(position % uint64_t(capacity));
-    return static_cast<uint8_t*>(buffer_base) + data_offset() + index * record_bytes;
+    return static_cast<uint8_t*>(buffer_base) + data_offset() + index * stride();
   }
 };
 

@@ -92,7 +92,7 @@ int64_t largest_ring_bytes(const epx::Config& c, int64_t hidden_bytes, int num_r
       std::max({epx::DispatchRecord::make(hidden_bytes, 0, epx::kMaxTopk).bytes,
                 epx::DispatchRecord::make(hidden, fp8_scales, epx::kMaxTopk).bytes,
                 epx::CombineRecord::make(hidden, epx::kMaxTopk).bytes});
-  return int64_t(c.num_sms / 2) * num_ranks * c.num_max_recv_tokens * record;
+  return int64_t(c.num_sms / 2) * num_ranks * c.num_max_recv_tokens * epx::align_up(record, epx::kAlign);
 }
 
 TEST(Config, NvlSizeHintCoversTheLargestRecords) {
