@@ -304,9 +304,9 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParam
 }  // namespace
 
 // Senders: at most 2 ranks, the coordinated sender (no per-chunk barrier and fence in the data warps; 4 x H200,
-// 2 ranks, 24 SMs: BF16 dispatch 353-358 vs 317-320 GB/s); at more ranks the chunked one, which measured 5-10%
+// 2 ranks, 24 SMs: BF16 dispatch 353-362 vs 317-320 GB/s); at more ranks the chunked one, which measured 5-10%
 // faster at 4 ranks (docs/bench-notes.md, v0.13: there the coordinator's fences took 15-30 us each, waiting for
-// every store in flight from its SM, and the receivers' 6-warp groups did not absorb the late, large batches).
+// every store in flight from its SM, and its receivers finished 200-300 us after the senders).
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   if (p.num_ranks <= 2)
     dispatch_kernel<kCopyUnroll, true><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
