@@ -118,6 +118,17 @@ __device__ __forceinline__ void st_na(int32_t* p, int32_t v) {
   asm volatile("st.global.L1::no_allocate.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Progress words in shared memory between warps of one block (CTA scope: no wait for global stores to land;
+// a later system-scope release by the reading warp is cumulative over what it acquired here).
+__device__ __forceinline__ void st_release_cta(int32_t* p, int32_t v) {
+  asm volatile("st.release.cta.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int32_t ld_acquire_cta(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // ---- time and barriers -------------------------------------------------------------------------------------
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;

@@ -34,7 +34,8 @@ __device__ __forceinline__ int row_end_of(const CombineParams& p, int src, int c
                                       : p.rank_prefix_matrix[src * p.num_ranks + p.env.rank];
 }
 
-// Sender group for one destination (a source rank of the dispatch): pushes its rows in dispatch order.
+// Chunked sender (3 or more ranks), the group for one destination (a source rank of the dispatch): pushes its
+// rows in dispatch order, a chunk at a time, then publishes the tail.
 template <int kUnroll>
 __device__ void combine_sender(const CombineParams& p, int channel) {
   PeerGroup g;
@@ -66,6 +67,85 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
     tail += n;
     row += n;
     if (g.leader) st_release_sys(tail_ptr, tail);  // pairs with the reducers' acquire of tail
+  }
+}
+
+// Coordinated sender (at most 2 ranks, as in dispatch): a warp of the group for one destination (a source rank
+// of the dispatch; SenderGroups) pushes the rows of that rank's stream whose position is its own (position %
+// group warps == its index) and after each row publishes its progress word in shared memory: every position
+// below it that this warp owns is written. The sender coordinator turns progress into ring tails.
+template <int kUnroll>
+__device__ void combine_sender_coordinated(const CombineParams& p, int channel, int32_t* s_progress) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
+  const SenderGroups groups = SenderGroups::of(R);
+  int dest = 0;
+  while (dest + 1 < R && warp >= groups.first_warp(dest + 1, me)) ++dest;
+  const int gwarp = warp - groups.first_warp(dest, me), gwarps = groups.warps(dest, me);
+  const int row_begin = p.recv_channel_prefix_matrix[dest * p.num_channels + channel];
+  const int n = row_end_of(p, dest, channel) - row_begin;
+  NvlControl* dst = p.env.peers[dest];
+  const uint64_t* head_ptr = &dst->combine_head[channel][me];
+  const uint64_t base = ld_relaxed_sys(&dst->combine_tail[channel][me]);  // idle ring: head == tail == base
+  const uint64_t cap = p.ring.capacity;
+  uint64_t head_seen = base;
+  int32_t* progress = s_progress + warp;
+
+  for (int i = gwarp; i < n; i += gwarps) {
+    if (base + i + 1 > cap + head_seen) {
+      // Ring full up to slot i: publish progress first (every own position below i is written), so that the
+      // tail can reach the slots the reducers need to free this one whatever the ring's capacity.
+      __syncwarp();
+      if (lane == 0) {
+        st_release_cta(progress, i);  // pairs with the coordinator's acquire
+        // pairs with the receiver coordinator's release of head
+        head_seen = wait_at_least(head_ptr, base + i + 1 - cap, p.env,
+                                  WaitSite{kRoleCombineSender, channel, dest, row_begin + i});
+      }
+      head_seen = __shfl_sync(kFullMask, head_seen, 0);
+    }
+    uint8_t* slot = p.ring.slot(dst, channel, me, base + i);
+    const int row = row_begin + i;
+    // The weight is loaded before the row so that its latency hides behind the copy.
+    const float w = lane < p.num_topk ? ld_nc(p.topk_weights + int64_t(row) * p.num_topk + lane) : 0.f;
+    warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row) * p.x_int4, p.x_int4, lane, LoadNc{},
+                       StoreNa{});
+    if (lane < p.num_topk) reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] = w;
+    __syncwarp();  // every lane's stores of this row come before lane 0's release
+    if (lane == 0) st_release_cta(progress, min(i + gwarps, n));  // pairs with the coordinator's acquire
+  }
+  __syncwarp();
+  if (lane == 0) st_release_cta(progress, -n - 1);  // done: the final count, negated
+}
+
+// Sender coordinator (the sender block's last warp): lane j publishes the tail of ring (channel, this rank) at
+// rank j, as dispatch_sender_coordinator does.
+__device__ void combine_sender_coordinator(const CombineParams& p, int channel, const int32_t* s_progress) {
+  const int lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
+  const SenderGroups groups = SenderGroups::of(R);
+  const bool active = lane < R;
+  const int first = active ? groups.first_warp(lane, me) : 0, warps = active ? groups.warps(lane, me) : 0;
+  uint64_t* tail_ptr = active ? &p.env.peers[lane]->combine_tail[channel][me] : nullptr;
+  const uint64_t base = active ? ld_relaxed_sys(tail_ptr) : 0;
+  int published = 0;
+  bool done = !active;
+  SpinBudget budget;
+  while (true) {
+    if (!done) {
+      int low = INT_MAX;
+      bool finished = true;
+      for (int w = first; w < first + warps; ++w) {
+        const int32_t v = ld_acquire_cta(s_progress + w);  // pairs with the sender warp's release
+        finished &= v < 0;
+        low = min(low, v < 0 ? -v - 1 : v);
+      }
+      if (low > published) {
+        st_release_sys(tail_ptr, base + low);  // pairs with the reducers' acquire of tail
+        published = low;
+      }
+      done = finished;
+    }
+    if (__all_sync(kFullMask, done)) break;
+    budget.tick(p.env, WaitSite{kRoleCombineSenderCoordinator, channel, lane, published}, published, -1);
   }
 }
 
@@ -176,7 +256,19 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams 
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    combine_sender<kUnroll>(p, channel);
+    // At most 2 ranks the coordinated sender (4 x H200, 24 SMs: 424-440 vs 414-418 GB/s at 2 ranks; 336-340 vs
+    // 374-377 at 4, where the chunked one stays; docs/bench-notes.md, v0.13).
+    if constexpr (kRanks <= 2) {
+      __shared__ int32_t s_progress[kSenderWarps];  // per sender warp, see combine_sender_coordinated
+      if (threadIdx.x < kSenderWarps) s_progress[threadIdx.x] = 0;
+      __syncthreads();
+      if (threadIdx.x / 32 < kSenderWarps)
+        combine_sender_coordinated<kUnroll>(p, channel, s_progress);
+      else
+        combine_sender_coordinator(p, channel, s_progress);
+    } else {
+      combine_sender<kUnroll>(p, channel);
+    }
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

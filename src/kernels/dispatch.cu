@@ -7,6 +7,8 @@
 // monotonic): an operation starts where the last one ended, and notify guarantees the ring is idle then.
 #include <cuda_runtime.h>
 
+#include <climits>
+
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
@@ -90,8 +92,9 @@ __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8
   }
 }
 
-// Sender group for one destination: scans the channel's tokens in order, takes up to a chunk of those
-// routed to the destination, copies them (token i of the chunk by warp i % warps), then publishes the tail.
+// Chunked sender (3 or more ranks, see launch_dispatch), the group for one destination: scans the channel's
+// tokens in order, takes up to a chunk of those routed to the destination, copies them (token i of the chunk
+// by warp i % warps), then publishes the tail.
 // Also records send_head[t][dest]: the token's stream position, or -(next position) - 1 if not sent, which
 // the combine receiver uses as "positions below this are no longer needed".
 template <int kUnroll>
@@ -143,6 +146,96 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel) {
   }
 }
 
+// Coordinated sender (at most 2 ranks, see launch_dispatch): a warp of the group for one destination
+// (SenderGroups) scans the channel's tokens 32 at a time (every warp of the group scans them all, so all agree
+// on the stream positions without talking), writes the routed tokens whose position is its own (position %
+// group warps == its index) into ring slots, and after each window publishes its progress word in shared
+// memory: every position below it that this warp owns is written. No barrier and no system fence here: the
+// coordinator turns progress into ring tails. Also records send_head[t][dest] as the chunked sender does
+// (windows dealt round-robin over the group).
+template <int kUnroll>
+__device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
+  const SenderGroups groups = SenderGroups::of(R);
+  int dest = 0;
+  while (dest + 1 < R && warp >= groups.first_warp(dest + 1, me)) ++dest;
+  const int gwarp = warp - groups.first_warp(dest, me), gwarps = groups.warps(dest, me);
+  const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
+  NvlControl* dst = p.env.peers[dest];
+  const uint64_t* head_ptr = &dst->dispatch_head[channel][me];
+  const uint64_t base = ld_relaxed_sys(&dst->dispatch_tail[channel][me]);  // idle ring: head == tail == base
+  const uint64_t cap = p.ring.capacity;
+  uint64_t head_seen = base;
+  int32_t* progress = s_progress + warp;
+
+  int routed = 0;  // stream position of the window's first routed token
+  for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
+    const int t = cursor + lane;
+    const bool in = t < range.end && p.is_token_in_rank[int64_t(t) * R + dest];
+    const uint32_t mask = __ballot_sync(kFullMask, in);
+    if (window % gwarps == gwarp && t < range.end) {
+      const int pos = routed + __popc(mask & lanemask_lt());
+      p.send_head[int64_t(t) * R + dest] = in ? pos : -pos - 1;
+    }
+    int i = routed;
+    for (uint32_t m = mask; m != 0; m &= m - 1, ++i) {
+      if (i % gwarps != gwarp) continue;
+      if (base + i + 1 > cap + head_seen) {
+        // Ring full up to slot i. Publish progress first (every own position below i is written), so that the
+        // tail can reach the slots the receiver needs to free this one whatever the ring's capacity.
+        __syncwarp();
+        if (lane == 0) {
+          st_release_cta(progress, i);  // pairs with the coordinator's acquire
+          // pairs with the receiver's release of head
+          head_seen = wait_at_least(head_ptr, base + i + 1 - cap, p.env,
+                                    WaitSite{kRoleDispatchSender, channel, dest, cursor + __ffs(m) - 1});
+        }
+        head_seen = __shfl_sync(kFullMask, head_seen, 0);
+      }
+      write_record<kUnroll>(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, base + i), lane);
+    }
+    routed += __popc(mask);
+    __syncwarp();  // every lane's stores of this window come before lane 0's release
+    if (lane == 0) st_release_cta(progress, routed);  // pairs with the coordinator's acquire
+  }
+  __syncwarp();
+  if (lane == 0) st_release_cta(progress, -routed - 1);  // done: the final count, negated
+}
+
+// Sender coordinator (the sender block's last warp): lane j publishes the tail of ring (channel, this rank) at
+// rank j: base + the minimum progress over group j's warps, whenever it grows. Its acquire of the progress
+// words and the release of the tail carry every record those warps wrote (release is cumulative), so the data
+// warps never wait for their stores to land; this warp does, once per publication, while they keep writing.
+__device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel, const int32_t* s_progress) {
+  const int lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
+  const SenderGroups groups = SenderGroups::of(R);
+  const bool active = lane < R;
+  const int first = active ? groups.first_warp(lane, me) : 0, warps = active ? groups.warps(lane, me) : 0;
+  uint64_t* tail_ptr = active ? &p.env.peers[lane]->dispatch_tail[channel][me] : nullptr;
+  const uint64_t base = active ? ld_relaxed_sys(tail_ptr) : 0;
+  int published = 0;
+  bool done = !active;
+  SpinBudget budget;
+  while (true) {
+    if (!done) {
+      int low = INT_MAX;
+      bool finished = true;
+      for (int w = first; w < first + warps; ++w) {
+        const int32_t v = ld_acquire_cta(s_progress + w);  // pairs with the data warp's release
+        finished &= v < 0;
+        low = min(low, v < 0 ? -v - 1 : v);
+      }
+      if (low > published) {
+        st_release_sys(tail_ptr, base + low);  // pairs with the receiver's acquire of tail
+        published = low;
+      }
+      done = finished;
+    }
+    if (__all_sync(kFullMask, done)) break;
+    budget.tick(p.env, WaitSite{kRoleDispatchCoordinator, channel, lane, published}, published, -1);
+  }
+}
+
 // Receiver group for one source: waits for the source's tail, copies what arrived, publishes the head.
 template <int kUnroll>
 __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t* s_tail) {
@@ -185,13 +278,23 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
   }
 }
 
-template <int kUnroll>
+template <int kUnroll, bool kCoordinated>
 __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParams p) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
+  __shared__ int32_t s_progress[kSenderWarps];  // per sender warp, see dispatch_sender_coordinated
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    dispatch_sender<kUnroll>(p, channel);
+    if constexpr (kCoordinated) {
+      if (threadIdx.x < kSenderWarps) s_progress[threadIdx.x] = 0;
+      __syncthreads();
+      if (threadIdx.x / 32 < kSenderWarps)
+        dispatch_sender_coordinated<kUnroll>(p, channel, s_progress);
+      else
+        dispatch_sender_coordinator(p, channel, s_progress);
+    } else {
+      dispatch_sender<kUnroll>(p, channel);
+    }
   } else {
     if (p.num_worst_tokens > 0) pad_rows(p, channel);
     dispatch_receiver<kUnroll>(p, channel, s_tail);
@@ -200,8 +303,15 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParam
 
 }  // namespace
 
+// Senders: at most 2 ranks, the coordinated sender (no per-chunk barrier and fence in the data warps; 4 x H200,
+// 2 ranks, 24 SMs: BF16 dispatch 353-362 vs 317-320 GB/s); at more ranks the chunked one, which measured 5-10%
+// faster at 4 ranks (docs/bench-notes.md, v0.13: there the coordinator's fences took 15-30 us each, waiting for
+// every store in flight from its SM, and its receivers finished 200-300 us after the senders).
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  dispatch_kernel<kCopyUnroll><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  if (p.num_ranks <= 2)
+    dispatch_kernel<kCopyUnroll, true><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  else
+    dispatch_kernel<kCopyUnroll, false><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
 }
 
 }  // namespace epx

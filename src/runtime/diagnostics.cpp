@@ -40,6 +40,8 @@ const char* role_name(int role) {
     case kRoleCombineSender: return "combine sender";
     case kRoleCombineReceiver: return "combine receiver";
     case kRoleCombineCoordinator: return "combine coordinator";
+    case kRoleDispatchCoordinator: return "dispatch sender coordinator";
+    case kRoleCombineSenderCoordinator: return "combine sender coordinator";
     case kRoleLowLatencySend: return "low-latency dispatch send";
     case kRoleLowLatencyRecv: return "low-latency dispatch receive";
     case kRoleLowLatencyCombineSend: return "low-latency combine send";
@@ -68,6 +70,10 @@ std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
       break;
     case kRoleCombineReceiver:
       what = cat("waiting for data from rank ", d.peer, ": tail ", d.a, ", needed >= ", d.b, " (token ", d.c, ")");
+      break;
+    case kRoleDispatchCoordinator:
+    case kRoleCombineSenderCoordinator:
+      what = cat("sender warps did not finish: tail published to rank ", d.peer, " at ", d.a, " records");
       break;
     case kRoleCombineCoordinator:
       what = cat("reducers did not finish: head of rank ", d.peer, " at ", d.a, " of ", d.b);

@@ -33,6 +33,8 @@ enum DeviceRole : int32_t {
   kRoleLowLatencyRecv = 8,
   kRoleLowLatencyCombineSend = 9,
   kRoleLowLatencyCombineRecv = 10,
+  kRoleDispatchCoordinator = 11,
+  kRoleCombineSenderCoordinator = 12,
 };
 
 struct DeviceDiag {
