@@ -64,7 +64,8 @@ typedef struct epx_buffer_options {
 /* Tuning of the high-throughput kernels. num_sms blocks, num_sms / 2 channels. */
 typedef struct epx_config {
   int num_sms;             /* even, >= 2 */
-  int num_max_send_tokens; /* tokens a sender publishes per tail update (chunk) */
+  int num_max_send_tokens; /* tokens a sender publishes per tail update (chunk); unused by the senders at 2 ranks or
+                              fewer, which publish progress continuously (still validated) */
   int num_max_recv_tokens; /* ring capacity per (channel, peer), in tokens; >= num_max_send_tokens */
 } epx_config;
 

@@ -14,7 +14,8 @@ MAX_NVL_RANKS = 8
 
 
 class Config:
-    """Kernel tuning: num_sms blocks (num_sms / 2 channels), tokens per send chunk, ring capacity in tokens."""
+    """Kernel tuning: num_sms blocks (num_sms / 2 channels), tokens per send chunk (unused by the senders at 2 ranks
+    or fewer), ring capacity in tokens."""
 
     __slots__ = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                  "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")

@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams 
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    // At most 2 ranks the coordinated sender (4 x H200, 24 SMs: 424-440 vs 414-418 GB/s at 2 ranks; 336-340 vs
-    // 374-377 at 4, where the chunked one stays; docs/bench-notes.md, v0.13).
+    // At most 2 ranks the coordinated sender (4 x H200, 24 SMs: 423.9-440.2 vs 407.0-419.8 GB/s at 2 ranks;
+    // 315.8-340.5 vs 359.3-377.2 at 4, where the chunked one stays; docs/bench-notes.md, v0.13).
     if constexpr (kRanks <= 2) {
       __shared__ int32_t s_progress[kSenderWarps];  // per sender warp, see combine_sender_coordinated
       if (threadIdx.x < kSenderWarps) s_progress[threadIdx.x] = 0;

@@ -3,6 +3,7 @@
 // each other. Leftover warps (when R does not divide kDataWarps) stay idle.
 #pragma once
 
+#include "kernels/sender_groups.hpp"
 #include "runtime/limits.hpp"
 
 namespace epx {
@@ -26,30 +27,6 @@ struct PeerGroup {
     return g.peer < num_ranks;
   }
 };
-
-// Groups of a coordinated sender block (dispatch and combine at most 2 ranks): its first kSenderWarps warps, one
-// group per destination in rank order; the last warp is the sender coordinator (kernels/dispatch.cu). The group for this rank itself writes
-// local memory, ~1.5x faster per warp than a peer over NVLink (group timers, docs/bench-notes.md v0.13), so it
-// is the smaller one: the peers get ceil(W / R) warps each (at most (W - 1) / (R - 1)), it gets the rest.
-constexpr int kSenderWarps = kDataWarps - 1;
-
-struct SenderGroups {
-  int own;   // warps of the group for this rank
-  int each;  // warps of every other group
-
-  __host__ __device__ static SenderGroups of(int num_ranks) {
-    if (num_ranks <= 1) return {kSenderWarps, 0};
-    int each = (kSenderWarps + num_ranks - 1) / num_ranks;
-    if (each > (kSenderWarps - 1) / (num_ranks - 1)) each = (kSenderWarps - 1) / (num_ranks - 1);
-    return {kSenderWarps - (num_ranks - 1) * each, each};
-  }
-  __host__ __device__ int warps(int peer, int self) const { return peer == self ? own : each; }
-  __host__ __device__ int first_warp(int peer, int self) const {
-    return peer * each + (peer > self ? own - each : 0);
-  }
-};
-
-static_assert(kSenderWarps >= kMaxNvlRanks, "every sender group needs a warp");
 
 static_assert(kDataWarps / kMaxNvlRanks >= 1, "every peer needs a warp");
 static_assert(kMaxNvlRanks + 1 <= 16, "one named barrier per peer");

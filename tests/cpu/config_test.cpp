@@ -8,6 +8,7 @@
 #include <string>
 
 #include "epx/epx.hpp"
+#include "kernels/sender_groups.hpp"
 #include "runtime/limits.hpp"
 #include "runtime/nvl_layout.hpp"
 
@@ -125,4 +126,25 @@ TEST(Config, NvlSizeHintRejectsBadInput) {
   bad.num_sms = 3;  // the config is validated too
   EXPECT_THAT(invalid_argument_message([&] { epx::nvl_size_hint(bad, 8192, 4); }), HasSubstr("num_sms"));
   EXPECT_THAT(invalid_argument_message([&] { epx::nvl_size_hint(valid_config(), 8192, 9); }), HasSubstr("ranks"));
+}
+
+// The coordinated senders' warp groups (kernels/sender_groups.hpp): every data warp in exactly one group, groups
+// contiguous in rank order, every group at least one warp; at 2 ranks the own rank's group is the smaller one.
+TEST(SenderGroups, CoverEveryDataWarpOnce) {
+  for (int r = 1; r <= epx::kMaxNvlRanks; ++r) {
+    const epx::SenderGroups g = epx::SenderGroups::of(r);
+    for (int self = 0; self < r; ++self) {
+      int next = 0;
+      for (int peer = 0; peer < r; ++peer) {
+        EXPECT_EQ(g.first_warp(peer, self), next) << r << " ranks, self " << self << ", peer " << peer;
+        EXPECT_GE(g.warps(peer, self), 1) << r << " ranks, self " << self << ", peer " << peer;
+        next += g.warps(peer, self);
+      }
+      EXPECT_EQ(next, epx::kSenderWarps) << r << " ranks, self " << self;
+    }
+  }
+  const epx::SenderGroups two = epx::SenderGroups::of(2);
+  EXPECT_EQ(two.own, 11);
+  EXPECT_EQ(two.each, 12);
+  EXPECT_EQ(epx::SenderGroups::of(1).own, epx::kSenderWarps);
 }

@@ -211,6 +211,10 @@ int main(int argc, char** argv) {
   // dispatch's writers: a few warps per SM, one record each).
   const bool rows_mode = argc > 3 && std::string(argv[2]) == "rows";
   if (rows_mode) rows_list = {std::max(1, std::atoi(argv[3]))};
+  // `./link_rate 14336 sms`: few SMs (the high-throughput kernels' senders: 6-24 blocks), 1024 rows per peer:
+  // the rate one SM can push to the peers, plain stores against bulk copies.
+  const bool few_sms = argc > 2 && std::string(argv[2]) == "sms";
+  if (few_sms) rows_list = {1024};
   const size_t max_rows = scatter || shape ? kWindow : 1024;
   Peers p{};
   std::vector<cudaStream_t> streams(ngpus * kMaxGpus);
@@ -344,6 +348,39 @@ int main(int argc, char** argv) {
                             threads, us_[k], us, bytes / us * 1e-3);
               }
     }
+    return 0;
+  }
+  if (few_sms) {
+    const int rows = rows_list[0];
+    const double bytes = double(ngpus - 1) * rows * row_bytes;
+    const Kernel kernels[] = {move_kernel<4>, move_kernel<8>};
+    const int us_[] = {4, 8};
+    for (int blocks : {6, 12, 16, 24, 33})
+      for (int threads : {512, 768, 1024})
+        for (int k = 0; k < 2; ++k) {
+          clear_dst();
+          const double us = time_all([&](int g, cudaStream_t s) {
+            kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, 0, rows);
+            CHECK(cudaGetLastError());
+          });
+          check_dst(rows, "push");
+          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "push", rows, blocks, threads, us_[k], us, bytes / us * 1e-3);
+        }
+    for (int blocks : {6, 12, 16, 24, 33})
+      for (int threads : {128, 256, 384}) {
+        const size_t smem = size_t(threads / 32) * row_bytes;
+        for (int g = 0; g < ngpus; ++g) {
+          CHECK(cudaSetDevice(g));
+          CHECK(cudaFuncSetAttribute(bulk_push_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+        }
+        clear_dst();
+        const double us = time_all([&](int g, cudaStream_t s) {
+          bulk_push_kernel<<<blocks, threads, smem, s>>>(p, g, ngpus, rows, row_int4, 0);
+          CHECK(cudaGetLastError());
+        });
+        check_dst(rows, "bulk");
+        std::printf("%-5s %6d %6d %7d %3s | %8.1f %8.1f\n", "bulk", rows, blocks, threads, "-", us, bytes / us * 1e-3);
+      }
     return 0;
   }
   for (int rows : rows_list) {

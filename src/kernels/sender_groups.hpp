@@ -1,0 +1,31 @@
+// Warp groups of a coordinated sender block (dispatch and combine at 2 ranks or fewer; kernels/dispatch.cu):
+// its first kSenderWarps warps form one group per destination, in rank order; the last warp is the sender
+// coordinator. The group for this rank itself writes local memory, ~1.5x faster per warp than a peer over
+// NVLink (group timers, docs/bench-notes.md v0.13), so it is the smaller one: every peer gets ceil(W / R) warps
+// (at most (W - 1) / (R - 1), so that it keeps one), the own rank the rest. Host and device (unit-tested on the
+// CPU).
+#pragma once
+
+#include "runtime/limits.hpp"
+
+namespace epx {
+
+constexpr int kSenderWarps = kDataWarps - 1;
+
+struct SenderGroups {
+  int own;   // warps of the group for this rank
+  int each;  // warps of every other group
+
+  EPX_HD static SenderGroups of(int num_ranks) {
+    if (num_ranks <= 1) return {kSenderWarps, 0};
+    int each = (kSenderWarps + num_ranks - 1) / num_ranks;
+    if (each > (kSenderWarps - 1) / (num_ranks - 1)) each = (kSenderWarps - 1) / (num_ranks - 1);
+    return {kSenderWarps - (num_ranks - 1) * each, each};
+  }
+  EPX_HD int warps(int peer, int self) const { return peer == self ? own : each; }
+  EPX_HD int first_warp(int peer, int self) const { return peer * each + (peer > self ? own - each : 0); }
+};
+
+static_assert(kSenderWarps >= kMaxNvlRanks, "every sender group needs a warp");
+
+}  // namespace epx
