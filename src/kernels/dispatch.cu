@@ -7,13 +7,12 @@
 // monotonic): an operation starts where the last one ended, and notify guarantees the ring is idle then.
 #include <cuda_runtime.h>
 
-#include <climits>
-
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/params.hpp"
 #include "kernels/peer_groups.cuh"
+#include "kernels/sender_coordinator.cuh"
 
 namespace epx {
 namespace {
@@ -202,38 +201,11 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
   if (lane == 0) st_release_cta(progress, -routed - 1);  // done: the final count, negated
 }
 
-// Sender coordinator (the sender block's last warp): lane j publishes the tail of ring (channel, this rank) at
-// rank j: base + the minimum progress over group j's warps, whenever it grows. Its acquire of the progress
-// words and the release of the tail carry every record those warps wrote (release is cumulative), so the data
-// warps never wait for their stores to land; this warp does, once per publication, while they keep writing.
+// Sender coordinator (the sender block's last warp): see coordinate_sender_tails.
 __device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel, const int32_t* s_progress) {
-  const int lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
-  const SenderGroups groups = SenderGroups::of(R);
-  const bool active = lane < R;
-  const int first = active ? groups.first_warp(lane, me) : 0, warps = active ? groups.warps(lane, me) : 0;
-  uint64_t* tail_ptr = active ? &p.env.peers[lane]->dispatch_tail[channel][me] : nullptr;
-  const uint64_t base = active ? ld_relaxed_sys(tail_ptr) : 0;
-  int published = 0;
-  bool done = !active;
-  SpinBudget budget;
-  while (true) {
-    if (!done) {
-      int low = INT_MAX;
-      bool finished = true;
-      for (int w = first; w < first + warps; ++w) {
-        const int32_t v = ld_acquire_cta(s_progress + w);  // pairs with the data warp's release
-        finished &= v < 0;
-        low = min(low, v < 0 ? -v - 1 : v);
-      }
-      if (low > published) {
-        st_release_sys(tail_ptr, base + low);  // pairs with the receiver's acquire of tail
-        published = low;
-      }
-      done = finished;
-    }
-    if (__all_sync(kFullMask, done)) break;
-    budget.tick(p.env, WaitSite{kRoleDispatchCoordinator, channel, lane, published}, published, -1);
-  }
+  const int lane = threadIdx.x % 32, me = p.env.rank;
+  uint64_t* tail_j = lane < p.num_ranks ? &p.env.peers[lane]->dispatch_tail[channel][me] : nullptr;
+  coordinate_sender_tails(tail_j, s_progress, p.num_ranks, me, p.env, kRoleDispatchCoordinator, channel);
 }
 
 // Receiver group for one source: waits for the source's tail, copies what arrived, publishes the head.

@@ -291,6 +291,22 @@ int main(int argc, char** argv) {
           }
       }
   };
+  // SM bulk copies (bulk_push_kernel), one shape: a warp's shared buffer holds one row.
+  auto run_bulk = [&](int rows, int blocks, int threads) {
+    const double bytes = double(ngpus - 1) * rows * row_bytes;
+    const size_t smem = size_t(threads / 32) * row_bytes;
+    for (int g = 0; g < ngpus; ++g) {
+      CHECK(cudaSetDevice(g));
+      CHECK(cudaFuncSetAttribute(bulk_push_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    }
+    clear_dst();
+    const double us = time_all([&](int g, cudaStream_t s) {
+      bulk_push_kernel<<<blocks, threads, smem, s>>>(p, g, ngpus, rows, row_int4, 0);
+      CHECK(cudaGetLastError());
+    });
+    check_dst(rows, "bulk");
+    std::printf("%-5s %6d %6d %7d %3s | %8.1f %8.1f\n", "bulk", rows, blocks, threads, "-", us, bytes / us * 1e-3);
+  };
   std::printf("%d GPUs, rows of %d bytes; rate = bytes to/from the %d peers per GPU / slowest GPU's time\n", ngpus,
               row_bytes, ngpus - 1);
   std::printf("%-5s %6s %6s %7s %3s | %8s %8s\n", "mode", "rows", "blocks", "threads", "U", "us", "GB/s");
@@ -367,20 +383,7 @@ int main(int argc, char** argv) {
           std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "push", rows, blocks, threads, us_[k], us, bytes / us * 1e-3);
         }
     for (int blocks : {6, 12, 16, 24, 33})
-      for (int threads : {128, 256, 384}) {
-        const size_t smem = size_t(threads / 32) * row_bytes;
-        for (int g = 0; g < ngpus; ++g) {
-          CHECK(cudaSetDevice(g));
-          CHECK(cudaFuncSetAttribute(bulk_push_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        }
-        clear_dst();
-        const double us = time_all([&](int g, cudaStream_t s) {
-          bulk_push_kernel<<<blocks, threads, smem, s>>>(p, g, ngpus, rows, row_int4, 0);
-          CHECK(cudaGetLastError());
-        });
-        check_dst(rows, "bulk");
-        std::printf("%-5s %6d %6d %7d %3s | %8.1f %8.1f\n", "bulk", rows, blocks, threads, "-", us, bytes / us * 1e-3);
-      }
+      for (int threads : {128, 256, 384}) run_bulk(rows, blocks, threads);
     return 0;
   }
   for (int rows : rows_list) {
@@ -407,20 +410,7 @@ int main(int argc, char** argv) {
       std::printf("%-5s %6d %6s %7s %3s | %8.1f %8.1f\n", "ce", rows, "-", "-", "-", us, bytes / us * 1e-3);
     }
     for (int blocks : {sms / 4, sms / 2, sms})
-      for (int threads : {128, 256}) {
-        const size_t smem = size_t(threads / 32) * row_bytes;
-        for (int g = 0; g < ngpus; ++g) {
-          CHECK(cudaSetDevice(g));
-          CHECK(cudaFuncSetAttribute(bulk_push_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        }
-        clear_dst();
-        const double us = time_all([&](int g, cudaStream_t s) {
-          bulk_push_kernel<<<blocks, threads, smem, s>>>(p, g, ngpus, rows, row_int4, 0);
-          CHECK(cudaGetLastError());
-        });
-        check_dst(rows, "bulk");
-        std::printf("%-5s %6d %6d %7d %3s | %8.1f %8.1f\n", "bulk", rows, blocks, threads, "-", us, bytes / us * 1e-3);
-      }
+      for (int threads : {128, 256}) run_bulk(rows, blocks, threads);
     const Kernel kernels[] = {move_kernel<1>, move_kernel<2>, move_kernel<4>, move_kernel<8>};
     const int us_[] = {1, 2, 4, 8};
     for (int pull : {0, 1})

@@ -1,0 +1,52 @@
+// The sender coordinator of a coordinated sender block (dispatch and combine at 2 ranks or fewer): the block's
+// last warp turns its sender warps' progress words into ring tails.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "kernels/sender_groups.hpp"
+#include "runtime/fail_env.hpp"
+
+namespace epx {
+
+// Lane j (< num_ranks) publishes *tail_j (the tail of this block's ring at rank j) = its value at entry + the
+// minimum progress over group j's warps (SenderGroups), whenever that grows, until every warp of the group has
+// marked itself done (progress negated: -count - 1). A warp's progress word says that every ring position below
+// it that the warp owns is written. The acquire of the words and the system-scope release of the tail carry
+// every record those warps wrote (release is cumulative), so the sender warps never wait for their stores to
+// land; this warp does, once per publication (a system fence waits for every store in flight from the SM),
+// while they keep writing. tail_j is null on lanes >= num_ranks.
+__device__ __forceinline__ void coordinate_sender_tails(uint64_t* tail_j, const int32_t* s_progress, int num_ranks,
+                                                        int me, const FailEnv& env, int role, int channel) {
+  const int lane = threadIdx.x % 32;
+  const SenderGroups groups = SenderGroups::of(num_ranks);
+  const bool active = lane < num_ranks;
+  const int first = active ? groups.first_warp(lane, me) : 0, warps = active ? groups.warps(lane, me) : 0;
+  const uint64_t base = active ? dev::ld_relaxed_sys(tail_j) : 0;  // idle ring: nothing published this op yet
+  int published = 0;
+  bool done = !active;
+  dev::SpinBudget budget;
+  while (true) {
+    if (!done) {
+      int low = INT_MAX;
+      bool finished = true;
+      for (int w = first; w < first + warps; ++w) {
+        const int32_t v = dev::ld_acquire_cta(s_progress + w);  // pairs with the sender warp's release
+        finished &= v < 0;
+        low = min(low, v < 0 ? -v - 1 : v);
+      }
+      if (low > published) {
+        dev::st_release_sys(tail_j, base + low);  // pairs with the receiver's acquire of tail
+        published = low;
+      }
+      done = finished;
+    }
+    if (__all_sync(0xffffffffu, done)) break;
+    budget.tick(env, dev::WaitSite{role, channel, lane, published}, published, -1);
+  }
+}
+
+}  // namespace epx
