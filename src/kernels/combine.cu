@@ -78,10 +78,8 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
 template <int kUnroll>
 __device__ void combine_sender_coordinated(const CombineParams& p, int channel, int32_t* s_progress) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
-  const SenderGroups groups = SenderGroups::of(R);
-  int dest = 0;
-  while (dest + 1 < R && warp >= groups.first_warp(dest + 1, me)) ++dest;
-  const int gwarp = warp - groups.first_warp(dest, me), gwarps = groups.warps(dest, me);
+  const SenderGroups::Place place = SenderGroups::of(R).place(warp, R, me);
+  const int dest = place.dest, gwarp = place.index, gwarps = place.warps;
   const int row_begin = p.recv_channel_prefix_matrix[dest * p.num_channels + channel];
   const int n = row_end_of(p, dest, channel) - row_begin;
   NvlControl* dst = p.env.peers[dest];
@@ -92,18 +90,8 @@ __device__ void combine_sender_coordinated(const CombineParams& p, int channel, 
   int32_t* progress = s_progress + warp;
 
   for (int i = gwarp; i < n; i += gwarps) {
-    if (base + i + 1 > cap + head_seen) {
-      // Ring full up to slot i: publish progress first (every own position below i is written), so that the
-      // tail can reach the slots the reducers need to free this one whatever the ring's capacity.
-      __syncwarp();
-      if (lane == 0) {
-        st_release_cta(progress, i);  // pairs with the coordinator's acquire
-        // pairs with the receiver coordinator's release of head
-        head_seen = wait_at_least(head_ptr, base + i + 1 - cap, p.env,
-                                  WaitSite{kRoleCombineSender, channel, dest, row_begin + i});
-      }
-      head_seen = __shfl_sync(kFullMask, head_seen, 0);
-    }
+    head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.env,  // the receiver coordinator's head
+                              WaitSite{kRoleCombineSender, channel, dest, row_begin + i});
     uint8_t* slot = p.ring.slot(dst, channel, me, base + i);
     const int row = row_begin + i;
     // The weight is loaded before the row so that its latency hides behind the copy.

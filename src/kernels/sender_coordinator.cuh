@@ -12,6 +12,23 @@
 
 namespace epx {
 
+// A coordinated sender warp about to write ring position i (this op's numbering; base = the ring's index at
+// entry) when the ring may be full there: if the receiver has not yet freed that slot, lane 0 first releases the
+// warp's progress as i (every position below it that the warp owns is written, so the tail can reach whatever
+// the receiver needs to free the slot, at any ring capacity), then waits for the head. Returns the head seen,
+// on every lane.
+__device__ __forceinline__ uint64_t wait_for_slot(uint64_t i, uint64_t base, uint64_t cap, uint64_t head_seen,
+                                                  const uint64_t* head_ptr, int32_t* progress, const FailEnv& env,
+                                                  const dev::WaitSite& site) {
+  if (base + i + 1 <= cap + head_seen) return head_seen;
+  __syncwarp();  // every lane's stores so far come before lane 0's release
+  if (threadIdx.x % 32 == 0) {
+    dev::st_release_cta(progress, int32_t(i));  // pairs with the coordinator's acquire
+    head_seen = dev::wait_at_least(head_ptr, base + i + 1 - cap, env, site);  // pairs with the release of head
+  }
+  return __shfl_sync(0xffffffffu, head_seen, 0);
+}
+
 // Lane j (< num_ranks) publishes *tail_j (the tail of this block's ring at rank j) = its value at entry + the
 // minimum progress over group j's warps (SenderGroups), whenever that grows, until every warp of the group has
 // marked itself done (progress negated: -count - 1). A warp's progress word says that every ring position below

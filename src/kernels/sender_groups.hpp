@@ -24,6 +24,18 @@ struct SenderGroups {
   }
   EPX_HD int warps(int peer, int self) const { return peer == self ? own : each; }
   EPX_HD int first_warp(int peer, int self) const { return peer * each + (peer > self ? own - each : 0); }
+
+  // The group of sender warp `warp` (< kSenderWarps): its destination and the warp's index in it.
+  struct Place {
+    int dest;
+    int index;
+    int warps;
+  };
+  EPX_HD Place place(int warp, int num_ranks, int self) const {
+    int dest = 0;
+    while (dest + 1 < num_ranks && warp >= first_warp(dest + 1, self)) ++dest;
+    return {dest, warp - first_warp(dest, self), warps(dest, self)};
+  }
 };
 
 static_assert(kSenderWarps >= kMaxNvlRanks, "every sender group needs a warp");

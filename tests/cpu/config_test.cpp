@@ -141,6 +141,12 @@ TEST(SenderGroups, CoverEveryDataWarpOnce) {
         next += g.warps(peer, self);
       }
       EXPECT_EQ(next, epx::kSenderWarps) << r << " ranks, self " << self;
+      for (int w = 0; w < epx::kSenderWarps; ++w) {
+        const epx::SenderGroups::Place at = g.place(w, r, self);
+        EXPECT_EQ(at.index, w - g.first_warp(at.dest, self)) << r << " ranks, self " << self << ", warp " << w;
+        EXPECT_TRUE(at.index >= 0 && at.index < at.warps) << r << " ranks, self " << self << ", warp " << w;
+        EXPECT_EQ(at.warps, g.warps(at.dest, self)) << r << " ranks, self " << self << ", warp " << w;
+      }
     }
   }
   const epx::SenderGroups two = epx::SenderGroups::of(2);
