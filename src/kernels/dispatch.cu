@@ -241,11 +241,11 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
 template <int kUnroll, bool kCoordinated>
 __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParams p) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
-  __shared__ int32_t s_progress[kSenderWarps];  // per sender warp, see dispatch_sender_coordinated
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
     if constexpr (kCoordinated) {
+      __shared__ int32_t s_progress[kSenderWarps];  // per sender warp, see dispatch_sender_coordinated
       if (threadIdx.x < kSenderWarps) s_progress[threadIdx.x] = 0;
       __syncthreads();
       if (threadIdx.x / 32 < kSenderWarps)
