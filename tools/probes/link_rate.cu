@@ -186,6 +186,100 @@ __global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// `fence` mode: what a system-scope release costs on an SM whose other warps keep sending. Data warps of a block
+// move rows to the peers, by plain stores (mode 0/1, U 4) or by bulk copies through a row buffer per warp (mode
+// 2-4); the block's last warp (modes 1, 3, 4), until every data warp is done, times `st.release.sys` (a fence then
+// a store to a word of its own GPU) and naps 500 ns. Mode 4: bulk copies plus an 80-byte plain store to the peer
+// per row, as a record's metadata would be. stats: releases, their total and their maximum ns.
+__global__ void fence_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int mode, unsigned long long* stats) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ uint64_t bars[32];
+  __shared__ int s_done;
+  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
+  const int data_warps = blockDim.x / 32 - 1;
+  const bool bulk = mode >= 2, fencer = mode == 1 || mode >= 3;
+  if (threadIdx.x == 0) s_done = 0;
+  __syncthreads();
+  if (wib == data_warps) {
+    if (lane != 0 || !fencer) return;
+    unsigned long long n = 0, sum = 0, mx = 0;
+    int* word = p.flag[self] + blockIdx.x;
+    while (*reinterpret_cast<volatile int*>(&s_done) < data_warps) {
+      unsigned long long t0, t1;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0)::"memory");
+      asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(word), "r"(int(n)) : "memory");
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)::"memory");
+      ++n;
+      sum += t1 - t0;
+      mx = max(mx, t1 - t0);
+      __nanosleep(500);
+    }
+    atomicAdd(stats, n);
+    atomicAdd(stats + 1, sum);
+    atomicMax(stats + 2, mx);
+    return;
+  }
+  const int warp = blockIdx.x * data_warps + wib, nwarps = gridDim.x * data_warps;
+  const uint32_t row_bytes = uint32_t(row_int4) * 16;
+  unsigned char* buf = smem + size_t(wib) * row_bytes;
+  uint64_t* bar = &bars[wib];
+  if (bulk && lane == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  uint32_t parity = 0;
+  const int items = (ngpus - 1) * rows;
+  for (int item = warp; item < items; item += nwarps) {
+    const int pi = item % (ngpus - 1);
+    const int row = item / (ngpus - 1);
+    const int peer = pi >= self ? pi + 1 : pi;
+    const int4* s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
+    int4* d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
+    if (!bulk) {
+      for (int base = 0; base < row_int4; base += 128) {
+        int4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (base + u * 32 + lane < row_int4) v[u] = s[base + u * 32 + lane];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (base + u * 32 + lane < row_int4) d[base + u * 32 + lane] = v[u];
+      }
+      continue;
+    }
+    if (lane == 0) {
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(row_bytes)
+                   : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                       smem_u32(buf)),
+                   "l"(s), "r"(row_bytes), "r"(smem_u32(bar))
+                   : "memory");
+      uint32_t done = 0;
+      while (!done)
+        asm volatile(
+            "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n selp.u32 %0, 1, 0, q;\n}\n"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(parity)
+            : "memory");
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d), "r"(smem_u32(buf)),
+                   "r"(row_bytes)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    parity ^= 1;
+    if (mode == 4 && lane < 5) {  // the same bytes the row carries, so the check below still holds
+      const int b = 0x3c + self;
+      const int w = b | b << 8 | b << 16 | b << 24;
+      d[lane] = int4{w, w, w, w};
+    }
+  }
+  if (bulk && lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  __syncwarp();
+  if (lane == 0) atomicAdd(&s_done, 1);
+}
+
 using Kernel = void (*)(Peers, int, int, int, int, int, int);
 
 int main(int argc, char** argv) {
@@ -215,6 +309,9 @@ int main(int argc, char** argv) {
   // the rate one SM can push to the peers, plain stores against bulk copies.
   const bool few_sms = argc > 2 && std::string(argv[2]) == "sms";
   if (few_sms) rows_list = {1024};
+  // `./link_rate 14336 fence`: fence_kernel's modes at 12 and 24 blocks, 1024 rows per peer.
+  const bool fence = argc > 2 && std::string(argv[2]) == "fence";
+  if (fence) rows_list = {1024};
   const size_t max_rows = scatter || shape ? kWindow : 1024;
   Peers p{};
   std::vector<cudaStream_t> streams(ngpus * kMaxGpus);
@@ -342,6 +439,49 @@ int main(int argc, char** argv) {
         std::printf("%-20s %6d %6d %7d | %8.1f %8.1f\n", v.name, rows, sms, 1024, us, bytes / us * 1e-3);
       }
     }
+    return 0;
+  }
+  if (fence) {
+    const int rows = rows_list[0];
+    const double bytes = double(ngpus - 1) * rows * row_bytes;
+    std::vector<unsigned long long*> stats(ngpus);  // per GPU: releases, total ns, max ns
+    for (int g = 0; g < ngpus; ++g) {
+      CHECK(cudaSetDevice(g));
+      CHECK(cudaMalloc(&stats[g], 3 * sizeof(unsigned long long)));
+    }
+    const char* names[] = {"push", "push+fence", "bulk", "bulk+fence", "bulk+meta+fence"};
+    std::printf("%-16s %6s %6s %7s | %8s %8s | %8s %9s %9s\n", "fence mode", "rows", "blocks", "threads", "us",
+                "GB/s", "releases", "mean ns", "max ns");
+    for (int rep = 0; rep < 2; ++rep)
+      for (int blocks : {12, 24})
+        for (int mode = 0; mode < 5; ++mode)
+          for (int data_warps : {12, 23}) {
+            if (mode >= 2 && data_warps != 12) continue;  // a row buffer per warp: 12 x 14 KB of shared memory
+            const int threads = (data_warps + 1) * 32;
+            const size_t smem = mode >= 2 ? size_t(data_warps) * row_bytes : 0;
+            for (int g = 0; g < ngpus; ++g) {
+              CHECK(cudaSetDevice(g));
+              CHECK(cudaFuncSetAttribute(fence_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+              CHECK(cudaMemset(stats[g], 0, 3 * sizeof(unsigned long long)));
+            }
+            clear_dst();
+            const double us = time_all([&](int g, cudaStream_t s) {
+              fence_kernel<<<blocks, threads, smem, s>>>(p, g, ngpus, rows, row_int4, mode, stats[g]);
+              CHECK(cudaGetLastError());
+            });
+            check_dst(rows, names[mode]);
+            unsigned long long n = 0, sum = 0, mx = 0;
+            for (int g = 0; g < ngpus; ++g) {
+              unsigned long long h[3];
+              CHECK(cudaSetDevice(g));
+              CHECK(cudaMemcpy(h, stats[g], sizeof(h), cudaMemcpyDeviceToHost));
+              n += h[0];
+              sum += h[1];
+              mx = std::max(mx, h[2]);
+            }
+            std::printf("%-16s %6d %6d %7d | %8.1f %8.1f | %8llu %9.0f %9llu\n", names[mode], rows, blocks, threads, us,
+                        bytes / us * 1e-3, n, n ? double(sum) / n : 0.0, mx);
+          }
     return 0;
   }
   if (scatter) {
