@@ -60,6 +60,13 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ void red_add_release_sys(int32_t* p, int32_t v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// A system-scope acq_rel fence: with a relaxed write after it in the same thread (red_add_relaxed_sys), a
+// release pattern; cumulative over what the thread has observed (with a barrier before it, the block's stores).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// A relaxed system-scope add (no return): a release only after fence_acq_rel_sys in the same thread.
+__device__ __forceinline__ void red_add_relaxed_sys(int32_t* p, int32_t v) {
+  asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 // Completion counters on this GPU. A writer warp's lane 0 adds after __syncwarp: every lane's stores before it
 // (local or to a peer) are ordered before the add (release); the warp whose add completes the count has
 // acquired every other warp's, and only then publishes with a system-scope release, which carries those stores

@@ -3,13 +3,17 @@
 // Send phase: rows are cut into work items of kChunk int4, one per warp at a time over the whole grid; a row
 // goes back into its source rank's receive area at [global expert][source token] once every rank has received
 // every earlier op on this buffer set (their epochs, kernels/ll_epochs.cuh; polls of local memory, once per rank
-// and block); the last item of an (expert, source) pair raises the flag at the source. Writes into
-// other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is
-// not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send area.
-// A row for this rank itself is copied only when the receive runs in a later launch (hook); with both phases
-// in one launch it stays in x and its receive slot holds its row index instead (~1.3 us, v0.11).
-// Receive phase: block b reduces tokens b, b+G, ..., each once the flags of its experts are up (raised to this
-// op's number on the set; never cleared):
+// and block). Before its rows, the sender posts every (expert, source) pair's target at the source: the value
+// the source's arrival counter for that expert reaches once this op's items of the pair are written (a running
+// total over the set's combines, tagged with the op's number; relaxed, it orders nothing). Each block counts
+// its items per pair in shared memory and, after its last one, adds the counts to the sources' arrival counters
+// behind one system-scope fence: no completion step per warp, and the adds land right behind the data. Writes
+// into other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that
+// is not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send
+// area. A row for this rank itself is copied only when the receive runs in a later launch (hook); with both
+// phases in one launch it stays in x and its receive slot holds its row index instead (~1.3 us, v0.11).
+// Receive phase: block b reduces tokens b, b+G, ..., each once the arrival counters of its experts have reached
+// their targets:
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
 // then the block adds its completion to every rank's epoch counter (kernels/ll_epochs.cuh): no last block.
 #include <cuda_runtime.h>
@@ -32,6 +36,13 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = kCopyItemInt4;  // int4 per send work item (kernels/ll_transport.cuh)
 
+// The slot of (expert rank, its local expert) in the arrival counters and targets (runtime/ll_layout.hpp). Not the
+// global expert: a call with another expert count on the same buffer maps global experts to other ranks, and
+// the running totals (combine_sent at the sender, combine_arrived at the source) must keep pairing up.
+__device__ __forceinline__ int arrival_slot(int rank, int local_expert, int num_ranks) {
+  return rank * (kLowLatencyMaxExperts / num_ranks) + local_expert;
+}
+
 // Where a row this rank returns to itself leaves its index in x (its receive slot's first word) when the
 // receive phase reads it in place.
 __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, int row_int4) {
@@ -40,21 +51,18 @@ __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, in
 
 // Rows this rank sends back, in items of kChunk int4 spread over the whole grid's warps. Row g of the
 // concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and
-// source rank s (from the layout range). The warp finishing the last item of an (expert, source) pair raises
-// that pair's flag at the source.
-__device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range) {
+// source rank s (from the layout range). s_items counts the block's items per (local expert, source) pair.
+__device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
   const int L = p.num_experts / R;
   const int row_int4 = p.hidden / 8;
   const int64_t rows_per_expert = int64_t(R) * M;
-  // Completion counters per (local expert, source): the set's `sent` area, unused by combine otherwise and left
-  // at zero by every call.
-  int32_t* done = p.layout.sent(p.peers.local, p.set);
-  int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);  // addresses here = offsets at every peer
+  int32_t* sent = p.layout.combine_sent(p.peers.local, p.set);          // running totals per (local expert, source)
+  int32_t* arrived = p.layout.combine_arrived(p.peers.local, p.set);    // addresses here = offsets at every peer
+  uint64_t* targets = p.layout.combine_target(p.peers.local, p.set);
   const uint64_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
   const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // earlier ops on this set, of either kind
-  const int32_t raised = int32_t(k_ops + 1u);                    // this op's flag value (wraps)
   int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
   int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.local, p.set));
   // Rows per (local expert, source) and their begins, from the layout ranges: one load per pair, all threads
@@ -62,6 +70,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   for (int pair = threadIdx.x; pair < L * R; pair += kThreads) {
     const int64_t range = p.recv_layout_range[pair];
     s_range[pair] = int2{int(range >> 32), int(range & 0xffffffff)};
+    s_items[pair] = 0;
   }
   // Back-pressure, once per block instead of once per warp and destination (4224 warps polling the same R
   // words): every rank has received every earlier op on this set, so nothing unread is overwritten. Thread r's
@@ -96,6 +105,18 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // NVSHMEM peer each item is a put and a quiet (put_warp): more completions per row than the 1-4 parts before
   // v0.4; not measured on the forced path since.
   const int parts = (row_int4 + kChunk - 1) / kChunk;
+  // Targets first, one warp per (local expert, source) pair, also for pairs without rows (the source may wait
+  // for them: it only knows which experts its tokens chose). The running total is this pair's own (only this
+  // rank adds to the source's counter for this expert, and only the warp of the pair's index writes it: the
+  // grid is the same in every call); the slot at the source is free to overwrite since the back-pressure wait
+  // above (its receivers of the last combine on the set are done).
+  for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
+    if (lane != 0) continue;
+    const int i = pair / R, s = pair % R;
+    const int32_t target = int32_t(uint32_t(sent[pair]) + uint32_t(s_range[pair].y * parts));  // wraps
+    sent[pair] = target;
+    post64(p.peers, s, targets + arrival_slot(me, i, R), uint64_t(k_ops + 1u) << 32 | uint32_t(target));
+  }
   // With both phases in this launch, this rank's own rows are not copied: the receive phase reads them from x
   // in place, through the row index each one leaves in its receive slot (local_row_of). A send-only launch
   // (hook) copies them, since x may change before the hook runs.
@@ -107,7 +128,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // spreading a block's warps over many rows (part-major items) was 4-5 us slower (docs/bench-notes.md, v0.7).
   constexpr int kBatch = 2;
   for (int w0 = (blockIdx.x * kWarps + warp) * kBatch; w0 < total * parts; w0 += kBatch * warps) {
-    int b_pair[kBatch], b_target[kBatch], b_expert[kBatch], b_dest[kBatch];
+    int b_pair[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int w = w0 + j;
@@ -141,33 +162,30 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
                                    lane, LoadNc{});
       }
       b_pair[j] = i * R + s;
-      b_target[j] = s_range[i * R + s].y * parts;
-      b_expert[j] = e;
-      b_dest[j] = s;
     }
-    __syncwarp();  // every lane's parts are written before lane 0's releases below
-    // acq_rel: releases this warp's parts and, for the last one of a pair, acquires every other part of it, so
-    // the flag's signal (a release) publishes all of them (release is cumulative).
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      if (lane != 0 || b_pair[j] < 0) continue;
-      if (atomic_add_acq_rel_gpu(&done[b_pair[j]], 1) + 1 == b_target[j]) {
-        done[b_pair[j]] = 0;
-        signal(p.peers, b_dest[j], flags + b_expert[j], raised);  // pairs with the receiver's wait_epoch
-      }
-    }
+    for (int j = 0; j < kBatch; ++j)
+      if (lane == 0 && b_pair[j] >= 0) atomicAdd_block(&s_items[b_pair[j]], 1);
   }
-  // Pairs with no rows still tell the source that nothing more comes from this expert.
-  for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
-    const int i = pair / R, s = pair % R;
-    if (s_range[pair].y != 0 || lane != 0) continue;
-    signal(p.peers, s, flags + me * L + i, raised);
+  // The block's items are issued: one fence (it waits for every store the block issued, the barrier putting
+  // them before it), then one add per pair the block wrote to, at the pair's source. Each lane that adds runs
+  // the fence itself (a release pattern is a fence and a write of the same thread; the warp's lanes share one
+  // fence instruction). Pairs with the receiver's acquire of arrived[e] (receive_phase).
+  __syncthreads();
+  if (warp == 0) {
+    for (int base = 0; base < L * R; base += 32) {
+      const int pair = base + lane;
+      const int n = pair < L * R ? s_items[pair] : 0;
+      if (n == 0) continue;
+      fence_acq_rel_sys();
+      add_after_fence(p.peers, pair % R, arrived + arrival_slot(me, pair / R, R), n);
+    }
   }
 }
 
-// Block b reduces tokens b, b+G, ... as soon as the flags of that token's experts are up (no grid-wide wait),
-// then adds its completion to every rank's epoch counter, which (once all blocks have) lets the next op on
-// this set, of either kind, write here.
+// Block b reduces tokens b, b+G, ... as soon as the arrival counters of that token's experts reach their
+// targets (no grid-wide wait), then adds its completion to every rank's epoch counter, which (once all blocks
+// have) lets the next op on this set, of either kind, write here.
 // kInPlace: this launch's send phase left this rank's own rows in x (both phases in one launch). A separate
 // instantiation, so that the receive of a hook keeps the reduction's code of v0.10 (16 bytes of spills; reading
 // every row through a pointer per slot spills 48 there). Measured on 4 x H200 against one version for both:
@@ -180,7 +198,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   const int M = p.max_tokens, K = p.num_topk, E = p.num_experts;
   const int L = E / p.num_ranks;
   const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // the send phase's too (same block, same op)
-  const int32_t* flags = p.layout.combine_flag(p.peers.local, p.set);
+  const int32_t* arrived = p.layout.combine_arrived(p.peers.local, p.set);
+  const uint64_t* targets = p.layout.combine_target(p.peers.local, p.set);
   const int row_int4 = p.hidden / 8;
   int4* recv = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
   const int me = p.env.rank;
@@ -191,11 +210,16 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
       const bool valid = e >= 0 && e < E;
       s_expert[k] = valid ? int(e) : -1;
       s_weight[k] = valid ? p.topk_weights[int64_t(t) * K + k] : 0.f;
-      // Acquire; pairs with the signal of e's rank after its last row of this op for this rank (value k + 1;
-      // earlier combines on the set left at most k). The __syncthreads below orders every thread's row loads
-      // after it.
+      // e's target for this op (tagged with its number; posted by e's rank before its rows), then the arrival
+      // counter up to it. Acquire; pairs with the adds of e's rank's blocks after their last items (each
+      // behind a fence). The __syncthreads below orders every thread's row loads after it.
       if (valid) {
-        wait_epoch(flags + e, int32_t(k_ops + 1u), p.env, WaitSite{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)});
+        const uint32_t tag = k_ops + 1u;
+        const WaitSite site{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)};
+        const int slot = arrival_slot(int(e) / L, int(e) % L, p.num_ranks);
+        const uint64_t posted =
+            wait_until(targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.env, site);
+        wait_epoch(arrived + slot, int32_t(uint32_t(posted)), p.env, site);
         if constexpr (kInPlace) {
           const int64_t slot = e * M + t;
           s_row[k] = recv + slot * row_int4;
@@ -230,15 +254,16 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
     }
     __syncthreads();  // s_expert / s_weight are rewritten for the next token
   }
-  // The flags stay as they are (the next combine on this set raises them further; a flag no token here waited
-  // for may still be on its way, and lands before any of its sender's later writes to this set).
+  // The counters stay as they are (running totals; an add no token here waited for may still be on its way,
+  // and lands before any of its sender's later writes to this set, which wait for this block's epoch).
   finish_receive(p.layout, p.peers, p.set, k_ops, p.env.rank, p.num_ranks);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
   __shared__ int2 s_range[kLowLatencyMaxExperts];  // [L * R] (begin, count) of every (local expert, source)
-  if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range);
+  __shared__ int s_items[kLowLatencyMaxExperts];   // [L * R] this block's work items per pair
+  if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range, s_items);
   if (p.phases & kLowLatencyRecv) {
     if (p.phases & kLowLatencySend)
       receive_phase<true>(p);
@@ -255,7 +280,7 @@ void launch_low_latency_combine(const LowLatencyCombineParams& p, int grid, cuda
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attr[1];
-  // Co-resident blocks: receiving blocks wait for flags that sending blocks of the same launch raise.
+  // Co-resident blocks: receiving blocks wait for counts that sending blocks of the same launch add.
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   config.attrs = attr;

@@ -141,6 +141,31 @@ __device__ __forceinline__ void post(const LowLatencyPeers& peers, int peer, int
 #endif
 }
 
+// post for a 64-bit slot (the combine's tagged targets): one relaxed 64-bit write, single-copy atomic.
+__device__ __forceinline__ void post64(const LowLatencyPeers& peers, int peer, uint64_t* mine, uint64_t value) {
+  if (has_peer_pointer(peers, peer)) {
+    st_relaxed_sys(at_peer(peers, peer, mine), value);
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  nvshmem_uint64_atomic_set(mine, value, peer);
+#endif
+}
+
+// Adds value to the 32-bit counter `mine` in peer's region after the caller's fence_acq_rel_sys in this same
+// thread (peer pointer: a relaxed add, which that fence makes a release; NVSHMEM: an atomic add, ordered after
+// the puts this thread completed and saw completed by that fence, as in signal_add). One fence can precede
+// several adds. Pairs with the peer's acquire loads of the counter.
+__device__ __forceinline__ void add_after_fence(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
+  if (has_peer_pointer(peers, peer)) {
+    red_add_relaxed_sys(at_peer(peers, peer, mine), value);
+    return;
+  }
+#if EPX_HAVE_NVSHMEM
+  nvshmem_int_atomic_add(mine, value, peer);
+#endif
+}
+
 // Adds value to the counter `mine` (an address in this rank's region; 64-bit: the epochs, 32-bit: the dispatch's
 // arrival counters) in peer's region, as a release like signal's. Pairs with the peer's acquire loads of that
 // counter (wait_at_least / wait_at_least_i32 on its own memory).

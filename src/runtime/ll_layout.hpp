@@ -9,12 +9,18 @@
 //                    dispatch_arrived[E]: at the receiver, same index; rows of that (expert, source) whose
 //                                       record and row map entry are written (added to by the senders, a
 //                                       release each), cleared by the receiver after it copied the rows
-//                    combine_flag[E]:   at the token's source rank, index global expert; k + 1 when that
-//                                       expert's rows of the set's k-th op (a combine) have all been written
-//                                       here (never cleared: the next combine on the set raises it further;
-//                                       compared wrap-safe, so a set must not see 2^31 ops between combines)
-//                    sent[E]:           at the sender, items done per (local expert, source) (combine); local
-//                                       counters
+//                    combine_arrived[E]: at the token's source rank, index expert rank * (E_max / R) + its
+//                                       local expert (E_max = kLowLatencyMaxExperts: the same slots whatever
+//                                       a call's expert count, so the running totals keep pairing up); work items
+//                                       (kernels/ll_combine.cu) of that expert's rows written here, summed
+//                                       over every combine on the set (never cleared but by clean; added to
+//                                       by the sending blocks, a release each; compared wrap-safe)
+//                    combine_sent[E]:   at the sender, per (local expert, source): the running total of work
+//                                       items sent to that pair on the set, this rank's own
+//                    combine_target[E]: at the token's source rank, index as combine_arrived, uint64: (k + 1) << 32
+//                                       | the value combine_arrived[e] reaches when the set's k-th op (a
+//                                       combine) has written all of e's rows here; posted by the sender
+//                                       before its rows (relaxed), never cleared but by clean
 //                    epochs:            per set, monotonic counters (never cleared but by clean):
 //                      recv_seen[R]     uint64: receive phases of rank r's blocks on the set, added to here
 //                                       by each of r's blocks when it is done (G per op: every rank
@@ -27,7 +33,7 @@
 // poll of its own memory) until recv_seen[r] >= k * G: every block of r has received every earlier op on that
 // set. The count slots are cleared before that add. Dispatch and combine share the counters, so a combine can
 // never overwrite dispatch records a slow peer has not received yet (dispatch A, dispatch B, combine A).
-// The combine's flags are not cleared: the k-th op on a set raises them to k + 1, which its receivers await.
+// The combine's arrival counters are not cleared: each combine's receivers await the totals its senders posted.
 //     receive area   dispatch: [src rank][M] records (token row, then scales with FP8; a token goes
 //                              once to each rank that holds one of its experts, at its own index), then the
 //                              row map [local expert][src rank][M] int32: the source token of each slot
@@ -77,7 +83,7 @@ struct LowLatencyRecord {
 struct LowLatencyLayout {
   static constexpr int64_t kSignalBytes = int64_t(kLowLatencyMaxExperts) * 4;
   static constexpr int64_t kEpochBytes = kMaxNvlRanks * 8 + kLowLatencyMaxBlocks * 4;  // recv_seen, block_ops
-  static constexpr int64_t kSignalsBytes = align_up(4 * kSignalBytes + kEpochBytes, kAlign);
+  static constexpr int64_t kSignalsBytes = align_up(6 * kSignalBytes + kEpochBytes, kAlign);
 
   int64_t set_bytes;           // fixed for the buffer: half of num_rdma_bytes, so set 1 never moves
   int64_t receive_bytes;       // of this call's shape
@@ -108,20 +114,23 @@ struct LowLatencyLayout {
 
   EPX_HD uint8_t* set_base(void* region, int set) const { return static_cast<uint8_t*>(region) + set * set_bytes; }
   EPX_HD int32_t* dispatch_count(void* region, int set) const { return reinterpret_cast<int32_t*>(set_base(region, set)); }
-  EPX_HD int32_t* combine_flag(void* region, int set) const {
+  EPX_HD int32_t* combine_arrived(void* region, int set) const {
     return reinterpret_cast<int32_t*>(set_base(region, set) + kSignalBytes);
   }
-  EPX_HD int32_t* sent(void* region, int set) const {
+  EPX_HD int32_t* combine_sent(void* region, int set) const {
     return reinterpret_cast<int32_t*>(set_base(region, set) + 2 * kSignalBytes);
   }
   EPX_HD int32_t* dispatch_arrived(void* region, int set) const {
     return reinterpret_cast<int32_t*>(set_base(region, set) + 3 * kSignalBytes);
   }
-  EPX_HD uint64_t* recv_seen(void* region, int set) const {
+  EPX_HD uint64_t* combine_target(void* region, int set) const {
     return reinterpret_cast<uint64_t*>(set_base(region, set) + 4 * kSignalBytes);
   }
+  EPX_HD uint64_t* recv_seen(void* region, int set) const {
+    return reinterpret_cast<uint64_t*>(set_base(region, set) + 6 * kSignalBytes);
+  }
   EPX_HD uint32_t* block_ops(void* region, int set) const {
-    return reinterpret_cast<uint32_t*>(set_base(region, set) + 4 * kSignalBytes + kMaxNvlRanks * 8);
+    return reinterpret_cast<uint32_t*>(set_base(region, set) + 6 * kSignalBytes + kMaxNvlRanks * 8);
   }
   EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
   // The dispatch's records: rank s's token t at (s * M + t) * record_bytes.

@@ -152,8 +152,9 @@ TEST(Transport, LowLatencySignalsAreDisjointInsideTheSignalsArea) {
       return Range{name, begin, begin + bytes};
     };
     const Range ranges[] = {at("dispatch_count", layout.dispatch_count(region, set)),
-                            at("combine_flag", layout.combine_flag(region, set)),
-                            at("sent", layout.sent(region, set)),
+                            at("combine_arrived", layout.combine_arrived(region, set)),
+                            at("combine_sent", layout.combine_sent(region, set)),
+                            sized("combine_target", layout.combine_target(region, set), n * 2),
                             at("dispatch_arrived", layout.dispatch_arrived(region, set)),
                             sized("recv_seen", layout.recv_seen(region, set), epx::kMaxNvlRanks * 8),
                             sized("block_ops", layout.block_ops(region, set), epx::kLowLatencyMaxBlocks * 4)};
