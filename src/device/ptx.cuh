@@ -67,16 +67,6 @@ __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_re
 __device__ __forceinline__ void red_add_relaxed_sys(int32_t* p, int32_t v) {
   asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-// Completion counters on this GPU. A writer warp's lane 0 adds after __syncwarp: every lane's stores before it
-// (local or to a peer) are ordered before the add (release); the warp whose add completes the count has
-// acquired every other warp's, and only then publishes with a system-scope release, which carries those stores
-// along (release is cumulative). So no writer needs a system-scope fence of its own.
-__device__ __forceinline__ int32_t atomic_add_acq_rel_gpu(int32_t* p, int32_t v) {
-  int32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-
 // ---- data --------------------------------------------------------------------------------------------------
 // Inputs that no one writes while the kernel runs: skip L1, prefetch a 256-byte L2 sector.
 __device__ __forceinline__ int4 ld_nc(const int4* p) {

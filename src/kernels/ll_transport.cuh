@@ -14,11 +14,12 @@
 //
 // Ordering contract, the same on both paths:
 //   put_warp  : peer pointer: on return this lane's stores are issued; they become visible at the peer with
-//               the release chain that follows (__syncwarp, a lane's GPU-scope release of a completion counter,
-//               the publisher's acquire of it and its signal), so no lane needs a fence of its own.
+//               the release that follows (the dispatch: __syncwarp, then a lane's signal_add; the combine: a
+//               block barrier, then a fence and add_after_fence), so no lane needs a fence of its own.
 //               NVSHMEM: complete at the peer on return.
-//   signal    : the value lands after everything this thread has observed to be complete (cumulative), so a
-//               receiver whose acquire load sees it also sees the data that was announced before it.
+//   signal_add, add_after_fence (after fence_acq_rel_sys): the value lands after everything this thread has
+//               observed to be complete (cumulative), so a receiver whose acquire load sees it also sees the
+//               data that was announced before it.
 #pragma once
 
 #include <cstdint>
@@ -108,27 +109,9 @@ __device__ __forceinline__ void put_int(const LowLatencyPeers& peers, int peer, 
 #endif
 }
 
-// Sets the 32-bit signal `mine` (an address in this rank's region) to value in peer's region. Pairs with the
-// peer's acquire load of that slot (wait_nonzero / wait_epoch on its own memory).
-__device__ __forceinline__ void signal(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
-  if (has_peer_pointer(peers, peer)) {
-    st_release_sys(at_peer(peers, peer, mine), value);
-    return;
-  }
-#if EPX_HAVE_NVSHMEM
-  // fence.sc.sys is cumulative: the data this thread saw announced (put_warp completed it before the
-  // announcement) is ordered before the atomic, which lands in the peer's memory as one 32-bit write.
-  __threadfence_system();
-  nvshmem_int_atomic_set(mine, value, peer);
-  // Complete at the peer before this thread goes on: a later signal into the same slot (a later kernel's; the
-  // combine's flags are raised, never cleared) can then never land first, also through a proxy or IBGDA.
-  nvshmem_quiet();
-#endif
-}
-
 // Sets the 32-bit slot `mine` in peer's region to value without ordering anything before it: for a message
 // that carries no data (the dispatch's counts), whose receiver only needs the value. A relaxed system-scope
-// store; a fence here (signal's release) waits for the stores this SM has in flight to land, which put the
+// store; a fence here (a release) waits for the stores this SM has in flight to land, which put the
 // counts behind the rows they were meant to precede (~15 us at the bench defaults, v0.8 probe). The slot's
 // reuse is still ordered: the sender's earlier acquire (back-pressure) comes before it in program order.
 __device__ __forceinline__ void post(const LowLatencyPeers& peers, int peer, int32_t* mine, int32_t value) {
@@ -141,7 +124,10 @@ __device__ __forceinline__ void post(const LowLatencyPeers& peers, int peer, int
 #endif
 }
 
-// post for a 64-bit slot (the combine's tagged targets): one relaxed 64-bit write, single-copy atomic.
+// post for a 64-bit slot (the combine's tagged targets): one relaxed 64-bit write, single-copy atomic. The
+// peer may never read a given op's value (it waits only for the experts its tokens chose), so a later op's
+// write into the slot must not be overtaken by this one: a peer-pointer store is complete when the kernel ends;
+// an NVSHMEM one is made complete here (through a proxy or IBGDA it might not be).
 __device__ __forceinline__ void post64(const LowLatencyPeers& peers, int peer, uint64_t* mine, uint64_t value) {
   if (has_peer_pointer(peers, peer)) {
     st_relaxed_sys(at_peer(peers, peer, mine), value);
@@ -149,6 +135,7 @@ __device__ __forceinline__ void post64(const LowLatencyPeers& peers, int peer, u
   }
 #if EPX_HAVE_NVSHMEM
   nvshmem_uint64_atomic_set(mine, value, peer);
+  nvshmem_quiet();
 #endif
 }
 
@@ -167,7 +154,7 @@ __device__ __forceinline__ void add_after_fence(const LowLatencyPeers& peers, in
 }
 
 // Adds value to the counter `mine` (an address in this rank's region; 64-bit: the epochs, 32-bit: the dispatch's
-// arrival counters) in peer's region, as a release like signal's. Pairs with the peer's acquire loads of that
+// arrival counters) in peer's region, as a release. Pairs with the peer's acquire loads of that
 // counter (wait_at_least / wait_at_least_i32 on its own memory).
 template <typename T>
 __device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int peer, T* mine,
@@ -178,7 +165,9 @@ __device__ __forceinline__ void signal_add(const LowLatencyPeers& peers, int pee
     return;
   }
 #if EPX_HAVE_NVSHMEM
-  __threadfence_system();  // cumulative, as in signal
+  // fence.sc.sys is cumulative: the data this thread saw announced (put_warp completed it before the
+  // announcement) is ordered before the atomic.
+  __threadfence_system();
   if constexpr (sizeof(T) == 8)
     nvshmem_uint64_atomic_add(reinterpret_cast<uint64_t*>(mine), uint64_t(value), peer);
   else

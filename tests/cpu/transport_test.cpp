@@ -161,8 +161,11 @@ TEST(Transport, LowLatencySignalsAreDisjointInsideTheSignalsArea) {
     for (const Range& a : ranges) {
       EXPECT_GE(a.begin, 0) << a.name;
       EXPECT_LE(a.end, epx::LowLatencyLayout::kSignalsBytes) << a.name;
-      for (const Range& b : ranges)
-        if (&a != &b) EXPECT_TRUE(a.end <= b.begin || b.end <= a.begin) << a.name << " overlaps " << b.name;
+      for (const Range& b : ranges) {
+        if (&a != &b) {
+          EXPECT_TRUE(a.end <= b.begin || b.end <= a.begin) << a.name << " overlaps " << b.name;
+        }
+      }
     }
     EXPECT_EQ(layout.receive(region, set) - base, epx::LowLatencyLayout::kSignalsBytes);
   }
