@@ -15,6 +15,7 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
+#include "kernels/chunk_publisher.cuh"
 #include "kernels/params.hpp"
 #include "kernels/peer_groups.cuh"
 #include "kernels/sender_coordinator.cuh"
@@ -36,9 +37,10 @@ __device__ __forceinline__ int row_end_of(const CombineParams& p, int src, int c
 }
 
 // Chunked sender (3 or more ranks), the group for one destination (a source rank of the dispatch): pushes its
-// rows in dispatch order, a chunk at a time, then publishes the tail.
+// rows in dispatch order, a chunk at a time (row i of the chunk by warp i % warps); the chunk's publisher then
+// publishes the tail (kernels/chunk_publisher.cuh).
 template <int kUnroll>
-__device__ void combine_sender(const CombineParams& p, int channel) {
+__device__ void combine_sender(const CombineParams& p, int channel, ChunkGrants& grants) {
   PeerGroup g;
   if (!PeerGroup::of(p.num_ranks, g)) return;
   const int lane = threadIdx.x % 32, dest = g.peer, me = p.env.rank;
@@ -49,13 +51,13 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
   const uint64_t* head_ptr = &dst->combine_head[channel][me];
   const uint64_t base = ld_relaxed_sys(tail_ptr);  // idle ring: head == tail == base
   const uint64_t cap = p.ring.capacity;
-  uint64_t tail = base, head_seen = base;
+  uint64_t tail = base;
 
-  for (int row = row_begin; row < row_end;) {
+  int c = 0;
+  for (int row = row_begin; row < row_end; ++c) {
     const int n = min(p.num_send_chunk, row_end - row);
-    if (g.leader && tail + n > cap + head_seen)  // pairs with the coordinator's release of head
-      head_seen = wait_at_least(head_ptr, tail + n - cap, p.env, WaitSite{kRoleCombineSender, channel, dest, row});
-    named_barrier(g.barrier_id, g.threads);
+    // pairs with the grant, whose publisher acquired the coordinator's release of head
+    wait_for_grant(grants, g, c, p.env, WaitSite{kRoleCombineSender, channel, dest, row});
     for (int i = g.warp; i < n; i += g.warps) {
       uint8_t* slot = p.ring.slot(dst, channel, me, tail + i);
       // The weight is loaded before the row so that its latency hides behind the copy.
@@ -64,10 +66,10 @@ __device__ void combine_sender(const CombineParams& p, int channel) {
                              LoadNc{}, StoreNa{});
       if (lane < p.num_topk) reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] = w;
     }
-    named_barrier(g.barrier_id, g.threads);  // every record of the chunk is written
     tail += n;
     row += n;
-    if (g.leader) st_release_sys(tail_ptr, tail);  // pairs with the reducers' acquire of tail
+    publish_chunk(grants, g, c, base, tail, n, p.num_send_chunk, cap, tail_ptr, head_ptr, p.env,
+                  WaitSite{kRoleCombineSender, channel, dest, row});
   }
 }
 
@@ -231,7 +233,10 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams 
       else
         combine_sender_coordinator(p, channel, s_progress);
     } else {
-      combine_sender<kUnroll>(p, channel);
+      __shared__ ChunkGrants grants;
+      grants.init();
+      __syncthreads();
+      combine_sender<kUnroll>(p, channel, grants);
     }
     return;
   }

@@ -10,6 +10,7 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
+#include "kernels/chunk_publisher.cuh"
 #include "kernels/params.hpp"
 #include "kernels/peer_groups.cuh"
 #include "kernels/sender_coordinator.cuh"
@@ -93,17 +94,12 @@ __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8
 
 // Chunked sender (3 or more ranks, see launch_dispatch), the group for one destination: scans the channel's
 // tokens in order, takes up to a chunk of those routed to the destination, copies them (token i of the chunk
-// by warp i % warps), then publishes the tail. Every warp scans the same tokens, so all agree on the chunks and
-// the ring positions. The publisher of chunk c is warp c % warps: the others arrive at the group's barrier
-// without waiting and go on to chunk c + 1 once the ring has room for it (the grant); the publisher waits at
-// the barrier for the chunk's records, grants the next chunk, then publishes the tail with a system-scope
-// release, whose fence (~4 us on a busy SM, link_rate fence mode) so holds back one warp, not the group
-// (v0.13: the group waited at the next chunk's barrier for its leader's fence). The grant also keeps every warp
-// within one chunk of the barrier's phase.
+// by warp i % warps); the chunk's publisher then publishes the tail (kernels/chunk_publisher.cuh). Every warp
+// scans the same tokens, so all agree on the chunks and the ring positions.
 // Also records send_head[t][dest]: the token's stream position, or -(next position) - 1 if not sent, which
 // the combine receiver uses as "positions below this are no longer needed".
 template <int kUnroll>
-__device__ void dispatch_sender(const DispatchParams& p, int channel, int32_t* s_grant, uint64_t* s_head) {
+__device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrants& grants) {
   PeerGroup g;
   if (!PeerGroup::of(p.num_ranks, g)) return;
   const int lane = threadIdx.x % 32, R = p.num_ranks, dest = g.peer, me = p.env.rank;
@@ -114,19 +110,11 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, int32_t* s
   const uint64_t base = ld_relaxed_sys(tail_ptr);  // idle ring: head == tail == base
   const uint64_t cap = p.ring.capacity;
   const int chunk = p.num_send_chunk;
-  int32_t* grant = s_grant + dest;   // chunks the group may write (chunk 0 always fits the idle ring)
-  uint64_t* head_seen = s_head + dest;  // the receiver's head as last read, by the publishers' lane 0 only
   uint64_t tail = base;
 
   int cursor = range.begin;
   for (int c = 0; cursor < range.end; ++c) {
-    if (c > 0 && lane == 0) {  // pairs with the grant's release by chunk c - 1's publisher
-      SpinBudget budget;
-      for (int32_t g_seen; (g_seen = ld_acquire_cta(grant)) < c;)
-        budget.tick(p.env, WaitSite{kRoleDispatchSender, channel, dest, cursor}, g_seen, c);
-    }
-    __syncwarp();
-
+    wait_for_grant(grants, g, c, p.env, WaitSite{kRoleDispatchSender, channel, dest, cursor});
     int taken = 0;
     while (taken < chunk && cursor < range.end) {
       const int t = cursor + lane;
@@ -151,30 +139,8 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, int32_t* s
       cursor += scanned;
     }
     tail += taken;
-    if (c % g.warps != g.warp) {
-      named_barrier_arrive(g.barrier_id, g.threads);  // this warp's records of chunk c are written
-      continue;
-    }
-    named_barrier(g.barrier_id, g.threads);  // every record of chunk c is written
-    if (lane == 0) {
-      // Room for chunk c + 1 (up to `chunk` positions past tail) once the head reaches tail + chunk - cap.
-      // Granted before the tail's release when the last head seen (or one fresh read) allows it; otherwise
-      // the tail goes first, since the receiver may need chunk c to free the room.
-      uint64_t head = *head_seen;
-      if (c == 0) head = base;
-      if (tail + chunk > cap + head) head = ld_acquire_sys(head_ptr);  // pairs with the receiver's release of head
-      const bool room = tail + chunk <= cap + head;
-      if (room) {
-        *head_seen = head;
-        st_release_cta(grant, c + 1);
-      }
-      if (taken > 0) st_release_sys(tail_ptr, tail);  // pairs with the receiver's acquire of tail
-      if (!room) {
-        *head_seen = wait_at_least(head_ptr, tail + chunk - cap, p.env, WaitSite{kRoleDispatchSender, channel, dest, cursor});
-        st_release_cta(grant, c + 1);
-      }
-    }
-    __syncwarp();
+    publish_chunk(grants, g, c, base, tail, taken, chunk, cap, tail_ptr, head_ptr, p.env,
+                  WaitSite{kRoleDispatchSender, channel, dest, cursor});
   }
 }
 
@@ -286,11 +252,10 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParam
       else
         dispatch_sender_coordinator(p, channel, s_progress);
     } else {
-      __shared__ int32_t s_grant[kMaxNvlRanks];  // per group, see dispatch_sender
-      __shared__ uint64_t s_head[kMaxNvlRanks];
-      if (threadIdx.x < kMaxNvlRanks) s_grant[threadIdx.x] = 0;
+      __shared__ ChunkGrants grants;
+      grants.init();
       __syncthreads();
-      dispatch_sender<kUnroll>(p, channel, s_grant, s_head);
+      dispatch_sender<kUnroll>(p, channel, grants);
     }
   } else {
     if (p.num_worst_tokens > 0) pad_rows(p, channel);
