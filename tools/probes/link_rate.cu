@@ -139,6 +139,31 @@ __global__ void shape_kernel(Peers p, int self, int ngpus, int rows, int row_int
 // the peer (cp.async.bulk, the SM's copy engine) and waits for the store to have read the buffer before reuse.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
+// Lane 0 of a warp: one row from s to d through the warp's shared buffer (bulk load into buf with the mbarrier's
+// transaction count, then a bulk store), after the previous store from buf has read it. parity: the mbarrier
+// phase this use waits for (flip it after each call).
+__device__ __forceinline__ void bulk_push_row(unsigned char* buf, uint64_t* bar, uint32_t parity, const int4* s,
+                                              int4* d, uint32_t row_bytes) {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the previous store has read buf
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(row_bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(buf)),
+               "l"(s), "r"(row_bytes), "r"(smem_u32(bar))
+               : "memory");
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n selp.u32 %0, 1, 0, q;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d), "r"(smem_u32(buf)),
+               "r"(row_bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
 __global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int /*pull*/) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t bars[32];
@@ -161,26 +186,7 @@ __global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row
     const int peer = pi >= self ? pi + 1 : pi;
     const int4* s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
     int4* d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
-    if (lane == 0) {
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the previous store has read buf
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(row_bytes)
-                   : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                       smem_u32(buf)),
-                   "l"(s), "r"(row_bytes), "r"(smem_u32(bar))
-                   : "memory");
-      uint32_t done = 0;
-      while (!done)
-        asm volatile(
-            "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n selp.u32 %0, 1, 0, q;\n}\n"
-            : "=r"(done)
-            : "r"(smem_u32(bar)), "r"(parity)
-            : "memory");
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d), "r"(smem_u32(buf)),
-                   "r"(row_bytes)
-                   : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    }
+    if (lane == 0) bulk_push_row(buf, bar, parity, s, d, row_bytes);
     parity ^= 1;
   }
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -248,26 +254,7 @@ __global__ void fence_kernel(Peers p, int self, int ngpus, int rows, int row_int
       }
       continue;
     }
-    if (lane == 0) {
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(row_bytes)
-                   : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                       smem_u32(buf)),
-                   "l"(s), "r"(row_bytes), "r"(smem_u32(bar))
-                   : "memory");
-      uint32_t done = 0;
-      while (!done)
-        asm volatile(
-            "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n selp.u32 %0, 1, 0, q;\n}\n"
-            : "=r"(done)
-            : "r"(smem_u32(bar)), "r"(parity)
-            : "memory");
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d), "r"(smem_u32(buf)),
-                   "r"(row_bytes)
-                   : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    }
+    if (lane == 0) bulk_push_row(buf, bar, parity, s, d, row_bytes);
     parity ^= 1;
     if (mode == 4 && lane < 5) {  // the same bytes the row carries, so the check below still holds
       const int b = 0x3c + self;
