@@ -139,6 +139,25 @@ __global__ void shape_kernel(Peers p, int self, int ngpus, int rows, int row_int
 // the peer (cp.async.bulk, the SM's copy engine) and waits for the store to have read the buffer before reuse.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
+// Push item `item` of a warp loop over (row, peer), peers interleaved: its source row here and its destination
+// row in the peer's region for this GPU.
+struct PushRow {
+  const int4* s;
+  int4* d;
+};
+__device__ __forceinline__ PushRow push_row(const Peers& p, int self, int ngpus, int rows, int row_int4, int item) {
+  const int pi = item % (ngpus - 1);
+  const int row = item / (ngpus - 1);
+  const int peer = pi >= self ? pi + 1 : pi;
+  return {p.src[self] + (size_t(peer) * rows + row) * row_int4, p.dst[peer] + (size_t(self) * rows + row) * row_int4};
+}
+
+// Lane 0: a warp's mbarrier for bulk loads (one arrival per phase).
+__device__ __forceinline__ void init_row_barrier(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 // Lane 0 of a warp: one row from s to d through the warp's shared buffer (bulk load into buf with the mbarrier's
 // transaction count, then a bulk store), after the previous store from buf has read it. parity: the mbarrier
 // phase this use waits for (flip it after each call).
@@ -173,20 +192,13 @@ __global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row
   const uint32_t row_bytes = uint32_t(row_int4) * 16;
   unsigned char* buf = smem + size_t(wib) * row_bytes;
   uint64_t* bar = &bars[wib];
-  if (lane == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (lane == 0) init_row_barrier(bar);
   __syncwarp();
   uint32_t parity = 0;
   const int items = (ngpus - 1) * rows;
   for (int item = warp; item < items; item += nwarps) {
-    const int pi = item % (ngpus - 1);
-    const int row = item / (ngpus - 1);
-    const int peer = pi >= self ? pi + 1 : pi;
-    const int4* s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
-    int4* d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
-    if (lane == 0) bulk_push_row(buf, bar, parity, s, d, row_bytes);
+    const PushRow r = push_row(p, self, ngpus, rows, row_int4, item);
+    if (lane == 0) bulk_push_row(buf, bar, parity, r.s, r.d, row_bytes);
     parity ^= 1;
   }
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -229,19 +241,14 @@ __global__ void fence_kernel(Peers p, int self, int ngpus, int rows, int row_int
   const uint32_t row_bytes = uint32_t(row_int4) * 16;
   unsigned char* buf = smem + size_t(wib) * row_bytes;
   uint64_t* bar = &bars[wib];
-  if (bulk && lane == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (bulk && lane == 0) init_row_barrier(bar);
   __syncwarp();
   uint32_t parity = 0;
   const int items = (ngpus - 1) * rows;
   for (int item = warp; item < items; item += nwarps) {
-    const int pi = item % (ngpus - 1);
-    const int row = item / (ngpus - 1);
-    const int peer = pi >= self ? pi + 1 : pi;
-    const int4* s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
-    int4* d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
+    const PushRow r = push_row(p, self, ngpus, rows, row_int4, item);
+    const int4* s = r.s;
+    int4* d = r.d;
     if (!bulk) {
       for (int base = 0; base < row_int4; base += 128) {
         int4 v[4];
