@@ -122,10 +122,10 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // (hook) copies them, since x may change before the hook runs.
   const bool local_in_place = (p.phases & kLowLatencyRecv) != 0;
   // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
-  // the start of the next): every item's stores are issued before the first completion, so the later items'
-  // loads overlap the first one's release (which waits for its stores). Adjacent items per warp measured
-  // 1.2-1.4 us faster at the bench defaults than items a grid apart (w0, w0 + warps), 4 adjacent ones ~0.5 us;
-  // spreading a block's warps over many rows (part-major items) was 4-5 us slower (docs/bench-notes.md, v0.7).
+  // the start of the next). Measured in v0.7, when each batch still ended in a completion step of its own:
+  // adjacent items per warp 1.2-1.4 us faster at the bench defaults than items a grid apart (w0, w0 + warps), 4
+  // adjacent ones ~0.5 us slower; spreading a block's warps over many rows (part-major items) 4-5 us slower
+  // (docs/bench-notes.md). Since v0.14 the block completes its items once, after this loop.
   constexpr int kBatch = 2;
   for (int w0 = (blockIdx.x * kWarps + warp) * kBatch; w0 < total * parts; w0 += kBatch * warps) {
     int b_pair[kBatch];
@@ -149,7 +149,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       const int first = part * kChunk, last = min(first + kChunk, row_int4);
       const int4* src = p.x + row * row_int4 + first;
       if (s == me && local_in_place) {
-        if (part == 0 && lane == 0)  // published like the data items (the same release chain)
+        if (part == 0 && lane == 0)  // published like the data items (the block's fence and add)
           *local_row_of(receive, int64_t(e) * M + t, row_int4) = int32_t(row);
       } else {
         if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
@@ -223,7 +223,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
         if constexpr (kInPlace) {
           const int64_t slot = e * M + t;
           s_row[k] = recv + slot * row_int4;
-          if (e / L == me)  // written by this launch's send phase before the flag's release
+          if (e / L == me)  // written by this launch's send phase before its block's arrival add
             s_row[k] = p.x + int64_t(ld_cg(local_row_of(recv, slot, row_int4))) * row_int4;
         }
       }
