@@ -135,8 +135,8 @@ void Buffer::clean_low_latency_buffer(cudaStream_t stream) {
   p.env = b.fail_env();
   p.num_ranks = b.num_ranks;
   p.barrier_only = 1;
-  // First barrier: every rank's earlier low-latency kernels (on this stream) are done, so no completion or
-  // count or target of theirs can still land in the signals zeroed below (a stale one would let a send run early).
+  // First barrier: every rank's earlier low-latency kernels (on this stream) are done, so no completion, count
+  // or target of theirs can still land in the signals zeroed below (a stale one would let a send run early).
   p.signature = 0x11c1ea6;
   launch_notify(p, stream);
   for (int set = 0; set < 2; ++set)
