@@ -177,6 +177,20 @@ std::vector<Case> intranode_cases() {
     return err + s.check_combine();
   }});
 
+  // A chunk as large as the ring: every chunk's room needs the receiver to free the chunk before it, so the
+  // chunked senders' publisher (kernels/chunk_publisher.cuh) must release the tail before it waits for the head.
+  cases.push_back(Case{"small configs: 2 SMs, chunk 2, ring 2 (chunk = ring)", [](Context& ctx) {
+    Config tight{2, 2, 2};
+    auto c = base_case({300}, 2048, 38);
+    IntranodeSession s(ctx.buffer, c, tight, tight, ctx.stream);
+    s.layout();
+    s.dispatch();
+    std::string err = s.check_dispatch();
+    s.set_combine_inputs(7);
+    s.combine();
+    return err + s.check_combine();
+  }});
+
   cases.push_back(Case{"out-of-range topk_idx fails every rank, buffer stays usable", [](Context& ctx) {
     auto c = base_case({64}, 2048, 32);
     IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
