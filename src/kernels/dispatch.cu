@@ -156,7 +156,9 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
   // Written out here rather than through SenderGroups::place and wait_for_slot (as the combine does): with those
   // helpers this sender measured ~15% slower at 2 ranks (2 x H200, 24 SMs: BF16 307.7 vs 355.7 GB/s, FP8 228.4
-  // vs 255.7, cached 321.8 vs 382.4; docs/bench-notes.md, v0.14); the combine did not change.
+  // vs 255.7, cached 321.8 vs 382.4; docs/bench-notes.md, v0.14); the combine did not change. In the PTX, the
+  // WaitSite temporary handed to wait_for_slot was built in local memory (four st.local) for every record, ahead
+  // of the ring-full branch; written out, the site is built inside that branch only.
   const SenderGroups groups = SenderGroups::of(R);
   int dest = 0;
   while (dest + 1 < R && warp >= groups.first_warp(dest + 1, me)) ++dest;
