@@ -13,6 +13,7 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "kernels/peer_groups.cuh"
+#include "kernels/sender_groups.hpp"
 
 namespace epx {
 
@@ -38,17 +39,17 @@ __device__ __forceinline__ void wait_for_grant(ChunkGrants& s, const PeerGroup& 
 }
 
 // After chunk c's records (this warp's share written, tail already advanced by the chunk's `taken` records):
-// returns false on every warp but the publisher, which has arrived at the group barrier; on the publisher it
-// waits there, grants chunk c + 1 (room for up to `chunk` positions past tail once the ring's head reaches tail
-// + chunk - cap) and releases the tail; granted before the tail when the last head seen, or one fresh read,
-// allows it, else after (the receiver may need chunk c to free the room). Returns true on the publisher.
-__device__ __forceinline__ bool publish_chunk(ChunkGrants& s, const PeerGroup& g, int c, uint64_t base, uint64_t tail,
+// every warp but the publisher arrives at the group barrier and returns; the publisher waits there, grants chunk
+// c + 1 (room for up to `chunk` positions past tail once the ring's head reaches tail + chunk - cap) and releases
+// the tail; granted before the tail when the last head seen, or one fresh read, allows it, else after (the
+// receiver may need chunk c to free the room).
+__device__ __forceinline__ void publish_chunk(ChunkGrants& s, const PeerGroup& g, int c, uint64_t base, uint64_t tail,
                                               int taken, int chunk, uint64_t cap, uint64_t* tail_ptr,
                                               const uint64_t* head_ptr, const FailEnv& env,
                                               const dev::WaitSite& site) {
   if (c % g.warps != g.warp) {
     dev::named_barrier_arrive(g.barrier_id, g.threads);  // this warp's records of chunk c are written
-    return false;
+    return;
   }
   dev::named_barrier(g.barrier_id, g.threads);  // every record of chunk c is written
   if (threadIdx.x % 32 == 0) {
@@ -66,7 +67,27 @@ __device__ __forceinline__ bool publish_chunk(ChunkGrants& s, const PeerGroup& g
     }
   }
   __syncwarp();
-  return true;
+}
+
+// A sender block (dispatch and combine): at 2 ranks or fewer (kCoordinated) the first kSenderWarps warps run
+// coordinated(progress words) and the last warp coordinator(progress words) (kernels/sender_coordinator.cuh);
+// otherwise every warp runs chunked(grants), the chunked senders of this header.
+template <bool kCoordinated, typename Coordinated, typename Coordinator, typename Chunked>
+__device__ __forceinline__ void run_sender_block(Coordinated coordinated, Coordinator coordinator, Chunked chunked) {
+  if constexpr (kCoordinated) {
+    __shared__ int32_t s_progress[kSenderWarps];  // per sender warp
+    if (threadIdx.x < kSenderWarps) s_progress[threadIdx.x] = 0;
+    __syncthreads();
+    if (threadIdx.x / 32 < kSenderWarps)
+      coordinated(s_progress);
+    else
+      coordinator(s_progress);
+  } else {
+    __shared__ ChunkGrants grants;
+    grants.init();
+    __syncthreads();
+    chunked(grants);
+  }
 }
 
 }  // namespace epx

@@ -224,20 +224,10 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams 
   if (blockIdx.x % 2 == 0) {
     // At most 2 ranks the coordinated sender (4 x H200, 24 SMs: 423.9-440.2 vs 407.0-419.8 GB/s at 2 ranks;
     // 315.8-340.5 vs 359.3-377.2 at 4, where the chunked one stays; docs/bench-notes.md, v0.13).
-    if constexpr (kRanks <= 2) {
-      __shared__ int32_t s_progress[kSenderWarps];  // per sender warp, see combine_sender_coordinated
-      if (threadIdx.x < kSenderWarps) s_progress[threadIdx.x] = 0;
-      __syncthreads();
-      if (threadIdx.x / 32 < kSenderWarps)
-        combine_sender_coordinated<kUnroll>(p, channel, s_progress);
-      else
-        combine_sender_coordinator(p, channel, s_progress);
-    } else {
-      __shared__ ChunkGrants grants;
-      grants.init();
-      __syncthreads();
-      combine_sender<kUnroll>(p, channel, grants);
-    }
+    run_sender_block<kRanks <= 2>(
+        [&](int32_t* progress) { combine_sender_coordinated<kUnroll>(p, channel, progress); },
+        [&](const int32_t* progress) { combine_sender_coordinator(p, channel, progress); },
+        [&](ChunkGrants& grants) { combine_sender<kUnroll>(p, channel, grants); });
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -260,20 +260,10 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParam
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    if constexpr (kCoordinated) {
-      __shared__ int32_t s_progress[kSenderWarps];  // per sender warp, see dispatch_sender_coordinated
-      if (threadIdx.x < kSenderWarps) s_progress[threadIdx.x] = 0;
-      __syncthreads();
-      if (threadIdx.x / 32 < kSenderWarps)
-        dispatch_sender_coordinated<kUnroll>(p, channel, s_progress);
-      else
-        dispatch_sender_coordinator(p, channel, s_progress);
-    } else {
-      __shared__ ChunkGrants grants;
-      grants.init();
-      __syncthreads();
-      dispatch_sender<kUnroll>(p, channel, grants);
-    }
+    run_sender_block<kCoordinated>(
+        [&](int32_t* progress) { dispatch_sender_coordinated<kUnroll>(p, channel, progress); },
+        [&](const int32_t* progress) { dispatch_sender_coordinator(p, channel, progress); },
+        [&](ChunkGrants& grants) { dispatch_sender<kUnroll>(p, channel, grants); });
   } else {
     if (p.num_worst_tokens > 0) pad_rows(p, channel);
     dispatch_receiver<kUnroll>(p, channel, s_tail);
