@@ -165,31 +165,23 @@ std::vector<Case> intranode_cases() {
     return err + s.check_combine();
   }});
 
-  cases.push_back(Case{"small configs: 2 SMs, chunk 1, ring 2", [](Context& ctx) {
-    Config small{2, 1, 2};
-    auto c = base_case({300}, 2048, 31);
-    IntranodeSession s(ctx.buffer, c, small, small, ctx.stream);
-    s.layout();
-    s.dispatch();
-    std::string err = s.check_dispatch();
-    s.set_combine_inputs(6);
-    s.combine();
-    return err + s.check_combine();
-  }});
-
+  // 300 tokens through one channel with a tiny ring, dispatch and combine on the same config.
+  const auto small_config_case = [](std::string name, Config config, uint64_t seed, uint64_t combine_seed) {
+    return Case{std::move(name), [config, seed, combine_seed](Context& ctx) {
+                  auto c = base_case({300}, 2048, seed);
+                  IntranodeSession s(ctx.buffer, c, config, config, ctx.stream);
+                  s.layout();
+                  s.dispatch();
+                  std::string err = s.check_dispatch();
+                  s.set_combine_inputs(combine_seed);
+                  s.combine();
+                  return err + s.check_combine();
+                }};
+  };
+  cases.push_back(small_config_case("small configs: 2 SMs, chunk 1, ring 2", Config{2, 1, 2}, 31, 6));
   // A chunk as large as the ring: every chunk's room needs the receiver to free the chunk before it, so the
   // chunked senders' publisher (kernels/chunk_publisher.cuh) must release the tail before it waits for the head.
-  cases.push_back(Case{"small configs: 2 SMs, chunk 2, ring 2 (chunk = ring)", [](Context& ctx) {
-    Config tight{2, 2, 2};
-    auto c = base_case({300}, 2048, 38);
-    IntranodeSession s(ctx.buffer, c, tight, tight, ctx.stream);
-    s.layout();
-    s.dispatch();
-    std::string err = s.check_dispatch();
-    s.set_combine_inputs(7);
-    s.combine();
-    return err + s.check_combine();
-  }});
+  cases.push_back(small_config_case("small configs: 2 SMs, chunk 2, ring 2 (chunk = ring)", Config{2, 2, 2}, 38, 7));
 
   cases.push_back(Case{"out-of-range topk_idx fails every rank, buffer stays usable", [](Context& ctx) {
     auto c = base_case({64}, 2048, 32);
