@@ -217,7 +217,7 @@ __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s
 }
 
 template <int kUnroll, int kRanks>
-__global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(CombineParams p) {
+__global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int s_need[kReducerWarps][kMaxNvlRanks];
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;

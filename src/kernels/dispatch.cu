@@ -255,7 +255,7 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
 }
 
 template <int kUnroll, bool kCoordinated>
-__global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(DispatchParams p) {
+__global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
   if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
