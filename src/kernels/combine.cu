@@ -93,7 +93,7 @@ __device__ void combine_sender_coordinated(const CombineParams& p, int channel, 
 
   for (int i = gwarp; i < n; i += gwarps) {
     head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.env,  // the receiver coordinator's head
-                              WaitSite{kRoleCombineSender, channel, dest, row_begin + i});
+                              kRoleCombineSender, channel, dest, row_begin + i);
     uint8_t* slot = p.ring.slot(dst, channel, me, base + i);
     const int row = row_begin + i;
     // The weight is loaded before the row so that its latency hides behind the copy.

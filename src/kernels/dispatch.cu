@@ -154,15 +154,8 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
 template <int kUnroll>
 __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
-  // Written out here rather than through SenderGroups::place and wait_for_slot (as the combine does): with those
-  // helpers this sender measured ~15% slower at 2 ranks (2 x H200, 24 SMs: BF16 307.7 vs 355.7 GB/s, FP8 228.4
-  // vs 255.7, cached 321.8 vs 382.4; docs/bench-notes.md, v0.14); the combine did not change. In the PTX, the
-  // WaitSite temporary handed to wait_for_slot was built in local memory (four st.local) for every record, ahead
-  // of the ring-full branch; written out, the site is built inside that branch only.
-  const SenderGroups groups = SenderGroups::of(R);
-  int dest = 0;
-  while (dest + 1 < R && warp >= groups.first_warp(dest + 1, me)) ++dest;
-  const int gwarp = warp - groups.first_warp(dest, me), gwarps = groups.warps(dest, me);
+  const SenderGroups::Place place = SenderGroups::of(R).place(warp, R, me);
+  const int dest = place.dest, gwarp = place.index, gwarps = place.warps;
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
   NvlControl* dst = p.env.peers[dest];
   const uint64_t* head_ptr = &dst->dispatch_head[channel][me];
@@ -183,18 +176,8 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
     int i = routed;
     for (uint32_t m = mask; m != 0; m &= m - 1, ++i) {
       if (i % gwarps != gwarp) continue;
-      if (base + i + 1 > cap + head_seen) {
-        // Ring full up to slot i. Publish progress first (every own position below i is written), so that the
-        // tail can reach the slots the receiver needs to free this one whatever the ring's capacity.
-        __syncwarp();
-        if (lane == 0) {
-          st_release_cta(progress, i);  // pairs with the coordinator's acquire
-          // pairs with the receiver's release of head
-          head_seen = wait_at_least(head_ptr, base + i + 1 - cap, p.env,
-                                    WaitSite{kRoleDispatchSender, channel, dest, cursor + __ffs(m) - 1});
-        }
-        head_seen = __shfl_sync(kFullMask, head_seen, 0);
-      }
+      head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.env,  // the receiver's release of head
+                                kRoleDispatchSender, channel, dest, cursor + __ffs(m) - 1);
       write_record<kUnroll>(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, base + i), lane);
     }
     routed += __popc(mask);
