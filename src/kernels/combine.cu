@@ -112,7 +112,8 @@ __device__ void combine_sender_coordinated(const CombineParams& p, int channel, 
 __device__ void combine_sender_coordinator(const CombineParams& p, int channel, const int32_t* s_progress) {
   const int lane = threadIdx.x % 32, me = p.env.rank;
   uint64_t* tail_j = lane < p.num_ranks ? &p.env.peers[lane]->combine_tail[channel][me] : nullptr;
-  coordinate_sender_tails(tail_j, s_progress, p.num_ranks, me, p.env, kRoleCombineSenderCoordinator, channel);
+  coordinate_sender_tails(tail_j, s_progress, SenderGroups::of(p.num_ranks), p.num_ranks, me, p.env,
+                          kRoleCombineSenderCoordinator, channel);
 }
 
 // Sums the rows of token t from every rank in `valid` (ascending), then the biases; one rounding. kRanks is

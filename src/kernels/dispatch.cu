@@ -2,7 +2,8 @@
 //
 // Block 2c sends channel c, block 2c+1 receives it. Channel c covers a contiguous token range of every
 // rank. Ring (c, s) lives in receiver r's buffer; sender s writes records and advances its tail, r copies
-// them to recv_x and advances its head. Record order is token order, so rows from source s, channel c land
+// them to recv_x and advances its head. A rank's own tokens take no ring: the receiver block's group for this
+// rank copies them from x to the outputs (dispatch_self_copy), so every sender warp works for a peer. Record order is token order, so rows from source s, channel c land
 // at consecutive rows starting at recv_channel_prefix_matrix[s][c]. Ring indices never reset (64-bit,
 // monotonic): an operation starts where the last one ended, and notify guarantees the ring is idle then.
 #include <cuda_runtime.h>
@@ -35,14 +36,15 @@ struct SmallFields {
   int32_t weight;  // lane k < K: weight bits
 };
 
-// Writes token t (row, scales, src index, top-k rebased to dest's local experts) into a ring slot.
-template <int kUnroll>
-__device__ __forceinline__ void write_record(const DispatchParams& p, int t, int dest, uint8_t* slot, int lane) {
+// Token t's small fields as dest's record carries them: scales, top-k rebased to dest's local experts (-1 for
+// the others) and their weights (0 there).
+__device__ __forceinline__ SmallFields token_fields(const DispatchParams& p, int t, int dest, int lane) {
   SmallFields f{};
   const int32_t* src_scales = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
 #pragma unroll
   for (int j = 0; j < kScaleWordsPerLane; ++j)
     if (lane + 32 * j < p.num_scales) f.scale[j] = ld_nc(src_scales + lane + 32 * j);
+  f.src_idx = t;
   if (lane < p.num_topk) {  // tokens exist here, so topk_idx is not null
     const int64_t e = ld_nc(p.topk_idx + int64_t(t) * p.num_topk + lane);
     const int64_t first = int64_t(dest) * p.experts_per_rank;
@@ -50,6 +52,37 @@ __device__ __forceinline__ void write_record(const DispatchParams& p, int t, int
     const float w = p.topk_weights != nullptr ? ld_nc(p.topk_weights + int64_t(t) * p.num_topk + lane) : 0.f;
     f.weight = __float_as_int(f.topk >= 0 ? w : 0.f);
   }
+  return f;
+}
+
+// Writes the small fields of output row `row`; scales past the preloaded ones come from src_scales (load).
+template <typename LoadWord>
+__device__ __forceinline__ void store_row_fields(const DispatchParams& p, int row, const SmallFields& f,
+                                                 const int32_t* src_scales, int lane, LoadWord load) {
+  int32_t* dst_scales = reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales;
+#pragma unroll
+  for (int j = 0; j < kScaleWordsPerLane; ++j)
+    if (lane + 32 * j < p.num_scales) dst_scales[lane + 32 * j] = f.scale[j];
+  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst_scales[i] = load(src_scales + i);
+  if (lane == 0) p.recv_src_idx[row] = f.src_idx;
+  if (lane < p.num_topk) {
+    if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = f.topk;
+    if (p.recv_topk_weights != nullptr) p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = __int_as_float(f.weight);
+  }
+}
+
+struct LoadNcWord {
+  __device__ __forceinline__ int32_t operator()(const int32_t* q) const { return ld_nc(q); }
+};
+struct LoadCgWord {
+  __device__ __forceinline__ int32_t operator()(const int32_t* q) const { return ld_cg(q); }
+};
+
+// Writes token t (row, scales, src index, top-k rebased to dest's local experts) into a ring slot.
+template <int kUnroll>
+__device__ __forceinline__ void write_record(const DispatchParams& p, int t, int dest, uint8_t* slot, int lane) {
+  const SmallFields f = token_fields(p, t, dest, lane);
+  const int32_t* src_scales = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
   warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{}, StoreNa{});
   int32_t* dst_scales = reinterpret_cast<int32_t*>(slot + p.record.scale_offset);
 #pragma unroll
@@ -80,19 +113,20 @@ __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8
   }
   warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, reinterpret_cast<const int4*>(slot), p.x_int4, lane, LoadCg{},
                      StoreNa{});
-  int32_t* dst_scales = reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales;
-#pragma unroll
-  for (int j = 0; j < kScaleWordsPerLane; ++j)
-    if (lane + 32 * j < p.num_scales) dst_scales[lane + 32 * j] = f.scale[j];
-  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst_scales[i] = ld_cg(src_scales + i);
-  if (lane == 0) p.recv_src_idx[row] = f.src_idx;
-  if (lane < p.num_topk) {
-    if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = f.topk;
-    if (p.recv_topk_weights != nullptr) p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = __int_as_float(f.weight);
-  }
+  store_row_fields(p, row, f, src_scales, lane, LoadCgWord{});
 }
 
-// Chunked sender (3 or more ranks, see launch_dispatch), the group for one destination: scans the channel's
+// Copies this rank's token t straight to output row `row`: what write_record and read_record do together.
+template <int kUnroll>
+__device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, int row, int lane) {
+  const SmallFields f = token_fields(p, t, p.env.rank, lane);
+  warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{},
+                     StoreNa{});
+  store_row_fields(p, row, f, reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales, lane,
+                   LoadNcWord{});
+}
+
+// Chunked sender (3 or more ranks, see launch_dispatch), the group for one peer (PeerGroup::of_peers): scans the channel's
 // tokens in order, takes up to a chunk of those routed to the destination, copies them (token i of the chunk
 // by warp i % warps); the chunk's publisher then publishes the tail (kernels/chunk_publisher.cuh). Every warp
 // scans the same tokens, so all agree on the chunks and the ring positions.
@@ -101,7 +135,7 @@ __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8
 template <int kUnroll>
 __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrants& grants) {
   PeerGroup g;
-  if (!PeerGroup::of(p.num_ranks, g)) return;
+  if (!PeerGroup::of_peers(p.num_ranks, p.env.rank, g)) return;
   const int lane = threadIdx.x % 32, R = p.num_ranks, dest = g.peer, me = p.env.rank;
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
   NvlControl* dst = p.env.peers[dest];
@@ -144,8 +178,8 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
   }
 }
 
-// Coordinated sender (at most 2 ranks, see launch_dispatch): a warp of the group for one destination
-// (SenderGroups) scans the channel's tokens 32 at a time (every warp of the group scans them all, so all agree
+// Coordinated sender (at most 2 ranks, see launch_dispatch): a warp of the group for one peer
+// (SenderGroups::peers_only: at 2 ranks all 23 sender warps) scans the channel's tokens 32 at a time (every warp of the group scans them all, so all agree
 // on the stream positions without talking), writes the routed tokens whose position is its own (position %
 // group warps == its index) into ring slots, and after each window publishes its progress word in shared
 // memory: every position below it that this warp owns is written. No barrier and no system fence here: the
@@ -154,7 +188,8 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
 template <int kUnroll>
 __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
-  const SenderGroups::Place place = SenderGroups::of(R).place(warp, R, me);
+  const SenderGroups::Place place = SenderGroups::peers_only(R).place(warp, R, me);
+  if (place.index >= place.warps) return;  // idle: no group (the coordinator reads group warps' words only)
   const int dest = place.dest, gwarp = place.index, gwarps = place.warps;
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
   NvlControl* dst = p.env.peers[dest];
@@ -192,14 +227,49 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
 __device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel, const int32_t* s_progress) {
   const int lane = threadIdx.x % 32, me = p.env.rank;
   uint64_t* tail_j = lane < p.num_ranks ? &p.env.peers[lane]->dispatch_tail[channel][me] : nullptr;
-  coordinate_sender_tails(tail_j, s_progress, p.num_ranks, me, p.env, kRoleDispatchCoordinator, channel);
+  coordinate_sender_tails(tail_j, s_progress, SenderGroups::peers_only(p.num_ranks), p.num_ranks, me, p.env,
+                          kRoleDispatchCoordinator, channel);
 }
 
-// Receiver group for one source: waits for the source's tail, copies what arrived, publishes the head.
+// The receiver block's group for this rank itself: scans the channel's tokens 32 at a time as the senders do
+// (every warp scans them all and so knows every stream position), copies the routed tokens whose position is
+// its own (position % group warps == its index) from x to their output rows, and records send_head[t][me]
+// (windows dealt round-robin over the group). No ring, no wait: the inputs are this rank's. Rows past the
+// channel's count from the layout (an inconsistent handle) are not written.
+template <int kUnroll>
+__device__ void dispatch_self_copy(const DispatchParams& p, int channel, const PeerGroup& g) {
+  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, me = p.env.rank;
+  const ChannelRange range = ChannelRange::of(p.num_tokens, C, channel);
+  const int row_begin = p.recv_channel_prefix_matrix[me * C + channel];
+  const int row_end =
+      channel + 1 < C ? p.recv_channel_prefix_matrix[me * C + channel + 1] : p.rank_prefix_matrix[me * R + me];
+  int routed = 0;  // stream position of the window's first routed token
+  for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
+    const int t = cursor + lane;
+    const bool in = t < range.end && p.is_token_in_rank[int64_t(t) * R + me];
+    const uint32_t mask = __ballot_sync(kFullMask, in);
+    if (window % g.warps == g.warp && t < range.end) {
+      const int pos = routed + __popc(mask & lanemask_lt());
+      p.send_head[int64_t(t) * R + me] = in ? pos : -pos - 1;
+    }
+    int i = routed;
+    for (uint32_t m = mask; m != 0; m &= m - 1, ++i)
+      if (i % g.warps == g.warp && row_begin + i < row_end)
+        copy_own_token<kUnroll>(p, cursor + __ffs(m) - 1, row_begin + i, lane);
+    routed += __popc(mask);
+  }
+}
+
+// Receiver group for one source: waits for the source's tail, copies what arrived, publishes the head. The
+// group for this rank itself copies from x instead (dispatch_self_copy).
 template <int kUnroll>
 __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t* s_tail) {
   PeerGroup g;
   if (!PeerGroup::of(p.num_ranks, g)) return;
+  if (g.peer == p.env.rank) {
+    dispatch_self_copy<kUnroll>(p, channel, g);
+    return;
+  }
   const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, src = g.peer, me = p.env.rank;
   NvlControl* self = p.env.self;
   const uint64_t* tail_ptr = &self->dispatch_tail[channel][src];

@@ -26,6 +26,19 @@ struct PeerGroup {
     g.leader = g.warp == 0 && threadIdx.x % 32 == 0;
     return g.peer < num_ranks;
   }
+  // The chunked dispatch senders' groups: one per peer, kDataWarps / (R - 1) warps each (this rank's own tokens
+  // go from x to the outputs in the receiver block, kernels/dispatch.cu); leftover warps stay idle. R >= 2.
+  __device__ __forceinline__ static bool of_peers(int num_ranks, int self, PeerGroup& g) {
+    const int warp = threadIdx.x / 32;
+    g.warps = kDataWarps / (num_ranks - 1);
+    const int k = warp / g.warps;  // the k-th rank other than self
+    g.peer = k < self ? k : k + 1;
+    g.warp = warp % g.warps;
+    g.threads = g.warps * 32;
+    g.barrier_id = 1 + g.peer;
+    g.leader = g.warp == 0 && threadIdx.x % 32 == 0;
+    return k < num_ranks - 1;
+  }
 };
 
 static_assert(kDataWarps / kMaxNvlRanks >= 1, "every peer needs a warp");

@@ -2,8 +2,8 @@
 // its first kSenderWarps warps form one group per destination, in rank order; the last warp is the sender
 // coordinator. The group for this rank itself writes local memory, ~1.5x faster per warp than a peer over
 // NVLink (group timers, docs/bench-notes.md v0.13), so it is the smaller one: every peer gets ceil(W / R) warps
-// (at most (W - 1) / (R - 1), so that it keeps one), the own rank the rest. Host and device (unit-tested on the
-// CPU).
+// (at most (W - 1) / (R - 1), so that it keeps one), the own rank the rest (the combine). The dispatch has no own
+// group (peers_only). Host and device (unit-tested on the CPU).
 #pragma once
 
 #include "runtime/limits.hpp"
@@ -22,6 +22,13 @@ struct SenderGroups {
     if (each > (kSenderWarps - 1) / (num_ranks - 1)) each = (kSenderWarps - 1) / (num_ranks - 1);
     return {kSenderWarps - (num_ranks - 1) * each, each};
   }
+  // The dispatch's groups: no group for this rank itself (the receiver block copies its own tokens straight from
+  // x to the outputs, kernels/dispatch.cu), every peer kSenderWarps / (R - 1) warps, the rest idle.
+  EPX_HD static SenderGroups peers_only(int num_ranks) {
+    return {0, num_ranks > 1 ? kSenderWarps / (num_ranks - 1) : 0};
+  }
+  // Warps in groups (the rest are idle).
+  EPX_HD int used(int num_ranks) const { return own + (num_ranks - 1) * each; }
   EPX_HD int warps(int peer, int self) const { return peer == self ? own : each; }
   EPX_HD int first_warp(int peer, int self) const { return peer * each + (peer > self ? own - each : 0); }
 

@@ -154,3 +154,33 @@ TEST(SenderGroups, CoverEveryDataWarpOnce) {
   EXPECT_EQ(two.each, 12);
   EXPECT_EQ(epx::SenderGroups::of(1).own, epx::kSenderWarps);
 }
+
+// The dispatch's coordinated senders have no group for their own rank (the receiver block copies its tokens):
+// every peer's group is contiguous, in rank order skipping self, and idle warps fall outside every group.
+TEST(SenderGroups, PeersOnlySkipsSelf) {
+  for (int r = 1; r <= epx::kMaxNvlRanks; ++r) {
+    const epx::SenderGroups g = epx::SenderGroups::peers_only(r);
+    EXPECT_EQ(g.own, 0);
+    EXPECT_LE(g.used(r), epx::kSenderWarps);
+    for (int self = 0; self < r; ++self) {
+      int next = 0;
+      for (int peer = 0; peer < r; ++peer) {
+        if (peer == self) continue;
+        EXPECT_EQ(g.first_warp(peer, self), next) << r << " ranks, self " << self << ", peer " << peer;
+        EXPECT_GE(g.warps(peer, self), 1) << r << " ranks, self " << self << ", peer " << peer;
+        next += g.warps(peer, self);
+      }
+      EXPECT_EQ(next, g.used(r));
+      for (int w = 0; w < epx::kSenderWarps; ++w) {
+        const epx::SenderGroups::Place at = g.place(w, r, self);
+        if (w < g.used(r)) {
+          EXPECT_NE(at.dest, self) << r << " ranks, self " << self << ", warp " << w;
+          EXPECT_TRUE(at.index >= 0 && at.index < at.warps) << r << " ranks, self " << self << ", warp " << w;
+        } else {
+          EXPECT_GE(at.index, at.warps) << r << " ranks, self " << self << ", idle warp " << w;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(epx::SenderGroups::peers_only(2).each, epx::kSenderWarps);
+}
