@@ -1,11 +1,12 @@
 // High-throughput dispatch inside one NVLink domain (SPEC section 2).
 //
-// Block 2c sends channel c, block 2c+1 receives it. Channel c covers a contiguous token range of every
-// rank. Ring (c, s) lives in receiver r's buffer; sender s writes records and advances its tail, r copies
-// them to recv_x and advances its head. A rank's own tokens take no ring: the receiver block's group for this
-// rank copies them from x to the outputs (dispatch_self_copy), so every sender warp works for a peer. Record order is token order, so rows from source s, channel c land
-// at consecutive rows starting at recv_channel_prefix_matrix[s][c]. Ring indices never reset (64-bit,
-// monotonic): an operation starts where the last one ended, and notify guarantees the ring is idle then.
+// Block 2c sends channel c, block 2c+1 receives it. Channel c covers a contiguous token range of every rank.
+// Ring (c, s) lives in receiver r's buffer; sender s writes records and advances its tail, r copies them to recv_x
+// and advances its head. A rank's own tokens take no ring: the receiver block's group for this rank copies them
+// from x to the outputs (dispatch_self_copy), so every sender warp works for a peer. Record order is token order,
+// so rows from source s, channel c land at consecutive rows starting at recv_channel_prefix_matrix[s][c]. Ring
+// indices never reset (64-bit, monotonic): an operation starts where the last one ended, and notify guarantees the
+// ring is idle then.
 #include <cuda_runtime.h>
 
 #include "device/ptx.cuh"
@@ -67,7 +68,8 @@ __device__ __forceinline__ void store_row_fields(const DispatchParams& p, int ro
   if (lane == 0) p.recv_src_idx[row] = f.src_idx;
   if (lane < p.num_topk) {
     if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = f.topk;
-    if (p.recv_topk_weights != nullptr) p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = __int_as_float(f.weight);
+    if (p.recv_topk_weights != nullptr)
+      p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = __int_as_float(f.weight);
   }
 }
 
@@ -126,10 +128,10 @@ __device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, i
                    LoadNcWord{});
 }
 
-// Chunked sender (3 or more ranks, see launch_dispatch), the group for one peer (PeerGroup::of_peers): scans the channel's
-// tokens in order, takes up to a chunk of those routed to the destination, copies them (token i of the chunk
-// by warp i % warps); the chunk's publisher then publishes the tail (kernels/chunk_publisher.cuh). Every warp
-// scans the same tokens, so all agree on the chunks and the ring positions.
+// Chunked sender (3 or more ranks, see launch_dispatch), the group for one peer (PeerGroup::of_peers): scans the
+// channel's tokens in order, takes up to a chunk of those routed to the destination, copies them (token i of the chunk
+// by warp i % warps); the chunk's publisher then publishes the tail (kernels/chunk_publisher.cuh). Every warp scans the
+// same tokens, so all agree on the chunks and the ring positions.
 // Also records send_head[t][dest]: the token's stream position, or -(next position) - 1 if not sent, which
 // the combine receiver uses as "positions below this are no longer needed".
 template <int kUnroll>
@@ -179,12 +181,12 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
 }
 
 // Coordinated sender (at most 2 ranks, see launch_dispatch): a warp of the group for one peer
-// (SenderGroups::peers_only: at 2 ranks all 23 sender warps) scans the channel's tokens 32 at a time (every warp of the group scans them all, so all agree
-// on the stream positions without talking), writes the routed tokens whose position is its own (position %
-// group warps == its index) into ring slots, and after each window publishes its progress word in shared
-// memory: every position below it that this warp owns is written. No barrier and no system fence here: the
-// coordinator turns progress into ring tails. Also records send_head[t][dest] as the chunked sender does
-// (windows dealt round-robin over the group).
+// (SenderGroups::peers_only: at 2 ranks all 23 sender warps) scans the channel's tokens 32 at a time (every warp of the
+// group scans them all, so all agree on the stream positions without talking), writes the routed tokens whose position
+// is its own (position % group warps == its index) into ring slots, and after each window publishes its progress word
+// in shared memory: every position below it that this warp owns is written. No barrier and no system fence here: the
+// coordinator turns progress into ring tails. Also records send_head[t][dest] as the chunked sender does (windows dealt
+// round-robin over the group).
 template <int kUnroll>
 __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;

@@ -30,13 +30,13 @@ __device__ __forceinline__ uint64_t wait_for_slot(uint64_t i, uint64_t base, uin
   return __shfl_sync(0xffffffffu, head_seen, 0);
 }
 
-// Lane j (< num_ranks) publishes *tail_j (the tail of this block's ring at rank j) = its value at entry + the
-// minimum progress over group j's warps (`groups`), whenever that grows, until every warp of the group has
-// marked itself done (progress negated: -count - 1); a group without warps publishes nothing. A warp's progress word says that every ring position below
-// it that the warp owns is written. The acquire of the words and the system-scope release of the tail carry
-// every record those warps wrote (release is cumulative), so the sender warps never wait for their stores to
-// land; this warp does, once per publication (a system fence waits for every store in flight from the SM),
-// while they keep writing. tail_j is null on lanes >= num_ranks.
+// Lane j (< num_ranks) publishes *tail_j (the tail of this block's ring at rank j) = its value at entry + the minimum
+// progress over group j's warps (`groups`), whenever that grows, until every warp of the group has marked itself done
+// (progress negated: -count - 1); a group without warps publishes nothing. A warp's progress word says that every
+// ring position below it that the warp owns is written. The acquire of the words and the system-scope release of the
+// tail carry every record those warps wrote (release is cumulative), so the sender warps never wait for their stores
+// to land; this warp does, once per publication (a system fence waits for every store in flight from the SM), while
+// they keep writing. tail_j is null on lanes >= num_ranks.
 __device__ __forceinline__ void coordinate_sender_tails(uint64_t* tail_j, const int32_t* s_progress,
                                                         const SenderGroups& groups, int num_ranks, int me,
                                                         const FailEnv& env, int role, int channel) {

@@ -1,9 +1,10 @@
 // Warp groups of a coordinated sender block (dispatch and combine at 2 ranks or fewer; kernels/dispatch.cu):
 // its first kSenderWarps warps form one group per destination, in rank order; the last warp is the sender
-// coordinator. The group for this rank itself writes local memory, ~1.5x faster per warp than a peer over
-// NVLink (group timers, docs/bench-notes.md v0.13), so it is the smaller one: every peer gets ceil(W / R) warps
-// (at most (W - 1) / (R - 1), so that it keeps one), the own rank the rest (the combine). The dispatch has no own
-// group (peers_only). Host and device (unit-tested on the CPU).
+// coordinator. Combine (of): the group for this rank itself writes local memory, ~1.5x faster per warp than a
+// peer over NVLink (group timers, docs/bench-notes.md v0.13), so it is the smaller one: every peer gets
+// ceil(W / R) warps (at most (W - 1) / (R - 1), so that it keeps one), the own rank the rest. At 2 ranks that
+// 11 / 12 split measured best (own 9, 10, 12: 1-7% slower; v0.15). Dispatch (peers_only): no own group, the
+// receiver block copies this rank's tokens. Host and device (unit-tested on the CPU).
 #pragma once
 
 #include "runtime/limits.hpp"
