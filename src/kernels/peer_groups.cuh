@@ -26,18 +26,17 @@ struct PeerGroup {
     g.leader = g.warp == 0 && threadIdx.x % 32 == 0;
     return g.peer < num_ranks;
   }
-  // The chunked dispatch senders' groups: one per peer, kDataWarps / (R - 1) warps each (this rank's own tokens
-  // go from x to the outputs in the receiver block, kernels/dispatch.cu); leftover warps stay idle. R >= 2.
+  // The chunked dispatch senders' groups (chunked_peer_slot): one per peer, none for this rank (its own tokens go
+  // from x to the outputs in the receiver block, kernels/dispatch.cu); leftover warps stay idle. R >= 2.
   __device__ __forceinline__ static bool of_peers(int num_ranks, int self, PeerGroup& g) {
-    const int warp = threadIdx.x / 32;
-    g.warps = kDataWarps / (num_ranks - 1);
-    const int k = warp / g.warps;  // the k-th rank other than self
-    g.peer = k < self ? k : k + 1;
-    g.warp = warp % g.warps;
+    const PeerSlot s = chunked_peer_slot(int(threadIdx.x / 32), num_ranks, self);
+    g.peer = s.peer;
+    g.warp = s.index;
+    g.warps = s.warps;
     g.threads = g.warps * 32;
     g.barrier_id = 1 + g.peer;
     g.leader = g.warp == 0 && threadIdx.x % 32 == 0;
-    return k < num_ranks - 1;
+    return s.active;
   }
 };
 

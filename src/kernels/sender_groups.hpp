@@ -46,6 +46,21 @@ struct SenderGroups {
   }
 };
 
+// The chunked dispatch senders' groups (3 or more ranks; PeerGroup::of_peers): one per peer, in rank order
+// skipping this rank, kDataWarps / (R - 1) warps each; the leftover warps (when R - 1 does not divide kDataWarps)
+// are idle (active false). Host and device (unit-tested on the CPU). R >= 2.
+struct PeerSlot {
+  int peer;    // the rank this warp's group sends to
+  int index;   // the warp's index in the group
+  int warps;   // warps per group
+  bool active;
+};
+EPX_HD PeerSlot chunked_peer_slot(int warp, int num_ranks, int self) {
+  const int warps = kDataWarps / (num_ranks - 1);
+  const int k = warp / warps;  // the k-th rank other than self
+  return {k < self ? k : k + 1, warp % warps, warps, k < num_ranks - 1};
+}
+
 static_assert(kSenderWarps >= kMaxNvlRanks, "every sender group needs a warp");
 
 }  // namespace epx

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "epx/epx.hpp"
 #include "kernels/sender_groups.hpp"
@@ -183,4 +184,30 @@ TEST(SenderGroups, PeersOnlySkipsSelf) {
     }
   }
   EXPECT_EQ(epx::SenderGroups::peers_only(2).each, epx::kSenderWarps);
+}
+
+// The chunked dispatch senders' groups (kernels/sender_groups.hpp, chunked_peer_slot): every rank but self gets
+// one group of kDataWarps / (R - 1) warps with indexes 0 .. warps - 1, in rank order; no warp serves self; the
+// warps past the groups are idle.
+TEST(SenderGroups, ChunkedPeerSlotsCoverEveryPeer) {
+  for (int r = 2; r <= epx::kMaxNvlRanks; ++r) {
+    for (int self = 0; self < r; ++self) {
+      std::vector<int> count(r, 0);
+      int last_peer = -1;
+      for (int w = 0; w < epx::kDataWarps; ++w) {
+        const epx::PeerSlot s = epx::chunked_peer_slot(w, r, self);
+        EXPECT_EQ(s.warps, epx::kDataWarps / (r - 1));
+        EXPECT_EQ(s.active, w < s.warps * (r - 1)) << r << " ranks, self " << self << ", warp " << w;
+        if (!s.active) continue;
+        EXPECT_NE(s.peer, self) << r << " ranks, warp " << w;
+        EXPECT_TRUE(s.peer >= 0 && s.peer < r) << r << " ranks, self " << self << ", warp " << w;
+        EXPECT_GE(s.peer, last_peer) << "groups in rank order";
+        EXPECT_EQ(s.index, count[s.peer]) << r << " ranks, self " << self << ", warp " << w;
+        last_peer = s.peer;
+        ++count[s.peer];
+      }
+      for (int peer = 0; peer < r; ++peer)
+        EXPECT_EQ(count[peer], peer == self ? 0 : epx::kDataWarps / (r - 1)) << r << " ranks, self " << self;
+    }
+  }
 }
