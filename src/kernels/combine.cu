@@ -181,7 +181,8 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
 #pragma unroll
       for (int j = 0; j < kRanks; ++j)
         if ((valid >> j) & 1u) {
-          const float* w = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[j]) + p.record.weight_offset);
+          const float* w =
+              reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[j]) + p.record.weight_offset);
           acc += __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(w) + lane));
         }
       p.combined_topk_weights[int64_t(t) * p.num_topk + lane] = acc;
