@@ -9,9 +9,11 @@ namespace epx::dev {
 
 struct LoadNc {
   __device__ __forceinline__ int4 operator()(const int4* p) const { return ld_nc(p); }
+  __device__ __forceinline__ int32_t operator()(const int32_t* p) const { return ld_nc(p); }
 };
 struct LoadCg {
   __device__ __forceinline__ int4 operator()(const int4* p) const { return ld_cg(p); }
+  __device__ __forceinline__ int32_t operator()(const int32_t* p) const { return ld_cg(p); }
 };
 struct StoreNa {
   __device__ __forceinline__ void operator()(int4* p, const int4& v) const { st_na(p, v); }

@@ -56,15 +56,22 @@ __device__ __forceinline__ SmallFields token_fields(const DispatchParams& p, int
   return f;
 }
 
-// Writes the small fields of output row `row`; scales past the preloaded ones come from src_scales (load).
-template <typename LoadWord>
-__device__ __forceinline__ void store_row_fields(const DispatchParams& p, int row, const SmallFields& f,
-                                                 const int32_t* src_scales, int lane, LoadWord load) {
-  int32_t* dst_scales = reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales;
+// Writes a token's scales to dst: the preloaded ones from f, the rest from src_scales (load).
+template <typename Load>
+__device__ __forceinline__ void store_scales(const DispatchParams& p, int32_t* dst, const SmallFields& f,
+                                             const int32_t* src_scales, int lane, Load load) {
 #pragma unroll
   for (int j = 0; j < kScaleWordsPerLane; ++j)
-    if (lane + 32 * j < p.num_scales) dst_scales[lane + 32 * j] = f.scale[j];
-  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst_scales[i] = load(src_scales + i);
+    if (lane + 32 * j < p.num_scales) dst[lane + 32 * j] = f.scale[j];
+  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst[i] = load(src_scales + i);
+}
+
+// Writes the small fields of output row `row`; scales past the preloaded ones come from src_scales (load).
+template <typename Load>
+__device__ __forceinline__ void store_row_fields(const DispatchParams& p, int row, const SmallFields& f,
+                                                 const int32_t* src_scales, int lane, Load load) {
+  store_scales(p, reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales, f, src_scales, lane,
+               load);
   if (lane == 0) p.recv_src_idx[row] = f.src_idx;
   if (lane < p.num_topk) {
     if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = f.topk;
@@ -73,26 +80,15 @@ __device__ __forceinline__ void store_row_fields(const DispatchParams& p, int ro
   }
 }
 
-struct LoadNcWord {
-  __device__ __forceinline__ int32_t operator()(const int32_t* q) const { return ld_nc(q); }
-};
-struct LoadCgWord {
-  __device__ __forceinline__ int32_t operator()(const int32_t* q) const { return ld_cg(q); }
-};
-
 // Writes token t (row, scales, src index, top-k rebased to dest's local experts) into a ring slot.
 template <int kUnroll>
 __device__ __forceinline__ void write_record(const DispatchParams& p, int t, int dest, uint8_t* slot, int lane) {
   const SmallFields f = token_fields(p, t, dest, lane);
   const int32_t* src_scales = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
   warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{}, StoreNa{});
-  int32_t* dst_scales = reinterpret_cast<int32_t*>(slot + p.record.scale_offset);
-#pragma unroll
-  for (int j = 0; j < kScaleWordsPerLane; ++j)
-    if (lane + 32 * j < p.num_scales) dst_scales[lane + 32 * j] = f.scale[j];
-  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst_scales[i] = ld_nc(src_scales + i);
+  store_scales(p, reinterpret_cast<int32_t*>(slot + p.record.scale_offset), f, src_scales, lane, LoadNc{});
   int32_t* meta = reinterpret_cast<int32_t*>(slot + p.record.meta_offset);
-  if (lane == 0) meta[0] = t;
+  if (lane == 0) meta[0] = f.src_idx;
   if (lane < p.num_topk) {
     meta[1 + lane] = f.topk;
     meta[1 + p.num_topk + lane] = f.weight;
@@ -115,7 +111,7 @@ __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8
   }
   warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, reinterpret_cast<const int4*>(slot), p.x_int4, lane, LoadCg{},
                      StoreNa{});
-  store_row_fields(p, row, f, src_scales, lane, LoadCgWord{});
+  store_row_fields(p, row, f, src_scales, lane, LoadCg{});
 }
 
 // Copies this rank's token t straight to output row `row`: what write_record and read_record do together.
@@ -125,7 +121,7 @@ __device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, i
   warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{},
                      StoreNa{});
   store_row_fields(p, row, f, reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales, lane,
-                   LoadNcWord{});
+                   LoadNc{});
 }
 
 // Chunked sender (3 or more ranks, see launch_dispatch), the group for one peer (PeerGroup::of_peers): scans the
