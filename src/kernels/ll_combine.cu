@@ -23,6 +23,7 @@
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/ll_epochs.cuh"
+#include "kernels/ll_launch.cuh"
 #include "kernels/ll_params.hpp"
 #include "kernels/ll_transport.cuh"
 #include "runtime/limits.hpp"
@@ -263,6 +264,8 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const 
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
   __shared__ int2 s_range[kLowLatencyMaxExperts];  // [L * R] (begin, count) of every (local expert, source)
   __shared__ int s_items[kLowLatencyMaxExperts];   // [L * R] this block's work items per pair
+  wait_prior_grids();  // before any memory access (kernels/ll_launch.cuh)
+  allow_next_grid();
   if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range, s_items);
   if (p.phases & kLowLatencyRecv) {
     if (p.phases & kLowLatencySend)
@@ -275,17 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const 
 }  // namespace
 
 void launch_low_latency_combine(const LowLatencyCombineParams& p, int grid, cudaStream_t stream) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  // Co-resident blocks: receiving blocks wait for counts that sending blocks of the same launch add.
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, low_latency_combine_kernel, p);
+  launch_low_latency_kernel(low_latency_combine_kernel, p, grid, kThreads, 0, stream);
 }
 
 }  // namespace epx

@@ -34,6 +34,7 @@
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/ll_epochs.cuh"
+#include "kernels/ll_launch.cuh"
 #include "kernels/ll_params.hpp"
 #include "kernels/ll_transport.cuh"
 
@@ -346,6 +347,8 @@ __host__ __device__ __forceinline__ size_t dispatch_smem_bytes(const LowLatencyD
 __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {
   extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
   int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
+  wait_prior_grids();  // before any memory access (kernels/ll_launch.cuh)
+  allow_next_grid();
   if (p.phases & kLowLatencySend) send_phase(p, s_rec, s_topk);
   if (p.phases & kLowLatencyRecv) receive_phase(p, (p.phases & kLowLatencySend) ? first_writer(p.num_ranks) : kWarps);
 }
@@ -382,17 +385,7 @@ void allow_dispatch_smem(size_t smem) {
 void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream) {
   const size_t smem = dispatch_smem_bytes(p);
   allow_dispatch_smem(smem);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;  // waits across blocks: every block must be resident
-  attr[0].val.cooperative = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, low_latency_dispatch_kernel, p);
+  launch_low_latency_kernel(low_latency_dispatch_kernel, p, grid, kThreads, smem, stream);
 }
 
 }  // namespace epx
