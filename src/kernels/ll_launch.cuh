@@ -1,15 +1,22 @@
 // How the low-latency kernels are launched (both kernel files use this).
 //
-// Cooperative: blocks wait for one another (the dispatch's receivers for counts that other blocks send, the
-// combine's reducers for other blocks' rows), so every block must be resident.
-// Early launch (programmatic dependent launch, sm_90): the launch may overlap the end of the kernel before it
-// in the stream, so that the blocks of this one take each SM as soon as the earlier kernel's block there
-// exits, instead of after the whole grid has ended and the next launch has gone through. Every thread of these
-// kernels first waits for the earlier grids (wait_prior_grids: they have completed and their memory is
-// visible), so what it reads and writes is ordered exactly as without the attribute; each kernel lets the next
-// one launch as soon as it starts (allow_next_grid), which lets a later kernel's blocks queue for the SMs but
-// gives them nothing of this kernel's results before their own wait. EPX_LL_EARLY_LAUNCH=0 turns it off (read
-// once per process); a driver that refuses the attribute with a cooperative launch turns it off on first use.
+// Default: cooperative. Blocks wait for one another (the dispatch's receivers for counts that other blocks send,
+// the combine's reducers for other blocks' rows), so every block must be resident; the cooperative launch
+// checks that the grid fits and starts it as one.
+// EPX_LL_EARLY_LAUNCH=1 (read once per process): programmatic dependent launch instead. The kernel may be
+// launched while the kernel before it in the stream is still running, and its blocks take each SM as the
+// earlier kernel's block there exits, instead of after the whole grid has ended and the next launch has gone
+// through (4 x H200, ten calls in a row: dispatch -1.3 us, combine -0.8, dispatch + combine -2.1; queued single
+// calls and graphs unchanged; docs/bench-notes.md, v0.16). It needs the cooperative attribute dropped: with it
+// the launch waited for the whole device as before and nothing changed. The grid stays one block per SM, so
+// its blocks are resident together as soon as the SMs are free; what the attribute no longer guarantees is
+// that they start together: a kernel of another stream that holds SMs delays our last blocks until it ends
+// (our first ones wait for them inside their bounded waits), and a kernel that could only end after ours
+// (one that waits for our output on the device) would deadlock until those waits time out. Hence opt-in.
+// Either way every thread first waits for the earlier grids (wait_prior_grids: complete, their memory
+// visible) and then lets the next one launch (allow_next_grid): reads and writes are ordered exactly as
+// without the attribute, and a later kernel gets nothing of this one's results before its own wait. A driver
+// that refuses the early launch gets the cooperative one (once refused, for the rest of the process).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,12 +30,12 @@ namespace epx {
 inline bool low_latency_early_launch_enabled() {
   static const bool from_env = [] {
     const char* v = std::getenv("EPX_LL_EARLY_LAUNCH");
-    return v == nullptr || std::strcmp(v, "0") != 0;
+    return v != nullptr && std::strcmp(v, "1") == 0;
   }();
   return from_env;
 }
 
-// Launches kernel(p) with the attributes above; the caller checks cudaGetLastError as for any launch.
+// Launches kernel(p) as above; the caller checks cudaGetLastError as for any launch.
 template <typename Params>
 void launch_low_latency_kernel(void (*kernel)(Params), const Params& p, int grid, int threads, size_t smem,
                                cudaStream_t stream) {
@@ -38,20 +45,18 @@ void launch_low_latency_kernel(void (*kernel)(Params), const Params& p, int grid
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if (low_latency_early_launch_enabled() && !refused.load(std::memory_order_relaxed)) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    if (cudaLaunchKernelEx(&config, kernel, p) == cudaSuccess) return;
+    (void)cudaGetLastError();  // a launch that never started: not a sticky error
+    refused.store(true, std::memory_order_relaxed);
+  }
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  const bool early = low_latency_early_launch_enabled() && !refused.load(std::memory_order_relaxed);
-  config.numAttrs = early ? 2 : 1;
-  if (cudaLaunchKernelEx(&config, kernel, p) == cudaSuccess || !early) return;
-  // Refused (not a sticky error: a launch that never started). Once more as a plain cooperative launch; its
-  // error, if any, is the caller's to see.
-  (void)cudaGetLastError();
-  refused.store(true, std::memory_order_relaxed);
-  config.numAttrs = 1;
   cudaLaunchKernelEx(&config, kernel, p);
 }
 
