@@ -35,11 +35,17 @@ inline bool low_latency_early_launch_enabled() {
   return from_env;
 }
 
+// Set once a driver refused the early launch: both kernels launch cooperatively from then on.
+inline std::atomic<bool>& low_latency_early_launch_refused() {
+  static std::atomic<bool> refused{false};
+  return refused;
+}
+
 // Launches kernel(p) as above; the caller checks cudaGetLastError as for any launch.
 template <typename Params>
 void launch_low_latency_kernel(void (*kernel)(Params), const Params& p, int grid, int threads, size_t smem,
                                cudaStream_t stream) {
-  static std::atomic<bool> refused{false};  // the driver refused the early launch once: never ask again
+  std::atomic<bool>& refused = low_latency_early_launch_refused();
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(threads);
