@@ -173,7 +173,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // the fence itself (a release pattern is a fence and a write of the same thread; the warp's lanes share one
   // fence instruction). Pairs with the receiver's acquire of arrived[e] (receive_phase). The waits of the receive
   // phase start only after this (its threads k < K are warp 0's; the other warps block at its barrier): waits or
-  // row loads while the SM's stores still drain made the combine 2-3 us slower (v0.17, branch ll-prefetch).
+  // row loads while the SM's stores still drain made the combine 2-3.5 us slower (v0.17, ll-prefetch).
   __syncthreads();
   if (warp == 0) {
     for (int base = 0; base < L * R; base += 32) {
