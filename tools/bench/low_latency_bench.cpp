@@ -41,8 +41,9 @@ const char* kUsage =
     "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline,\n"
     "and of the combine's own rows (one per selected expert: twice those bytes at the defaults).\n"
     "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n"
-    "Rows marked queued issue the call while a 200 us gate kernel holds the stream: the GPU's time only,\n"
-    "without the host's launch latency (which the single-call rows include).\n";
+    "Rows marked queued issue the call while a gate kernel holds the stream, and every rank's gate lets go\n"
+    "at the same moment (rank 0 releases them 200 us after the ranks' shared start): the GPU's time only,\n"
+    "without the host's launch latency (which the single-call rows include) or the ranks' launch skew.\n";
 
 LowLatencyOptions parse(int argc, char** argv, bool* help) {
   LowLatencyOptions o;
@@ -117,9 +118,21 @@ Row measure_queued(Bootstrap& bs, cudaStream_t stream, const std::string& what, 
   return r;
 }
 
-int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
+int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   const int rank = bs.rank(), R = bs.size();
   cudaSetDevice(rank);
+  // The queued rows' common start (gate.hpp); without it (every rank must have it) they fall back to a fixed
+  // gate per rank, and the header says so.
+  ReleaseLine line;
+  int have_line = attach_release_line(release_page, rank == 0, &line) ? 1 : 0;
+  {
+    std::vector<int> lines(R);
+    bs.all_gather(&have_line, lines.data(), sizeof(int));
+    if (*std::min_element(lines.begin(), lines.end()) == 0 && have_line) {
+      detach_release_line(&line);
+      have_line = 0;
+    }
+  }
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   const int experts = o.experts / R * R;
@@ -158,12 +171,19 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
                 R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.iters, o.warmup);
     std::printf("low-latency transport: %s\n", describe_low_latency_transport(buffer.low_latency_transport()).c_str());
     std::printf("check vs reference model: %s\n", ok ? "PASS" : "FAIL");
+    std::printf("queued rows: %s\n", have_line ? "every rank's gate released at once by rank 0 (a shared host word)"
+                                                 : "a fixed 200 us gate per rank (no shared host word: ranks may "
+                                                   "start apart)");
     for (int r = 0; r < R && !ok; ++r)
       if (all[size_t(r) * sizeof(mine)]) std::printf("rank %d:\n%s\n", r, &all[size_t(r) * sizeof(mine)]);
   }
-  if (!ok) return 1;
+  if (!ok) {
+    detach_release_line(&line);
+    return 1;
+  }
 
-  const TimingPlan plan{o.warmup, o.iters};
+  TimingPlan plan{o.warmup, o.iters};
+  if (have_line) plan.release_line = &line;
   auto none = [](int) {};
   std::vector<Row> rows;
   // Each timed op is balanced by its partner (untimed) so that buffer sets keep alternating on every rank.
@@ -286,6 +306,12 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
       nccl_note = "NCCL: not found (set EPX_NCCL_LIB)";
     }
   }
+  // Gates that ran out of time before rank 0's release: those iterations did not start together.
+  std::vector<uint32_t> expired(R);
+  const uint32_t my_expired = have_line ? __atomic_load_n(line.expired, __ATOMIC_ACQUIRE) : 0;
+  bs.all_gather(&my_expired, expired.data(), sizeof(uint32_t));
+  uint32_t total_expired = 0;
+  for (uint32_t v : expired) total_expired += v;
   if (rank == 0) {
     std::printf("%s\n", nccl_note.c_str());
     std::printf("%-41s |", "op (median us per rank)");
@@ -301,13 +327,17 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
         std::printf("warning: %s: in %d timed iterations (all ranks) the host took more than half of the %d us "
                     "gate to queue the call; those may include launch latency\n",
                     row.what.c_str(), row.overruns, kGateUs);
+    if (total_expired > 0)
+      std::printf("warning: %u queued iterations (all ranks) left their gate by its time bound, not at rank 0's "
+                  "release: those ranks did not start together\n", total_expired);
   }
   if (rank == 0 && !o.json.empty()) {
     if (std::FILE* f = std::fopen(o.json.c_str(), "w")) {
       std::fprintf(f, "{\"mode\": \"low-latency\", \"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, "
-                   "\"experts\": %d, \"fp8\": %s, \"transport\": \"%s\", \"rows\": [", R, o.tokens, o.hidden, o.topk,
-                   experts, o.fp8 ? "true" : "false",
-                   describe_low_latency_transport(buffer.low_latency_transport()).c_str());
+                   "\"experts\": %d, \"fp8\": %s, \"transport\": \"%s\", \"queued_start\": \"%s\", "
+                   "\"gate_expired\": %u, \"rows\": [", R, o.tokens, o.hidden, o.topk, experts,
+                   o.fp8 ? "true" : "false", describe_low_latency_transport(buffer.low_latency_transport()).c_str(),
+                   have_line ? "released together" : "fixed gate", total_expired);
       for (size_t i = 0; i < rows.size(); ++i) {
         std::fprintf(f, "%s{\"op\": \"%s\", \"median_us\": [", i ? ", " : "", rows[i].what.c_str());
         for (int r = 0; r < R; ++r) std::fprintf(f, "%s%.2f", r ? ", " : "", rows[i].median_us[r]);
@@ -320,6 +350,7 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o) {
     }
   }
   buffer.destroy();
+  detach_release_line(&line);
   return 0;
 }
 
@@ -348,7 +379,10 @@ int run_low_latency(int argc, char** argv) {
     std::fprintf(stderr, "epx-bench low-latency: needs 2..%d GPUs here, asked for %d\n", gpus, R);
     return R < 2 && gpus < 2 ? 3 : 2;
   }
-  const LaunchResult res = launch_local(R, [&](Bootstrap& bs) { return rank_main(bs, o); }, 1200, 60);
+  // Shared by the ranks' processes: made here, before launch_local forks them (gate.hpp).
+  void* release_page = create_release_page();
+  const LaunchResult res = launch_local(R, [&](Bootstrap& bs) { return rank_main(bs, o, release_page); }, 1200, 60);
+  free_release_page(release_page);
   if (res.num_failed) std::fprintf(stderr, "%s", res.summary.c_str());
   return res.num_failed ? 1 : 0;
 }

@@ -18,6 +18,10 @@ using Clock = std::chrono::steady_clock;
 // events (it waits in notify for the others); a shared deadline removes that skew for a small idle gap.
 constexpr auto kStartMargin = std::chrono::microseconds(1000);
 
+// How long a release gate waits for rank 0's release before it lets its stream go anyway (and counts it in the
+// line's expired): far beyond the gate's 200 us, so only a rank that fell behind (or a bug) reaches it.
+constexpr int kReleaseGateBoundUs = 20000;
+
 // A barrier whose ranks leave at the same moment: every rank contributes its arrival time (the all-gather is
 // the barrier), then all spin until the last arrival + kStartMargin. steady_clock is CLOCK_MONOTONIC, one
 // clock for every process of the host.
@@ -58,13 +62,23 @@ std::vector<double> time_iterations(Bootstrap& bs, cudaStream_t stream, const Ti
     cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize before a timed iteration");
     start_together(bs);
     const Clock::time_point queued_from = Clock::now();
-    if (plan.gate_us > 0) cuda_check(launch_gate(stream, plan.gate_us), "gate kernel");
+    ReleaseLine* line = plan.gate_us > 0 ? plan.release_line : nullptr;
+    const uint32_t seq = line ? ++line->seq : 0;
+    if (line)
+      cuda_check(launch_release_gate(stream, *line, seq, kReleaseGateBoundUs), "release gate kernel");
+    else if (plan.gate_us > 0)
+      cuda_check(launch_gate(stream, plan.gate_us), "gate kernel");
     cuda_check(cudaEventRecord(start.get(), stream), "cudaEventRecord(start)");
     op();
     cuda_check(cudaEventRecord(stop.get(), stream), "cudaEventRecord(stop)");
     if (plan.gate_us > 0 && plan.gate_overruns && timed >= 0 &&
         Clock::now() - queued_from > std::chrono::microseconds(plan.gate_us / 2))
       ++*plan.gate_overruns;
+    if (line && line->leader) {  // every rank left start_together with this one: all have queued by now
+      while (Clock::now() < queued_from + std::chrono::microseconds(plan.gate_us)) {
+      }
+      release(*line, seq);
+    }
     cuda_check(cudaEventSynchronize(stop.get()), "cudaEventSynchronize(stop)");
     float ms = 0;
     cuda_check(cudaEventElapsedTime(&ms, start.get(), stop.get()), "cudaEventElapsedTime");

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "epx/epx.hpp"
+#include "gate.hpp"
 
 namespace epx::bench {
 
@@ -21,6 +22,9 @@ struct TimingPlan {
   // *gate_overruns when that is set.
   int gate_us = 0;
   int* gate_overruns = nullptr;
+  // With gate_us > 0 and a line: the gate waits for the line's release instead of its own clock, and rank 0
+  // releases it gate_us after the shared start, so every rank's call starts at the same moment (gate.hpp).
+  ReleaseLine* release_line = nullptr;
 };
 
 // Per-rank statistics of one measurement, in microseconds.
@@ -34,7 +38,8 @@ struct Stats {
 //   prepare(timed_index)  -- untimed (e.g. fresh x); timed_index is -1 during warm-up
 //   cudaStreamSynchronize; bootstrap barrier   -- every rank idle; then all ranks leave the barrier at one
 //                                                 shared deadline (1 ms after the last arrival, host clock)
-//   [gate kernel, when plan.gate_us > 0]; event start; op(); event stop; wait for stop
+//   [gate kernel, when plan.gate_us > 0; with a release line rank 0 releases every gate gate_us later];
+//   event start; op(); event stop; wait for stop
 // Returns the elapsed time of each timed iteration (us). op() may block on the host (notify's count wait):
 // that wait is inside the events, as a caller of the API sees it.
 std::vector<double> time_iterations(Bootstrap& bs, cudaStream_t stream, const TimingPlan& plan,
