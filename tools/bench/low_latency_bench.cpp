@@ -1,7 +1,7 @@
 // epx-bench low-latency: decoding-sized dispatch / combine latency per rank, checked against the reference model
 // first, with the NCCL all-to-all of the same tokens as a baseline.
 //   epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]
-//                         [--iters 200] [--warmup 20] [--no-nccl] [--seed S]
+//                         [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate] [--seed S]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,13 +29,15 @@ struct LowLatencyOptions {
   int iters = 200;
   int warmup = 20;
   bool nccl = true;
+  bool fixed_gate = false;  // queued rows: a fixed gate per rank (the method before v0.18), not a common release
   uint64_t seed = 1;
   std::string json;
 };
 
 const char* kUsage =
     "usage: epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]\n"
-    "                             [--iters 200] [--warmup 20] [--no-nccl] [--seed S] [--json FILE]\n"
+    "                             [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate] [--seed S]\n"
+    "                             [--json FILE]\n"
     "Times low-latency dispatch (FP8 unless --bf16), combine, dispatch + combine, and the send / receive\n"
     "phases with the receive hook, per rank (CUDA events, median), after checking one step against the\n"
     "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline,\n"
@@ -43,7 +45,9 @@ const char* kUsage =
     "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n"
     "Rows marked queued issue the call while a gate kernel holds the stream, and every rank's gate lets go\n"
     "at the same moment (rank 0 releases them 200 us after the ranks' shared start): the GPU's time only,\n"
-    "without the host's launch latency (which the single-call rows include) or the ranks' launch skew.\n";
+    "without the host's launch latency (which the single-call rows include) or the ranks' launch skew.\n"
+    "--fixed-gate: each rank's gate ends 200 us after its own launch instead (as before v0.18; the ranks'\n"
+    "launch skew then lands in the queued rows).\n";
 
 LowLatencyOptions parse(int argc, char** argv, bool* help) {
   LowLatencyOptions o;
@@ -64,6 +68,7 @@ LowLatencyOptions parse(int argc, char** argv, bool* help) {
     else if (a == "--iters") o.iters = parse_int(a, value(), 1, 100000);
     else if (a == "--warmup") o.warmup = parse_int(a, value(), 0, 100000);
     else if (a == "--no-nccl") o.nccl = false;
+    else if (a == "--fixed-gate") o.fixed_gate = true;
     else if (a == "--seed") o.seed = parse_u64(a, value());
     else if (a == "--json") o.json = value();
     else throw UsageError{"unknown option " + a};
@@ -124,7 +129,7 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   // The queued rows' common start (gate.hpp); without it (every rank must have it) they fall back to a fixed
   // gate per rank, and the header says so.
   ReleaseLine line;
-  int have_line = attach_release_line(release_page, rank == 0, &line) ? 1 : 0;
+  int have_line = !o.fixed_gate && attach_release_line(release_page, rank == 0, &line) ? 1 : 0;
   {
     std::vector<int> lines(R);
     bs.all_gather(&have_line, lines.data(), sizeof(int));
@@ -171,9 +176,10 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
                 R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.iters, o.warmup);
     std::printf("low-latency transport: %s\n", describe_low_latency_transport(buffer.low_latency_transport()).c_str());
     std::printf("check vs reference model: %s\n", ok ? "PASS" : "FAIL");
-    std::printf("queued rows: %s\n", have_line ? "every rank's gate released at once by rank 0 (a shared host word)"
-                                                 : "a fixed 200 us gate per rank (no shared host word: ranks may "
-                                                   "start apart)");
+    std::printf("queued rows: %s\n", have_line     ? "every rank's gate released at once by rank 0 (a shared host word)"
+                                      : o.fixed_gate ? "a fixed 200 us gate per rank (--fixed-gate: ranks may start apart)"
+                                                     : "a fixed 200 us gate per rank (no shared host word: ranks may "
+                                                       "start apart)");
     for (int r = 0; r < R && !ok; ++r)
       if (all[size_t(r) * sizeof(mine)]) std::printf("rank %d:\n%s\n", r, &all[size_t(r) * sizeof(mine)]);
   }
