@@ -123,20 +123,24 @@ Row measure_queued(Bootstrap& bs, cudaStream_t stream, const std::string& what, 
   return r;
 }
 
+// This rank's ReleaseLine, detached on every way out of rank_main (a no-op when it never attached).
+struct OwnedReleaseLine {
+  ReleaseLine line;
+  ~OwnedReleaseLine() { detach_release_line(&line); }
+};
+
 int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   const int rank = bs.rank(), R = bs.size();
   cudaSetDevice(rank);
   // The queued rows' common start (gate.hpp); without it (every rank must have it) they fall back to a fixed
   // gate per rank, and the header says so.
-  ReleaseLine line;
+  OwnedReleaseLine owned;
+  ReleaseLine& line = owned.line;
   int have_line = !o.fixed_gate && attach_release_line(release_page, rank == 0, &line) ? 1 : 0;
   {
     std::vector<int> lines(R);
     bs.all_gather(&have_line, lines.data(), sizeof(int));
-    if (*std::min_element(lines.begin(), lines.end()) == 0 && have_line) {
-      detach_release_line(&line);
-      have_line = 0;
-    }
+    have_line = *std::min_element(lines.begin(), lines.end());
   }
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
@@ -176,17 +180,15 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
                 R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.iters, o.warmup);
     std::printf("low-latency transport: %s\n", describe_low_latency_transport(buffer.low_latency_transport()).c_str());
     std::printf("check vs reference model: %s\n", ok ? "PASS" : "FAIL");
-    std::printf("queued rows: %s\n", have_line     ? "every rank's gate released at once by rank 0 (a shared host word)"
-                                      : o.fixed_gate ? "a fixed 200 us gate per rank (--fixed-gate: ranks may start apart)"
-                                                     : "a fixed 200 us gate per rank (no shared host word: ranks may "
-                                                       "start apart)");
+    if (have_line)
+      std::printf("queued rows: every rank's gate released at once by rank 0 (a shared host word)\n");
+    else
+      std::printf("queued rows: a fixed 200 us gate per rank (%s: ranks may start apart)\n",
+                  o.fixed_gate ? "--fixed-gate" : "no shared host word");
     for (int r = 0; r < R && !ok; ++r)
       if (all[size_t(r) * sizeof(mine)]) std::printf("rank %d:\n%s\n", r, &all[size_t(r) * sizeof(mine)]);
   }
-  if (!ok) {
-    detach_release_line(&line);
-    return 1;
-  }
+  if (!ok) return 1;
 
   TimingPlan plan{o.warmup, o.iters};
   if (have_line) plan.release_line = &line;
@@ -356,7 +358,6 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     }
   }
   buffer.destroy();
-  detach_release_line(&line);
   return 0;
 }
 
