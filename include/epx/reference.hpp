@@ -77,6 +77,57 @@ Combined combine(const Source& own, int num_ranks, int hidden, int num_topk, con
 void reduce_bf16_rows(int hidden, const std::vector<const uint16_t*>& rows, const uint16_t* bias0,
                       const uint16_t* bias1, uint16_t* out);
 
+// ---- SPEC section 6: internode (hierarchical) mode ----------------------------------------------------------------
+// R = D x G ranks: rank r = d * G + g (domain d, local index g). The dispatch splits every rank's tokens into C
+// channels: token t of a rank with T tokens is in channel t / ceil(T / C) (channel_of). A token "needs" domain m
+// when it goes to at least one rank of m. Sources are indexed by global rank; sources[s].is_token_in_rank is
+// [T_s, R]. Positions below are per (source rank, channel, stream) and start at 0 in every operation; a token that
+// is not in a stream gets -(k) - 1, where k is the position the stream's next token would take (the number of the
+// channel's tokens before it that are in the stream).
+
+int channel_of(int num_tokens, int num_channels, int token);
+
+// Mask of the GPUs of domain m (bit j: rank m * G + j) that token t of `src` goes to.
+uint32_t domain_mask(const Source& src, int num_ranks, int num_nvl_ranks, int token, int domain);
+
+// The internode handle of rank `rank` after a dispatch (deep_ep's element numbers in brackets).
+struct InternodeHandle {
+  std::vector<int> rdma_channel_prefix_matrix;       // [D, C] [1] this rank's tokens in channels <= c that need
+                                                     //     domain m (inclusive over channels)
+  std::vector<int> gbl_channel_prefix_matrix;        // [R, C] [2] this rank's tokens in channels <= c that go to
+                                                     //     rank j (inclusive)
+  std::vector<int> recv_rdma_channel_prefix_matrix;  // [D, C] [3] tokens of rank (m, g) in channels <= c that need
+                                                     //     this rank's domain d (inclusive): records arriving in
+                                                     //     this rank's network ring from domain m
+  std::vector<int> recv_rdma_rank_prefix_sum;        // [D] [4] inclusive prefix over m of [3][m][C - 1]
+  std::vector<int> recv_gbl_channel_prefix_matrix;   // [R, C] [5] first recv_x row of source s, channel c
+                                                     //     (exclusive start, as the intranode handle's)
+  std::vector<int> recv_gbl_rank_prefix_sum;         // [R] [6] inclusive prefix of the rows from sources <= s
+  std::vector<int32_t> recv_src_meta;                // [N, 2] [7] per recv_x row: source domain, and the mask of
+                                                     //     this domain's GPUs that receive the token (bit j:
+                                                     //     rank d * G + j)
+  std::vector<int> send_rdma_head;                   // [T, D] [8] token t's position in its channel's stream to
+                                                     //     domain m (tokens of that channel that need m), or -k-1
+  std::vector<int> send_nvl_head;                    // [N_rdma, G] [9] for every record this rank's network ring
+                                                     //     receives, in the "network-received" order (source
+                                                     //     domain m ascending, channel ascending, token
+                                                     //     ascending; index [4][m - 1] + [3][m][c - 1] + ordinal):
+                                                     //     the token's position among the tokens of source
+                                                     //     (m, g), channel c, that go to rank d * G + j, or -k-1
+};
+// Everything rank `rank` holds after an internode dispatch of `sources` (all R of them) with num_channels channels.
+InternodeHandle internode_handle(const std::vector<Source>& sources, int rank, int num_nvl_ranks, int num_channels);
+
+// Combine in the two-level order of SPEC section 6 (the internode default), for the tokens of `own`:
+// for every domain m (ascending) with at least one rank that received token t, the partial P_m is the row of
+// that rank when only one rank of m has the token, else bf16(sum over those ranks j ascending of float(row_j)),
+// float32 from 0, one rounding; combined_x[t] = bf16(sum over m ascending of float(P_m) + bias0 + bias1), float32
+// from 0, one rounding. combined_topk_weights are the flat combine's (summed over ranks in ascending global order).
+// The flat order is combine() above.
+Combined combine_two_level(const Source& own, int num_ranks, int num_nvl_ranks, int hidden, int num_topk,
+                           const ContributionRow& row, const ContributionWeights& weights, const uint16_t* bias0,
+                           const uint16_t* bias1);
+
 // ---- SPEC section 4: low-latency dispatch ---------------------------------------------------------------------
 // FP8 quantization of one BF16 row, per 128-element group g:
 //   amax = max(max |x|, 1e-4); scale = amax / 448 (one float32 division); round_scale: the scale rounded up to
