@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "runtime/fail_env.hpp"
+#include "layout/fail_state.hpp"
 
 namespace epx::dev {
 

@@ -7,7 +7,7 @@
 
 #include "device/ptx.cuh"
 #include "device/report.cuh"
-#include "runtime/fail_env.hpp"
+#include "layout/fail_state.hpp"
 
 namespace epx::dev {
 

@@ -4,7 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "device/report.cuh"
-#include "kernels/params.hpp"
+#include "layout/intranode_params.hpp"
 
 namespace epx {
 namespace {

@@ -12,7 +12,7 @@
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/diagnostics.hpp"
-#include "kernels/ll_params.hpp"
+#include "layout/ll_params.hpp"
 
 namespace epx {
 namespace {

@@ -7,10 +7,10 @@
 #include <string>
 
 #include "epx/epx.hpp"
-#include "runtime/fail_env.hpp"
-#include "runtime/host_shared.hpp"
-#include "runtime/ll_transport.hpp"
-#include "runtime/nvl_layout.hpp"
+#include "layout/fail_state.hpp"
+#include "layout/host_shared.hpp"
+#include "runtime/transport.hpp"
+#include "layout/nvl_layout.hpp"
 
 namespace epx {
 

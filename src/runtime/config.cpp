@@ -1,6 +1,6 @@
 // Configs of the high-throughput kernels: defaults per rank count, validation, buffer size hints.
 #include "runtime/errors.hpp"
-#include "runtime/nvl_layout.hpp"
+#include "layout/nvl_layout.hpp"
 
 namespace epx {
 namespace {

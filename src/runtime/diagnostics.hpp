@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "runtime/host_shared.hpp"
+#include "layout/host_shared.hpp"
 
 namespace epx {
 

@@ -2,7 +2,7 @@
 // launches, and the bounded host wait for the counts.
 #include <cstdint>
 
-#include "kernels/params.hpp"
+#include "layout/intranode_params.hpp"
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/validate.hpp"

@@ -1,8 +1,8 @@
 // Host side of the low-latency mode: validation, buffer-set alternation, launches. No host synchronization.
 #include <cstdint>
 
-#include "kernels/ll_params.hpp"
-#include "kernels/params.hpp"
+#include "layout/ll_params.hpp"
+#include "layout/intranode_params.hpp"
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/validate.hpp"

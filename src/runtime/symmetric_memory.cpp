@@ -10,7 +10,7 @@
 
 #include "epx/epx.hpp"
 #include "runtime/errors.hpp"
-#include "runtime/ll_transport.hpp"
+#include "runtime/transport.hpp"
 
 namespace epx {
 namespace {

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "epx/epx.hpp"
-#include "runtime/nvl_layout.hpp"
+#include "layout/nvl_layout.hpp"
 
 namespace epx {
 

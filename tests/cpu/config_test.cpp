@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "epx/epx.hpp"
-#include "kernels/sender_groups.hpp"
-#include "runtime/limits.hpp"
-#include "runtime/nvl_layout.hpp"
+#include "kernels/intranode/sender_groups.hpp"
+#include "layout/limits.hpp"
+#include "layout/nvl_layout.hpp"
 
 using ::testing::HasSubstr;
 

@@ -8,8 +8,8 @@
 
 #include "epx/epx.h"
 #include "epx/epx.hpp"
-#include "runtime/ll_layout.hpp"
-#include "runtime/ll_transport.hpp"
+#include "layout/ll_layout.hpp"
+#include "runtime/transport.hpp"
 
 using ::testing::HasSubstr;
 using epx::LowLatencyTransport;

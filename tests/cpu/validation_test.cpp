@@ -8,7 +8,7 @@
 #include <string>
 
 #include "epx/epx.hpp"
-#include "runtime/limits.hpp"
+#include "layout/limits.hpp"
 #include "runtime/validate.hpp"
 
 using ::testing::HasSubstr;

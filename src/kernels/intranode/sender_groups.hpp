@@ -7,7 +7,7 @@
 // receiver block copies this rank's tokens. Host and device (unit-tested on the CPU).
 #pragma once
 
-#include "runtime/limits.hpp"
+#include "layout/limits.hpp"
 
 namespace epx {
 

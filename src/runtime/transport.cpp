@@ -1,4 +1,4 @@
-#include "runtime/ll_transport.hpp"
+#include "runtime/transport.hpp"
 
 #include <cstdlib>
 #include <cstring>

@@ -11,7 +11,7 @@
 #include "device/ptx.cuh"
 #include "device/report.cuh"
 #include "device/wait.cuh"
-#include "kernels/params.hpp"
+#include "layout/intranode_params.hpp"
 
 namespace epx {
 namespace {

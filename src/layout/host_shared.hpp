@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "runtime/limits.hpp"
+#include "layout/limits.hpp"
 
 namespace epx {
 

@@ -7,9 +7,9 @@
 #include <cstdint>
 
 #include "device/wait.cuh"
-#include "kernels/ll_params.hpp"
-#include "kernels/ll_transport.cuh"
-#include "runtime/limits.hpp"
+#include "layout/ll_params.hpp"
+#include "device/transport.cuh"
+#include "layout/limits.hpp"
 
 namespace epx::dev {
 

@@ -3,8 +3,8 @@
 
 #include <cstdint>
 
-#include "runtime/host_shared.hpp"
-#include "runtime/nvl_layout.hpp"
+#include "layout/host_shared.hpp"
+#include "layout/nvl_layout.hpp"
 
 namespace epx {
 

@@ -12,8 +12,8 @@
 
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
-#include "kernels/peer_groups.cuh"
-#include "kernels/sender_groups.hpp"
+#include "kernels/intranode/peer_groups.cuh"
+#include "kernels/intranode/sender_groups.hpp"
 
 namespace epx {
 

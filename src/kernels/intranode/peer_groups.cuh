@@ -3,8 +3,8 @@
 // each other. Leftover warps (when R does not divide kDataWarps) stay idle.
 #pragma once
 
-#include "kernels/sender_groups.hpp"
-#include "runtime/limits.hpp"
+#include "kernels/intranode/sender_groups.hpp"
+#include "layout/limits.hpp"
 
 namespace epx {
 

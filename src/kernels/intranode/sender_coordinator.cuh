@@ -7,8 +7,8 @@
 
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
-#include "kernels/sender_groups.hpp"
-#include "runtime/fail_env.hpp"
+#include "kernels/intranode/sender_groups.hpp"
+#include "layout/fail_state.hpp"
 
 namespace epx {
 

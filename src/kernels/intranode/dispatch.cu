@@ -12,10 +12,10 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
-#include "kernels/chunk_publisher.cuh"
-#include "kernels/params.hpp"
-#include "kernels/peer_groups.cuh"
-#include "kernels/sender_coordinator.cuh"
+#include "kernels/intranode/chunk_publisher.cuh"
+#include "layout/intranode_params.hpp"
+#include "kernels/intranode/peer_groups.cuh"
+#include "kernels/intranode/sender_coordinator.cuh"
 
 namespace epx {
 namespace {

@@ -4,7 +4,7 @@
 
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
-#include "runtime/ll_layout.hpp"
+#include "layout/ll_layout.hpp"
 #if EPX_HAVE_NVSHMEM
 #include "runtime/symmetric_memory.hpp"
 #endif

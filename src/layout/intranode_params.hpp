@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "runtime/fail_env.hpp"
-#include "runtime/nvl_layout.hpp"
+#include "layout/fail_state.hpp"
+#include "layout/nvl_layout.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
 

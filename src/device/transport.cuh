@@ -28,7 +28,7 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
-#include "kernels/ll_params.hpp"
+#include "layout/ll_params.hpp"
 
 #if EPX_HAVE_NVSHMEM
 #include <nvshmem.h>

@@ -33,10 +33,10 @@
 #include "device/report.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
-#include "kernels/ll_epochs.cuh"
-#include "kernels/ll_launch.cuh"
-#include "kernels/ll_params.hpp"
-#include "kernels/ll_transport.cuh"
+#include "kernels/low_latency/epochs.cuh"
+#include "kernels/low_latency/launch.cuh"
+#include "layout/ll_params.hpp"
+#include "device/transport.cuh"
 
 namespace epx {
 namespace {

@@ -22,11 +22,11 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "device/warp_copy.cuh"
-#include "kernels/ll_epochs.cuh"
-#include "kernels/ll_launch.cuh"
-#include "kernels/ll_params.hpp"
-#include "kernels/ll_transport.cuh"
-#include "runtime/limits.hpp"
+#include "kernels/low_latency/epochs.cuh"
+#include "kernels/low_latency/launch.cuh"
+#include "layout/ll_params.hpp"
+#include "device/transport.cuh"
+#include "layout/limits.hpp"
 
 namespace epx {
 namespace {

@@ -47,7 +47,7 @@
 
 #include <cstdint>
 
-#include "runtime/limits.hpp"
+#include "layout/limits.hpp"
 
 namespace epx {
 

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "runtime/limits.hpp"
+#include "layout/limits.hpp"
 
 namespace epx {
 

@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "runtime/fail_env.hpp"
-#include "runtime/ll_layout.hpp"
+#include "layout/fail_state.hpp"
+#include "layout/ll_layout.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
 
