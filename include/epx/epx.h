@@ -61,7 +61,23 @@ typedef struct epx_buffer_options {
   int device;               /* CUDA device; -1 means the current device */
 } epx_buffer_options;
 
-/* Tuning of the high-throughput kernels. num_sms blocks, num_sms / 2 channels. */
+/* Limits of this library (its constants, for bindings and tools that must not repeat them). */
+typedef struct epx_limits {
+  int max_nvl_ranks;     /* ranks of one NVLink domain */
+  int max_ranks;         /* ranks of a Buffer */
+  int max_channels;      /* channels of the high-throughput kernels (epx_config_num_channels) */
+  int max_topk;          /* top-k slots per token */
+  int max_hidden;        /* hidden size */
+  int max_local_experts; /* experts per rank (high-throughput mode) */
+  int max_experts;       /* experts in total (layout) */
+  int fp8_group_size;    /* elements per FP8 scale */
+  int ll_max_ranks;      /* low-latency mode: ranks */
+  int ll_max_tokens;     /* low-latency mode: num_max_dispatch_tokens_per_rank */
+  int ll_max_experts;    /* low-latency mode: experts */
+  int ll_max_topk;       /* low-latency mode: top-k slots */
+} epx_limits;
+
+/* Tuning of the high-throughput kernels. num_sms blocks, num_sms / 2 channels (epx_config_num_channels). */
 typedef struct epx_config {
   int num_sms;             /* even, >= 2 */
   int num_max_send_tokens; /* tokens a sender publishes per tail update (chunk); unused by the senders at 2 ranks or
@@ -230,8 +246,12 @@ epx_status epx_buffer_check(epx_buffer* buffer, void* stream);
  * the buffer's operations of that mode overwrite it. */
 epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t* bytes);
 
+epx_status epx_get_limits(epx_limits* out);
+
 epx_status epx_default_dispatch_config(int num_ranks, epx_config* out);
 epx_status epx_default_combine_config(int num_ranks, epx_config* out);
+/* Channels of the high-throughput kernels under a config (the per-channel handle arrays are [R, channels]). */
+epx_status epx_config_num_channels(const epx_config* config, int* out);
 /* Bytes of num_nvl_bytes that a config needs for rows of hidden_bytes (worst case of scales and top-k). */
 epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_bytes, int num_ranks,
                                     int64_t* bytes);

@@ -61,6 +61,7 @@ class CallbackBootstrap : public Bootstrap {
 };
 
 using Config = epx_config;
+using Limits = epx_limits;
 using BufferOptions = epx_buffer_options;
 using LayoutArgs = epx_layout_args;
 using LayoutOutputs = epx_layout_outputs;
@@ -78,6 +79,10 @@ constexpr int kLowLatencySendPhase = EPX_LL_SEND;
 constexpr int kLowLatencyRecvPhase = EPX_LL_RECV;
 constexpr int kLowLatencyBothPhases = EPX_LL_BOTH;
 
+// The library's limits (epx_get_limits).
+Limits limits();
+// Channels of the high-throughput kernels under a config: num_sms / 2.
+int num_channels(const Config& config);
 Config default_dispatch_config(int num_ranks);
 Config default_combine_config(int num_ranks);
 void validate_config(const Config& config, int num_ranks);

@@ -125,6 +125,21 @@ epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t*
   });
 }
 
+epx_status epx_get_limits(epx_limits* out) {
+  return guarded([&] {
+    require_non_null(out, "out");
+    *out = epx::limits();
+  });
+}
+
+epx_status epx_config_num_channels(const epx_config* config, int* out) {
+  return guarded([&] {
+    require_non_null(config, "config");
+    require_non_null(out, "out");
+    *out = epx::num_channels(*config);
+  });
+}
+
 epx_status epx_default_dispatch_config(int num_ranks, epx_config* out) {
   return guarded([&] {
     require_non_null(out, "out");

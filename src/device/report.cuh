@@ -4,7 +4,8 @@
 
 #include <cstdint>
 
-#include "layout/fail_state.hpp"
+#include "layout/host_shared.hpp"
+#include "layout/nvl_layout.hpp"
 
 namespace epx::dev {
 

@@ -7,6 +7,7 @@
 
 #include "device/ptx.cuh"
 #include "device/report.cuh"
+#include "device/transport.cuh"
 #include "layout/fail_state.hpp"
 
 namespace epx::dev {
@@ -19,7 +20,7 @@ struct WaitSite {
   int64_t extra;  // role-specific third value (e.g. a token index)
 };
 
-static __device__ __noinline__ void fail_fatal(const FailEnv& env, int code, const WaitSite& site, int64_t seen,
+static __device__ __noinline__ void fail_fatal(const FailState& env, int code, const WaitSite& site, int64_t seen,
                                         int64_t awaited) {
   if (atomicCAS(&env.self->fatal_claimed, 0, 1) == 0) {
     volatile DeviceDiag* d = &env.host->fatal;
@@ -29,13 +30,13 @@ static __device__ __noinline__ void fail_fatal(const FailEnv& env, int code, con
     __threadfence_system();
   }
   if (code != kErrAbortedByPeer) {
-    for (int p = 0; p < env.num_peers; ++p) st_relaxed_sys(&env.peers[p]->abort, env.rank + 1);
+    for (int p = 0; p < env.num_ranks; ++p) post(env.abort_words[p], int32_t(env.rank + 1));
   }
   __threadfence_system();
   __trap();
 }
 
-__device__ __forceinline__ void check_abort(const FailEnv& env, const WaitSite& site) {
+__device__ __forceinline__ void check_abort(const FailState& env, const WaitSite& site) {
   const int32_t a = ld_relaxed_sys(&env.self->abort);
   if (a != 0) fail_fatal(env, kErrAbortedByPeer, site, a - 1, 0);
 }
@@ -43,7 +44,7 @@ __device__ __forceinline__ void check_abort(const FailEnv& env, const WaitSite& 
 // The loop every wait below shares: polls *p with acquire loads until reached(v), watching the budget and
 // the abort flag; on timeout the diagnostic records the value seen and `awaited`. Returns the value seen.
 template <typename T, typename Reached>
-__device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awaited, const FailEnv& env,
+__device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awaited, const FailState& env,
                                         const WaitSite& site) {
   T v = ld_acquire_sys(p);
   if (reached(v)) return v;
@@ -57,40 +58,40 @@ __device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awa
 }
 
 // Waits until *p >= target (acquire). Returns the value seen.
-__device__ __forceinline__ uint64_t wait_at_least(const uint64_t* p, uint64_t target, const FailEnv& env,
+__device__ __forceinline__ uint64_t wait_at_least(const uint64_t* p, uint64_t target, const FailState& env,
                                                   const WaitSite& site) {
   return wait_until(p, [target](uint64_t v) { return v >= target; }, int64_t(target), env, site);
 }
 
 // Waits until *p >= target (acquire), for 32-bit counters.
-__device__ __forceinline__ int32_t wait_at_least_i32(const int32_t* p, int32_t target, const FailEnv& env,
+__device__ __forceinline__ int32_t wait_at_least_i32(const int32_t* p, int32_t target, const FailState& env,
                                                      const WaitSite& site) {
   return wait_until(p, [target](int32_t v) { return v >= target; }, target, env, site);
 }
 
 // Waits until the monotonic 32-bit counter *p has reached target (acquire), comparing so that the counter may
 // wrap (the two are never 2^31 apart).
-__device__ __forceinline__ int32_t wait_epoch(const int32_t* p, int32_t target, const FailEnv& env,
+__device__ __forceinline__ int32_t wait_epoch(const int32_t* p, int32_t target, const FailState& env,
                                               const WaitSite& site) {
   return wait_until(p, [target](int32_t v) { return int32_t(uint32_t(v) - uint32_t(target)) >= 0; }, target, env,
                     site);
 }
 
 // Waits until *p == target (acquire), for epoch flags.
-__device__ __forceinline__ void wait_equal(const uint32_t* p, uint32_t target, const FailEnv& env,
+__device__ __forceinline__ void wait_equal(const uint32_t* p, uint32_t target, const FailState& env,
                                            const WaitSite& site) {
   wait_until(p, [target](uint32_t v) { return v == target; }, int64_t(target), env, site);
 }
 
 // Waits until *p != 0 (acquire) and returns it, for count messages that are nonzero once written.
-__device__ __forceinline__ int32_t wait_nonzero(const int32_t* p, const FailEnv& env, const WaitSite& site) {
+__device__ __forceinline__ int32_t wait_nonzero(const int32_t* p, const FailState& env, const WaitSite& site) {
   return wait_until(p, [](int32_t v) { return v != 0; }, 1, env, site);
 }
 
 // A spin with no memory to watch (a coordinator waiting on its own block) still has a budget.
 struct SpinBudget {
   uint64_t start = 0;
-  __device__ __forceinline__ void tick(const FailEnv& env, const WaitSite& site, int64_t seen, int64_t awaited) {
+  __device__ __forceinline__ void tick(const FailState& env, const WaitSite& site, int64_t seen, int64_t awaited) {
     if (start == 0) start = globaltimer_ns();
     check_abort(env, site);
     if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, seen, awaited);

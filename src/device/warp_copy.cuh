@@ -47,10 +47,4 @@ __device__ __forceinline__ void warp_copy_once(int4* dst, const int4* src, int n
     if (lane + u * 32 < n) store(dst + lane + u * 32, v[u]);
 }
 
-// Copies n 32-bit words (scales, small metadata).
-template <typename LoadWord>
-__device__ __forceinline__ void warp_copy_words(int32_t* dst, const int32_t* src, int n, int lane, LoadWord load) {
-  for (int i = lane; i < n; i += 32) dst[i] = load(src + i);
-}
-
 }  // namespace epx::dev

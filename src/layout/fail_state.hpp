@@ -1,4 +1,6 @@
-// What a kernel needs to fail well (see device/wait.cuh). Filled by the host, passed in kernel parameters.
+// What a kernel needs to fail well (device/wait.cuh): the wait budget, where its diagnostics go and whom to tell.
+// Only failure state: how a kernel reaches data in other ranks is the peer map's business (layout/peer_map.hpp).
+// Filled by the host when a Buffer is created, passed in kernel parameters.
 #pragma once
 
 #include <cstdint>
@@ -8,13 +10,13 @@
 
 namespace epx {
 
-struct FailEnv {
-  HostShared* host;                 // this rank's host-mapped block (device view)
-  NvlControl* self;                 // this rank's control region
-  NvlControl* peers[kMaxNvlRanks];  // every rank's control region as mapped here (peers[rank] == self)
-  int rank;
-  int num_peers;
-  uint64_t budget_ns;
+struct FailState {
+  HostShared* host;                      // this rank's host-mapped block (device view): diagnostics for the CPU
+  NvlControl* self;                      // this rank's control block: its abort word, the first-failure claim
+  int32_t* abort_words[kMaxNvlRanks];    // every rank's abort word as mapped here (abort_words[rank] is its own)
+  int num_ranks;                         // entries of abort_words
+  int rank;                              // this rank, as diagnostics name it
+  uint64_t budget_ns;                    // every wait's budget
 };
 
 }  // namespace epx

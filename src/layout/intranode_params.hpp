@@ -1,5 +1,5 @@
 // Parameters of the high-throughput kernels and their launch functions. Filled by the host runtime
-// (runtime/buffer_*.cpp), read by the kernels (kernels/*.cu). Plain data: passed by value.
+// (runtime/intranode_ops.cpp), read by the kernels (kernels/layout.cu, kernels/intranode/). Plain data: passed by value.
 #pragma once
 
 #include <vector_types.h>  // int4
@@ -8,6 +8,7 @@
 
 #include "layout/fail_state.hpp"
 #include "layout/nvl_layout.hpp"
+#include "layout/peer_map.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -41,7 +42,8 @@ struct LayoutParams {
 };
 
 struct NotifyParams {
-  FailEnv env;
+  FailState fail;
+  PeerMap peers;
   int num_ranks;
   int barrier_only;  // cached dispatch and combine: only the epoch handshake (and error exchange)
   // Count exchange (barrier_only == 0).
@@ -61,7 +63,8 @@ struct NotifyParams {
 };
 
 struct DispatchParams {
-  FailEnv env;
+  FailState fail;
+  PeerMap peers;
   RingLayout ring;
   DispatchRecord record;
   int num_ranks;
@@ -89,7 +92,8 @@ struct DispatchParams {
 };
 
 struct CombineParams {
-  FailEnv env;
+  FailState fail;
+  PeerMap peers;
   RingLayout ring;
   CombineRecord record;
   int num_ranks;

@@ -51,19 +51,16 @@
 
 namespace epx {
 
+// Limits of the low-latency mode (exported through epx_get_limits).
 // Largest expert count of the low-latency signals (fixed offsets).
 constexpr int kLowLatencyMaxExperts = 1024;
 constexpr int kLowLatencyMaxBlocks = 256;  // the grid of the low-latency kernels (one block per SM, at most)
 // Largest num_max_dispatch_tokens_per_rank (M).
 constexpr int kLowLatencyMaxTokens = 4096;
-
-struct LowLatencyShape {
-  int num_ranks;
-  int max_tokens;  // M
-  int hidden;
-  int num_experts;
-  int fp8;         // records carry e4m3 rows and float scales instead of bf16 rows
-};
+// Ranks: one NVLink domain (the peer map holds one region pointer per rank of the domain).
+constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;
+// Top-k slots per token: one lane per slot in the dispatch's send phase.
+constexpr int kLowLatencyMaxTopk = kMaxTopk;
 
 // One dispatch record: [row][scales (FP8 only)], 16-byte aligned. The source token is its index in [src rank][M]
 // (the row map names it per slot), so the record carries no metadata.

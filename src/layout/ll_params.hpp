@@ -7,6 +7,7 @@
 
 #include "layout/fail_state.hpp"
 #include "layout/ll_layout.hpp"
+#include "layout/peer_map.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -15,19 +16,10 @@ namespace epx {
 constexpr int kLowLatencySend = 1;
 constexpr int kLowLatencyRecv = 2;
 
-// How the kernels reach every rank's low-latency region (kernels/ll_transport.cuh). Rank r is reached through
-// direct[r] when it is set, else through NVSHMEM at the same offset of the symmetric region. This rank's own
-// region is always direct (it is local memory).
-struct LowLatencyPeers {
-  uint8_t* local;                 // this rank's region (with NVSHMEM: its symmetric address)
-  uint8_t* direct[kMaxNvlRanks];  // rank r's region as mapped here, or nullptr: NVSHMEM
-  int num_nvshmem;                // ranks with direct[r] == nullptr
-};
-
 struct LowLatencyDispatchParams {
-  FailEnv env;
+  FailState fail;
+  PeerMap peers;  // the kernels reach the other ranks' low-latency regions through peers.ll
   LowLatencyLayout layout;
-  LowLatencyPeers peers;
   int set;                      // buffer set of this call
   int phases;                   // kLowLatencySend | kLowLatencyRecv
   int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
@@ -43,9 +35,9 @@ struct LowLatencyDispatchParams {
 };
 
 struct LowLatencyCombineParams {
-  FailEnv env;
+  FailState fail;
+  PeerMap peers;  // the kernels reach the other ranks' low-latency regions through peers.ll
   LowLatencyLayout layout;
-  LowLatencyPeers peers;
   int set;
   int phases;
   int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
@@ -61,7 +53,14 @@ struct LowLatencyCombineParams {
 // Grid of every low-latency launch on a GPU with that many SMs; a Buffer takes the smallest over its ranks, since
 // the epochs count G blocks per op (kernels/ll_epochs.cuh) and so need the same G on every rank and launch.
 int low_latency_grid(int num_device_sms);
-void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream);
-void launch_low_latency_combine(const LowLatencyCombineParams& p, int grid, cudaStream_t stream);
+
+// How a Buffer launches its low-latency kernels (kernels/low_latency/launch.cuh).
+struct LowLatencyLaunch {
+  int grid;    // blocks, the same on every rank
+  bool early;  // programmatic dependent launch instead of a cooperative one (EPX_LL_EARLY_LAUNCH=1)
+};
+void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLatencyLaunch& launch,
+                                 cudaStream_t stream);
+void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream);
 
 }  // namespace epx

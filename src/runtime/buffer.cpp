@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -12,28 +13,11 @@
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/diagnostics.hpp"
-#include "layout/ll_params.hpp"
 
 namespace epx {
 namespace {
 
 constexpr uint32_t kPeerInfoMagic = 0x65707831;  // "epx1"
-
-// What every rank publishes at creation.
-struct PeerInfo {
-  uint32_t magic;
-  int32_t rank;
-  int32_t device;
-  int32_t pci_domain, pci_bus, pci_device;
-  int32_t num_nvl_ranks;
-  int32_t low_latency_mode;
-  int32_t ll_transport;  // LowLatencyTransport: the same build and switches on every rank
-  int32_t ll_force_nvshmem;
-  int32_t num_sms;       // the low-latency grid is the smallest over the ranks (the same everywhere)
-  int64_t alloc_bytes;
-  char hostname[64];
-  cudaIpcMemHandle_t handle;
-};
 
 class DeviceGuard {
  public:
@@ -52,17 +36,6 @@ class DeviceGuard {
 };
 
 }  // namespace
-
-FailEnv Buffer::Impl::fail_env() const {
-  FailEnv env{};
-  env.host = host_dev;
-  env.self = control();
-  for (int i = 0; i < num_nvl_ranks; ++i) env.peers[i] = static_cast<NvlControl*>(peers[i]);
-  env.rank = nvl_rank;
-  env.num_peers = num_nvl_ranks;
-  env.budget_ns = uint64_t(timeout_s * 1e9);
-  return env;
-}
 
 void Buffer::Impl::enter(const char* op) {
   if (!alive) raise(Status::kFailedState, op, ": the buffer was destroyed");
@@ -176,6 +149,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   const LowLatencyTransportChoice transport = choose_low_latency_transport_from_env(ll_set_bytes > 0);
   ll_transport = transport.transport;
   ll_force_nvshmem = transport.force_nvshmem;
+  ll_launch.early = parse_env_switch("EPX_LL_EARLY_LAUNCH", std::getenv("EPX_LL_EARLY_LAUNCH"));
   // With NVSHMEM the low-latency region is a symmetric allocation of its own (attach_low_latency_region).
   alloc_bytes = ll_offset + (ll_transport == LowLatencyTransport::kCudaIpc ? 2 * ll_set_bytes : 0);
   EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));
@@ -196,6 +170,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   mine.low_latency_mode = opts.low_latency_mode;
   mine.ll_transport = int32_t(ll_transport);
   mine.ll_force_nvshmem = ll_force_nvshmem;
+  mine.ll_early_launch = ll_launch.early;
   mine.num_sms = num_device_sms;
   mine.alloc_bytes = alloc_bytes;
   gethostname(mine.hostname, sizeof(mine.hostname) - 1);
@@ -203,7 +178,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   std::vector<PeerInfo> all(num_ranks);
   bs.all_gather(&mine, all.data(), sizeof(PeerInfo));
 
-  const int domain_first = rank - nvl_rank;
+
   for (int i = 0; i < num_ranks; ++i) {
     const PeerInfo& p = all[i];
     EPX_REQUIRE(p.magic == kPeerInfoMagic && p.rank == i, "bootstrap all-gather returned garbage for rank ", i,
@@ -218,36 +193,15 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
                 rank, " chose ", transport_name(ll_transport), ll_force_nvshmem ? " (forced)" : "",
                 " (EPX_DISABLE_NVSHMEM and EPX_LL_FORCE_NVSHMEM must be the same on every rank, and libepx the same"
                 " build)");
+    EPX_REQUIRE(p.ll_early_launch == mine.ll_early_launch, "EPX_LL_EARLY_LAUNCH differs between ranks: rank ", i,
+                " has ", p.ll_early_launch, ", rank ", rank, " has ", mine.ll_early_launch);
   }
   // The low-latency kernels count completed blocks per op (kernels/ll_epochs.cuh): every rank launches the same
   // grid, one block per SM of the smallest GPU (and at most kLowLatencyMaxBlocks).
-  ll_grid = kLowLatencyMaxBlocks;
-  for (const PeerInfo& p : all) ll_grid = std::min(ll_grid, low_latency_grid(p.num_sms));
-  EPX_REQUIRE(ll_grid >= 1, "a rank reported no SMs");
-  for (int j = 0; j < num_nvl_ranks; ++j) {
-    const PeerInfo& p = all[domain_first + j];
-    if (j == nvl_rank) {
-      peers[j] = local;
-      continue;
-    }
-    EPX_REQUIRE(std::strncmp(p.hostname, mine.hostname, sizeof(mine.hostname)) == 0, "rank ", p.rank, " is on host '",
-                p.hostname, "', rank ", rank, " on '", mine.hostname, "': an NVLink domain must be one host");
-    EPX_REQUIRE(!(p.pci_domain == mine.pci_domain && p.pci_bus == mine.pci_bus && p.pci_device == mine.pci_device),
-                "ranks ", p.rank, " and ", rank, " use the same GPU (device ", device,
-                "); use one GPU per rank (set the device before creating the Buffer, or options.device)");
-    int can = 0;
-    EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, p.device));
-    if (!can)
-      raise(Status::kNotSupported, "GPU ", device, " cannot access GPU ", p.device, " (rank ", p.rank,
-            ") directly: epx needs NVLink or PCIe peer access inside a domain");
-    EPX_CUDA_CHECK(cudaIpcOpenMemHandle(&peers[j], p.handle, cudaIpcMemLazyEnablePeerAccess));
-  }
-  try {
-    attach_low_latency_region();
-  } catch (...) {
-    release_ipc_buffer();  // its errors are raised on every rank alike, so every rank gets here
-    throw;
-  }
+  ll_launch.grid = kLowLatencyMaxBlocks;
+  for (const PeerInfo& p : all) ll_launch.grid = std::min(ll_launch.grid, low_latency_grid(p.num_sms));
+  EPX_REQUIRE(ll_launch.grid >= 1, "a rank reported no SMs");
+  map_peers(all);
   alive = true;
   bs.barrier();  // no rank writes into a peer's buffer before every rank has mapped and zeroed its own
 }
@@ -260,20 +214,8 @@ void Buffer::Impl::destroy() {
   const char context_ok = cudaDeviceSynchronize() == cudaSuccess ? 1 : 0;
   std::string ok(size_t(num_ranks), '\0');
   bootstrap->all_gather(&context_ok, ok.data(), 1);  // every rank's kernels are done with every buffer
-  detach_low_latency_region(ok.find('\0') == std::string::npos);
+  unmap_peers(ok.find('\0') == std::string::npos);
   release_ipc_buffer();
-}
-
-void Buffer::Impl::release_ipc_buffer() {
-  for (int j = 0; j < num_nvl_ranks; ++j)
-    if (j != nvl_rank && peers[j] != nullptr) cudaIpcCloseMemHandle(peers[j]);
-  bootstrap->barrier();  // nobody maps this rank's buffer any more
-  cudaFree(local);
-  cudaFreeHost(host);
-  local = nullptr;
-  host = host_dev = nullptr;
-  for (auto& p : peers) p = nullptr;
-  cudaGetLastError();
 }
 
 // ---- Buffer ----------------------------------------------------------------------------------------------------
@@ -333,7 +275,7 @@ MemoryRegion Buffer::local_region(int which) const {
   r.bytes = nvl ? b.options.num_nvl_bytes : b.options.num_rdma_bytes;
   // The RDMA region is the low-latency region: inside the CUDA IPC allocation (at ll_offset), or, with NVSHMEM,
   // a symmetric allocation of its own, which the IPC allocation has no room for.
-  if (r.bytes > 0) r.ptr = nvl ? static_cast<uint8_t*>(b.local) + RingLayout::data_offset() : b.ll_local;
+  if (r.bytes > 0) r.ptr = nvl ? static_cast<uint8_t*>(b.local) + RingLayout::data_offset() : b.peer_map.ll.local;
   return r;
 }
 

@@ -1,18 +1,39 @@
-// Internal state of a Buffer: device memory, peer mappings, host-mapped block, failure state.
+// Internal state of a Buffer: device memory, the peer map, the host-mapped block, failure state.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "epx/epx.hpp"
 #include "layout/fail_state.hpp"
 #include "layout/host_shared.hpp"
-#include "runtime/transport.hpp"
+#include "layout/ll_params.hpp"
 #include "layout/nvl_layout.hpp"
+#include "layout/peer_map.hpp"
+#include "runtime/transport.hpp"
 
 namespace epx {
+
+// What every rank publishes when a Buffer is created (runtime/buffer.cpp gathers it, runtime/peer_map.cpp maps
+// the peers from it).
+struct PeerInfo {
+  uint32_t magic;
+  int32_t rank;
+  int32_t device;
+  int32_t pci_domain, pci_bus, pci_device;
+  int32_t num_nvl_ranks;
+  int32_t low_latency_mode;
+  int32_t ll_transport;  // LowLatencyTransport: the same build and switches on every rank
+  int32_t ll_force_nvshmem;
+  int32_t ll_early_launch;
+  int32_t num_sms;       // the low-latency grid is the smallest over the ranks (the same everywhere)
+  int64_t alloc_bytes;
+  char hostname[64];
+  cudaIpcMemHandle_t handle;
+};
 
 struct Buffer::Impl {
   Bootstrap* bootstrap = nullptr;  // must outlive the Buffer (creation and destroy are collective)
@@ -25,19 +46,21 @@ struct Buffer::Impl {
   int num_device_sms = 0;
   double timeout_s = kDefaultTimeoutSeconds;
 
-  void* local = nullptr;           // this rank's buffer: NvlControl, then ring data
+  void* local = nullptr;           // this rank's NVLink buffer: NvlControl, then ring data (then low-latency sets)
   int64_t alloc_bytes = 0;
-  void* peers[kMaxNvlRanks] = {};  // every domain rank's buffer as mapped here (peers[nvl_rank] == local)
+  // How kernels reach every rank's memory (layout/peer_map.hpp): the NVLink buffers of the domain through CUDA
+  // IPC, the low-latency region through CUDA IPC or NVSHMEM. Built by map_peers.
+  PeerMap peer_map{};
   HostShared* host = nullptr;      // host view of the host-mapped block
   HostShared* host_dev = nullptr;  // device view
   int host_seq = 0;                // sequence numbers of notify calls waited for by the host
 
   // Low-latency region: two buffer sets of ll_set_bytes each, after the ring region of the IPC buffer
-  // (kCudaIpc) or in NVSHMEM symmetric memory (kNvshmem). See runtime/ll_transport.hpp.
+  // (kCudaIpc) or in NVSHMEM symmetric memory (kNvshmem). See runtime/transport.hpp.
   int64_t ll_offset = 0;
   int64_t ll_set_bytes = 0;
   int ll_next_set = 0;             // alternates on every low-latency call (dispatch or combine)
-  int ll_grid = 0;                 // blocks of every low-latency launch, the same on every rank (create)
+  LowLatencyLaunch ll_launch{};    // the same grid on every rank (create)
   // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};
@@ -48,9 +71,6 @@ struct Buffer::Impl {
   const void* ll_waiting_id[2][2] = {};
   LowLatencyTransport ll_transport = LowLatencyTransport::kNone;
   bool ll_force_nvshmem = false;
-  uint8_t* ll_local = nullptr;                // this rank's region
-  uint8_t* ll_direct[kMaxNvlRanks] = {};      // rank r's region as mapped here; nullptr: through NVSHMEM
-  int ll_num_nvshmem = 0;                     // ranks reached through NVSHMEM
 
   bool alive = false;
   bool failed = false;
@@ -58,7 +78,7 @@ struct Buffer::Impl {
 
   NvlControl* control() const { return static_cast<NvlControl*>(local); }
   int64_t ring_bytes_available() const { return options.num_nvl_bytes; }
-  FailEnv fail_env() const;
+  FailState fail_state() const;
 
   // Throws kFailedState if an earlier failure made the buffer unusable; switches to the buffer's device.
   void enter(const char* op);
@@ -72,12 +92,17 @@ struct Buffer::Impl {
 
   void create(Bootstrap& bs, const BufferOptions& opts);
   void destroy();
-  // The low-latency region's memory and peer access (runtime/ll_region.cpp): after the IPC mapping in create,
-  // before the barrier in destroy. Collective.
-  void attach_low_latency_region();
-  void detach_low_latency_region(bool usable);
+  // The peer map (runtime/peer_map.cpp). map_peers: after every rank's PeerInfo is known; opens the domain's
+  // NVLink buffers and attaches the low-latency region. unmap_peers: the reverse, before this rank's memory is
+  // freed; `usable` is false when some rank's CUDA context is lost. Both collective.
+  void map_peers(const std::vector<PeerInfo>& all);
+  void unmap_peers(bool usable);
   // Unmaps the peers' buffers, then (after a barrier) frees this rank's. Collective.
   void release_ipc_buffer();
+
+ private:
+  void attach_low_latency_region();
+  void detach_low_latency_region(bool usable);
 };
 
 }  // namespace epx

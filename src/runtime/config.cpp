@@ -1,6 +1,7 @@
 // Configs of the high-throughput kernels: defaults per rank count, validation, buffer size hints.
-#include "runtime/errors.hpp"
+#include "layout/ll_layout.hpp"
 #include "layout/nvl_layout.hpp"
+#include "runtime/errors.hpp"
 
 namespace epx {
 namespace {
@@ -31,6 +32,29 @@ void require_default_ranks(int num_ranks) {
 
 }  // namespace
 
+Limits limits() {
+  Limits l{};
+  l.max_nvl_ranks = kMaxNvlRanks;
+  l.max_ranks = kMaxRanks;
+  l.max_channels = kMaxChannels;
+  l.max_topk = kMaxTopk;
+  l.max_hidden = kMaxHidden;
+  l.max_local_experts = kMaxLocalExperts;
+  l.max_experts = kMaxExperts;
+  l.fp8_group_size = kFp8GroupSize;
+  l.ll_max_ranks = kLowLatencyMaxRanks;
+  l.ll_max_tokens = kLowLatencyMaxTokens;
+  l.ll_max_experts = kLowLatencyMaxExperts;
+  l.ll_max_topk = kLowLatencyMaxTopk;
+  return l;
+}
+
+int num_channels(const Config& config) {
+  EPX_REQUIRE(config.num_sms >= 2 && config.num_sms % 2 == 0 && config.num_sms / 2 <= kMaxChannels,
+              "config.num_sms must be even and in [2, ", 2 * kMaxChannels, "], got ", config.num_sms);
+  return config.num_sms / 2;
+}
+
 Config default_dispatch_config(int num_ranks) {
   require_default_ranks(num_ranks);
   return Config{kDefaultNumSms, default_dispatch_chunk(num_ranks), kDefaultRingTokens};
@@ -42,8 +66,7 @@ Config default_combine_config(int num_ranks) {
 }
 
 void validate_config(const Config& c, int num_ranks) {
-  EPX_REQUIRE(c.num_sms >= 2 && c.num_sms % 2 == 0, "config.num_sms must be even and >= 2, got ", c.num_sms);
-  EPX_REQUIRE(c.num_sms / 2 <= kMaxChannels, "config.num_sms must be <= ", 2 * kMaxChannels, ", got ", c.num_sms);
+  num_channels(c);  // num_sms even and in range
   EPX_REQUIRE(c.num_max_send_tokens >= 1, "config.num_max_send_tokens must be >= 1, got ", c.num_max_send_tokens);
   EPX_REQUIRE(c.num_max_recv_tokens >= c.num_max_send_tokens,
               "config.num_max_recv_tokens (ring capacity, ", c.num_max_recv_tokens,
@@ -63,7 +86,7 @@ int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks)
   const int64_t dispatch = DispatchRecord::make(hidden_bytes, 0, kMaxTopk).bytes;
   const int64_t combine = CombineRecord::make(int(hidden_bytes / 2), kMaxTopk).bytes;
   const RingLayout ring{num_ranks, config.num_max_recv_tokens, dispatch > combine ? dispatch : combine};
-  return align_up(ring.bytes(config.num_sms / 2), kAlign);
+  return align_up(ring.bytes(num_channels(config)), kAlign);
 }
 
 }  // namespace epx

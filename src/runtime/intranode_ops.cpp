@@ -1,10 +1,11 @@
-// Host side of layout, notify, dispatch and combine inside one NVLink domain: validation, kernel parameters,
-// launches, and the bounded host wait for the counts.
+// The intranode mode (one NVLink domain, SPEC sections 2 and 3) and the layout: validation, kernel parameters,
+// launches, and the bounded host wait for the counts. The public Buffer methods (runtime/buffer_ops.cpp) call these.
 #include <cstdint>
 
 #include "layout/intranode_params.hpp"
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/ops.hpp"
 #include "runtime/validate.hpp"
 
 namespace epx {
@@ -12,10 +13,10 @@ namespace {
 
 RingLayout ring_for(const Buffer::Impl& b, const Config& c, int64_t record_bytes, const char* op) {
   const RingLayout ring{b.num_nvl_ranks, c.num_max_recv_tokens, record_bytes};
-  const int64_t need = ring.bytes(c.num_sms / 2);
+  const int64_t need = ring.bytes(num_channels(c));
   if (need > b.ring_bytes_available())
     raise(Status::kBufferTooSmall, op, ": num_nvl_bytes is ", b.ring_bytes_available(), " but this call needs ", need,
-          " (", c.num_sms / 2, " channels x ", b.num_nvl_ranks, " ranks x ", c.num_max_recv_tokens, " tokens x ",
+          " (", num_channels(c), " channels x ", b.num_nvl_ranks, " ranks x ", c.num_max_recv_tokens, " tokens x ",
           ring.stride(), " bytes per token); create the Buffer with at least that, e.g. from nvl_size_hint");
   return ring;
 }
@@ -32,7 +33,7 @@ constexpr int kOpDispatch = 1, kOpCombine = 2;
 void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Config& c, int num_tokens, const char* op) {
   EPX_REQUIRE(h.num_ranks == b.num_ranks, op, ": the handle is for ", h.num_ranks, " ranks, the buffer has ",
               b.num_ranks);
-  EPX_REQUIRE(h.num_channels == c.num_sms / 2, op, ": the handle was made with ", h.num_channels,
+  EPX_REQUIRE(h.num_channels == num_channels(c), op, ": the handle was made with ", h.num_channels,
               " channels (num_sms ", 2 * h.num_channels, "); use the same num_sms, got ", c.num_sms);
   EPX_REQUIRE(h.num_tokens == num_tokens, op, ": the handle is for ", h.num_tokens, " tokens, got ", num_tokens);
   EPX_REQUIRE(h.rank_prefix_matrix && h.channel_prefix_matrix && h.recv_channel_prefix_matrix, op,
@@ -43,10 +44,8 @@ void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Confi
 
 }  // namespace
 
-void Buffer::get_dispatch_layout(const LayoutArgs& a, const LayoutOutputs& o, cudaStream_t stream) {
-  const char* op = "get_dispatch_layout";
-  Impl& b = *impl_;
-  b.enter(op);
+void get_dispatch_layout(Buffer::Impl& b, const LayoutArgs& a, const LayoutOutputs& o, cudaStream_t stream,
+                         const char* op) {
   EPX_REQUIRE(a.num_tokens >= 0, op, ": num_tokens must be >= 0, got ", a.num_tokens);
   EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be in [1, ", kMaxTopk, "], got ",
               a.num_topk);
@@ -75,10 +74,10 @@ void Buffer::get_dispatch_layout(const LayoutArgs& a, const LayoutOutputs& o, cu
   b.check_launch(cudaGetLastError(), op);
 }
 
-DispatchCounts Buffer::notify_dispatch(const DispatchArgs& a, const Config& c, DispatchHandle& h, cudaStream_t stream) {
-  const char* op = "notify_dispatch";
-  Impl& b = *impl_;
-  b.enter(op);
+namespace intranode {
+
+DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                               cudaStream_t stream, const char* op) {
   validate_config(c, b.num_nvl_ranks);
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
               b.num_device_sms, " SMs");
@@ -90,13 +89,14 @@ DispatchCounts Buffer::notify_dispatch(const DispatchArgs& a, const Config& c, D
   EPX_REQUIRE(a.num_tokens == 0 || h.send_head != nullptr, op, ": handle.send_head [num_tokens, R] must be allocated");
 
   h.num_ranks = b.num_ranks;
-  h.num_channels = c.num_sms / 2;
+  h.num_channels = num_channels(c);
   h.num_tokens = a.num_tokens;
   h.num_recv_tokens = -1;
   h.is_token_in_rank = a.is_token_in_rank;
 
   NotifyParams p{};
-  p.env = b.fail_env();
+  p.fail = b.fail_state();
+  p.peers = b.peer_map;
   p.num_ranks = b.num_ranks;
   p.barrier_only = 0;
   p.num_tokens_per_rank = a.num_tokens_per_rank;
@@ -130,6 +130,8 @@ DispatchCounts Buffer::notify_dispatch(const DispatchArgs& a, const Config& c, D
   return counts;
 }
 
+}  // namespace intranode
+
 namespace {
 
 void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
@@ -146,7 +148,8 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
     EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
   }
   DispatchParams p{};
-  p.env = b.fail_env();
+  p.fail = b.fail_state();
+  p.peers = b.peer_map;
   p.ring = ring;
   p.record = record;
   p.num_ranks = b.num_ranks;
@@ -175,34 +178,20 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   b.check_launch(cudaGetLastError(), op);
 }
 
-void launch_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, const char* op) {
-  NotifyParams p{};
-  p.env = b.fail_env();
-  p.num_ranks = b.num_ranks;
-  p.barrier_only = 1;
-  p.signature = signature;
-  launch_notify(p, stream);
-  b.check_launch(cudaGetLastError(), op);
-}
-
 }  // namespace
 
-void Buffer::dispatch(const DispatchArgs& a, const Config& c, const DispatchHandle& h, const DispatchOutputs& o,
-                      cudaStream_t stream) {
-  const char* op = "dispatch";
-  Impl& b = *impl_;
-  b.enter(op);
+namespace intranode {
+
+void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
+              const DispatchOutputs& o, cudaStream_t stream, const char* op) {
   validate_config(c, b.num_nvl_ranks);
   validate_dispatch_args(a, b.num_ranks, false, op);
   validate_handle(h, b, c, a.num_tokens, op);
   launch_dispatch_data(b, a, c, h, o, stream, op);
 }
 
-void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const DispatchHandle& h,
-                             const DispatchOutputs& o, cudaStream_t stream) {
-  const char* op = "dispatch (cached)";
-  Impl& b = *impl_;
-  b.enter(op);
+void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
+                     const DispatchOutputs& o, cudaStream_t stream, const char* op) {
   validate_config(c, b.num_nvl_ranks);
   validate_dispatch_args(a, b.num_ranks, true, op);
   validate_handle(h, b, c, a.num_tokens, op);
@@ -211,11 +200,8 @@ void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const Dispa
   launch_dispatch_data(b, a, c, h, o, stream, op);
 }
 
-void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
-                     cudaStream_t stream) {
-  const char* op = "combine";
-  Impl& b = *impl_;
-  b.enter(op);
+void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
+             cudaStream_t stream, const char* op) {
   validate_config(c, b.num_nvl_ranks);
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
   validate_handle(h, b, c, h.num_tokens, op);
@@ -224,7 +210,8 @@ void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle
   const RingLayout ring = ring_for(b, c, record.bytes, op);
 
   CombineParams p{};
-  p.env = b.fail_env();
+  p.fail = b.fail_state();
+  p.peers = b.peer_map;
   p.ring = ring;
   p.record = record;
   p.num_ranks = b.num_ranks;
@@ -245,6 +232,19 @@ void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle
   p.combined_topk_weights = o.combined_topk_weights;
   launch_barrier(b, op_signature(kOpCombine, record.bytes, c), stream, op);
   launch_combine(p, stream);
+  b.check_launch(cudaGetLastError(), op);
+}
+
+}  // namespace intranode
+
+void launch_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, const char* op) {
+  NotifyParams p{};
+  p.fail = b.fail_state();
+  p.peers = b.peer_map;
+  p.num_ranks = b.num_ranks;
+  p.barrier_only = 1;
+  p.signature = signature;
+  launch_notify(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }
 

@@ -1,17 +1,15 @@
-// Host side of the low-latency mode: validation, buffer-set alternation, launches. No host synchronization.
+// The low-latency mode (SPEC sections 4 and 5): validation, buffer-set alternation, launches. No host
+// synchronization. The public Buffer methods (runtime/buffer_ops.cpp) call these.
 #include <cstdint>
 
 #include "layout/ll_params.hpp"
-#include "layout/intranode_params.hpp"
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/ops.hpp"
 #include "runtime/validate.hpp"
 
 namespace epx {
 namespace {
-
-constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;  // one NVLink domain (LowLatencyPeers holds one per rank)
-constexpr int kLowLatencyMaxTopk = 32;             // one lane per top-k slot of a token (dispatch send)
 
 // The order of the calls on the two buffer sets, kept on the host (Buffer::Impl::ll_waiting). The kernels
 // count the ops of a set by the receives this rank completed there (kernels/ll_epochs.cuh), which is right only
@@ -77,21 +75,13 @@ void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_t
           2 * LowLatencyLayout::required_set_bytes(max_tokens, hidden, num_experts), " (low_latency_size_hint)");
 }
 
-LowLatencyPeers peers_of(const Buffer::Impl& b) {
-  LowLatencyPeers peers{};
-  peers.local = b.ll_local;
-  for (int r = 0; r < b.num_nvl_ranks; ++r) peers.direct[r] = b.ll_direct[r];
-  peers.num_nvshmem = b.ll_num_nvshmem;
-  return peers;
-}
-
 // NVSHMEM puts read dispatch records staged in the combine-send area (LowLatencyLayout::dispatch_stage).
 // A guard: since records carry no metadata (v0.6) M records always fit E * M combine rows for a shape that
 // validate_shape accepts, so this fires only if the layout or the record format changes.
 void check_staging(const Buffer::Impl& b, const LowLatencyLayout& layout, int max_tokens, int hidden, bool fp8,
                    const char* op) {
   const int64_t record = LowLatencyRecord::make(hidden, fp8).bytes;
-  if (b.ll_num_nvshmem > 0 && !layout.dispatch_stage_fits(max_tokens, record))
+  if (b.peer_map.ll.num_nvshmem > 0 && !layout.dispatch_stage_fits(max_tokens, record))
     raise(Status::kNotSupported, op, ": the NVSHMEM transport stages ", max_tokens, " records of ", record,
           " bytes in the combine-send area of ", layout.combine_send_bytes, " bytes; use more experts");
 }
@@ -100,9 +90,9 @@ void check_staging(const Buffer::Impl& b, const LowLatencyLayout& layout, int ma
 template <typename Params>
 Params low_latency_params(const Buffer::Impl& b, const LowLatencyHandle& h, int set, int phases) {
   Params p{};
-  p.env = b.fail_env();
+  p.fail = b.fail_state();
+  p.peers = b.peer_map;
   p.layout = LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
-  p.peers = peers_of(b);
   p.set = set;
   p.phases = phases;
   p.num_ranks = b.num_ranks;
@@ -126,34 +116,23 @@ int64_t low_latency_size_hint(int max_tokens, int hidden, int num_ranks, int num
   return 2 * align_up(LowLatencyLayout::required_set_bytes(max_tokens, hidden, num_experts), kAlign);
 }
 
-void Buffer::clean_low_latency_buffer(cudaStream_t stream) {
-  const char* op = "clean_low_latency_buffer";
-  Impl& b = *impl_;
-  b.enter(op);
+namespace low_latency {
+
+void clean(Buffer::Impl& b, cudaStream_t stream, const char* op) {
   EPX_REQUIRE(b.ll_set_bytes > 0, op, ": the buffer has no low-latency region");
-  NotifyParams p{};
-  p.env = b.fail_env();
-  p.num_ranks = b.num_ranks;
-  p.barrier_only = 1;
   // First barrier: every rank's earlier low-latency kernels (on this stream) are done, so no completion, count
   // or target of theirs can still land in the signals zeroed below (a stale one would let a send run early).
-  p.signature = 0x11c1ea6;
-  launch_notify(p, stream);
+  launch_barrier(b, 0x11c1ea6, stream, op);
   for (int set = 0; set < 2; ++set)
-    b.check_launch(cudaMemsetAsync(b.ll_local + set * b.ll_set_bytes, 0, LowLatencyLayout::kSignalsBytes, stream),
-                   op);
-  p.signature = 0x11c1ea7;
-  launch_notify(p, stream);  // nobody sends into a peer before the peer has cleaned
-  b.check_launch(cudaGetLastError(), op);
+    b.check_launch(
+        cudaMemsetAsync(b.peer_map.ll.local + set * b.ll_set_bytes, 0, LowLatencyLayout::kSignalsBytes, stream), op);
+  launch_barrier(b, 0x11c1ea7, stream, op);  // nobody sends into a peer before the peer has cleaned
   b.ll_next_set = 0;
   b.ll_waiting[0] = b.ll_waiting[1] = kNoCall;
 }
 
-void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLatencyDispatchOutputs& o, int phases,
-                                  LowLatencyHandle& h, cudaStream_t stream) {
-  const char* op = "low_latency_dispatch";
-  Impl& b = *impl_;
-  b.enter(op);
+void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatencyDispatchOutputs& o, int phases,
+              LowLatencyHandle& h, cudaStream_t stream, const char* op) {
   require_phases(phases, op);
   validate_shape(b, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
                  a.use_fp8 != 0, a.use_ue8m0 != 0, op);
@@ -207,15 +186,12 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
   commit_set(b, kDispatchCall, phases, set, o.recv_src_info, o.recv_layout_range);
   b.ll_waiting_format[set] = format;
   h = shape;
-  launch_low_latency_dispatch(p, b.ll_grid, stream);
+  launch_low_latency_dispatch(p, b.ll_launch, stream);
   b.check_launch(cudaGetLastError(), op);
 }
 
-int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x,
-                                int phases, int buffer_set, cudaStream_t stream) {
-  const char* op = "low_latency_combine";
-  Impl& b = *impl_;
-  b.enter(op);
+int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x, int phases,
+            int buffer_set, cudaStream_t stream, const char* op) {
   require_phases(phases, op);
   validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false,
                  false, op);
@@ -229,7 +205,7 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
 
   const int set = choose_set(b, kCombineCall, phases, buffer_set, h.recv_src_info, combined_x, op);
   auto p = low_latency_params<LowLatencyCombineParams>(b, h, set, phases);
-  p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.ll_local, set)) : a.x);
+  p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.peer_map.ll.local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;
@@ -237,20 +213,19 @@ int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatency
   p.recv_layout_range = h.recv_layout_range;
   p.out = static_cast<int4*>(combined_x);
   commit_set(b, kCombineCall, phases, set, h.recv_src_info, combined_x);
-  launch_low_latency_combine(p, b.ll_grid, stream);
+  launch_low_latency_combine(p, b.ll_launch, stream);
   b.check_launch(cudaGetLastError(), op);
   return set;
 }
 
-void* Buffer::next_low_latency_combine_buffer(const LowLatencyHandle& h) {
-  const char* op = "next_low_latency_combine_buffer";
-  Impl& b = *impl_;
-  b.enter(op);
+void* next_combine_buffer(Buffer::Impl& b, const LowLatencyHandle& h, const char* op) {
   validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false,
                  false, op);
   const LowLatencyLayout layout =
       LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
-  return layout.combine_send(b.ll_local, b.ll_next_set);
+  return layout.combine_send(b.peer_map.ll.local, b.ll_next_set);
 }
+
+}  // namespace low_latency
 
 }  // namespace epx

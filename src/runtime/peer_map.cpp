@@ -1,6 +1,8 @@
-// The low-latency region of a Buffer: where its memory lives and how every rank's copy is reached
-// (runtime/ll_transport.hpp chooses; kernels/ll_transport.cuh uses the result).
+// The peer map of a Buffer (layout/peer_map.hpp): which rank's memory a kernel reaches how. Built once at creation
+// from every rank's PeerInfo: the NVLink buffers of the domain through CUDA IPC, the low-latency region inside the
+// NVLink buffer or in NVSHMEM symmetric memory (runtime/transport.hpp chooses which).
 #include <algorithm>
+#include <cstring>
 
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
@@ -11,41 +13,102 @@
 
 namespace epx {
 
+FailState Buffer::Impl::fail_state() const {
+  FailState f{};
+  f.host = host_dev;
+  f.self = control();
+  for (int i = 0; i < num_nvl_ranks; ++i) f.abort_words[i] = &nvl_control(peer_map, i)->abort;
+  f.num_ranks = num_nvl_ranks;
+  f.rank = nvl_rank;
+  f.budget_ns = uint64_t(timeout_s * 1e9);
+  return f;
+}
+
+void Buffer::Impl::map_peers(const std::vector<PeerInfo>& all) {
+  const PeerInfo& mine = all[rank];
+  const int domain_first = rank - nvl_rank;
+  peer_map = PeerMap{};
+  peer_map.rank = nvl_rank;
+  peer_map.num_ranks = num_nvl_ranks;
+  peer_map.nvl.local = static_cast<uint8_t*>(local);
+  for (int j = 0; j < num_nvl_ranks; ++j) {
+    const PeerInfo& p = all[domain_first + j];
+    if (j == nvl_rank) {
+      peer_map.nvl.peer[j] = peer_map.nvl.local;
+      continue;
+    }
+    EPX_REQUIRE(std::strncmp(p.hostname, mine.hostname, sizeof(mine.hostname)) == 0, "rank ", p.rank, " is on host '",
+                p.hostname, "', rank ", rank, " on '", mine.hostname, "': an NVLink domain must be one host");
+    EPX_REQUIRE(!(p.pci_domain == mine.pci_domain && p.pci_bus == mine.pci_bus && p.pci_device == mine.pci_device),
+                "ranks ", p.rank, " and ", rank, " use the same GPU (device ", device,
+                "); use one GPU per rank (set the device before creating the Buffer, or options.device)");
+    int can = 0;
+    EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, p.device));
+    if (!can)
+      raise(Status::kNotSupported, "GPU ", device, " cannot access GPU ", p.device, " (rank ", p.rank,
+            ") directly: epx needs NVLink or PCIe peer access inside a domain");
+    void* mapped = nullptr;
+    EPX_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, p.handle, cudaIpcMemLazyEnablePeerAccess));
+    peer_map.nvl.peer[j] = static_cast<uint8_t*>(mapped);
+  }
+  try {
+    attach_low_latency_region();
+  } catch (...) {
+    release_ipc_buffer();  // its errors are raised on every rank alike, so every rank gets here
+    throw;
+  }
+}
+
+void Buffer::Impl::unmap_peers(bool usable) { detach_low_latency_region(usable); }
+
 void Buffer::Impl::attach_low_latency_region() {
+  RegionMap& ll = peer_map.ll;
+  ll = RegionMap{};
   if (ll_transport == LowLatencyTransport::kNone) return;
   // Low-latency ranks are the ranks of the one NVLink domain (create() rejects anything else), so the index a
   // kernel uses for a rank, its NVSHMEM PE and its bootstrap rank are the same number.
   if (ll_transport == LowLatencyTransport::kCudaIpc) {
-    ll_local = static_cast<uint8_t*>(local) + ll_offset;
-    for (int r = 0; r < num_nvl_ranks; ++r) ll_direct[r] = static_cast<uint8_t*>(peers[r]) + ll_offset;
+    ll.local = peer_map.nvl.local + ll_offset;
+    for (int r = 0; r < num_nvl_ranks; ++r) ll.peer[r] = peer_map.nvl.peer[r] + ll_offset;
   } else {
 #if EPX_HAVE_NVSHMEM
-    ll_local = static_cast<uint8_t*>(symmetric_alloc(*bootstrap, 2 * ll_set_bytes));
+    ll.local = static_cast<uint8_t*>(symmetric_alloc(*bootstrap, 2 * ll_set_bytes));
     for (int r = 0; r < num_nvl_ranks; ++r) {
       // This rank's own region is local memory: always written directly, also when NVSHMEM is forced.
-      void* direct = r == nvl_rank ? ll_local : ll_force_nvshmem ? nullptr : symmetric_peer_pointer(ll_local, r);
-      ll_direct[r] = static_cast<uint8_t*>(direct);
-      ll_num_nvshmem += direct == nullptr ? 1 : 0;
+      void* direct = r == nvl_rank ? ll.local : ll_force_nvshmem ? nullptr : symmetric_peer_pointer(ll.local, r);
+      ll.peer[r] = static_cast<uint8_t*>(direct);
+      ll.num_nvshmem += direct == nullptr ? 1 : 0;
     }
 #else
     raise(Status::kInternal, "the NVSHMEM transport was chosen in a build without NVSHMEM");
 #endif
   }
   for (int set = 0; set < 2; ++set)
-    EPX_CUDA_CHECK(cudaMemset(ll_local + set * ll_set_bytes, 0,
+    EPX_CUDA_CHECK(cudaMemset(ll.local + set * ll_set_bytes, 0,
                               std::min<int64_t>(LowLatencyLayout::kSignalsBytes, ll_set_bytes)));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void Buffer::Impl::detach_low_latency_region(bool usable) {
+  RegionMap& ll = peer_map.ll;
 #if EPX_HAVE_NVSHMEM
-  if (ll_transport == LowLatencyTransport::kNvshmem && ll_local != nullptr) symmetric_free(ll_local, usable);
+  if (ll_transport == LowLatencyTransport::kNvshmem && ll.local != nullptr) symmetric_free(ll.local, usable);
 #else
   (void)usable;
 #endif
-  ll_local = nullptr;
-  for (auto& d : ll_direct) d = nullptr;
-  ll_num_nvshmem = 0;
+  ll = RegionMap{};
+}
+
+void Buffer::Impl::release_ipc_buffer() {
+  for (int j = 0; j < num_nvl_ranks; ++j)
+    if (j != nvl_rank && peer_map.nvl.peer[j] != nullptr) cudaIpcCloseMemHandle(peer_map.nvl.peer[j]);
+  bootstrap->barrier();  // nobody maps this rank's buffer any more
+  cudaFree(local);
+  cudaFreeHost(host);
+  local = nullptr;
+  host = host_dev = nullptr;
+  peer_map.nvl = RegionMap{};
+  cudaGetLastError();
 }
 
 LowLatencyTransportInfo Buffer::low_latency_transport() const {
@@ -53,8 +116,8 @@ LowLatencyTransportInfo Buffer::low_latency_transport() const {
   LowLatencyTransportInfo info{};
   info.transport = int(b.ll_transport);  // LowLatencyTransport mirrors EPX_LL_TRANSPORT_*
   if (b.ll_transport != LowLatencyTransport::kNone) {
-    info.num_nvshmem_ranks = b.ll_num_nvshmem;
-    info.num_peer_pointer_ranks = b.num_nvl_ranks - b.ll_num_nvshmem;
+    info.num_nvshmem_ranks = b.peer_map.ll.num_nvshmem;
+    info.num_peer_pointer_ranks = b.num_nvl_ranks - b.peer_map.ll.num_nvshmem;
   }
   return info;
 }

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "device/ptx.cuh"
+#include "device/transport.cuh"
 #include "device/wait.cuh"
 #include "kernels/intranode/peer_groups.cuh"
 #include "kernels/intranode/sender_groups.hpp"
@@ -29,7 +30,7 @@ struct ChunkGrants {
 
 // Before chunk c (c > 0): every warp waits until it is granted. Pairs with the grant's release in
 // publish_chunk by chunk c - 1's publisher (whose head acquire comes before it).
-__device__ __forceinline__ void wait_for_grant(ChunkGrants& s, const PeerGroup& g, int c, const FailEnv& env,
+__device__ __forceinline__ void wait_for_grant(ChunkGrants& s, const PeerGroup& g, int c, const FailState& env,
                                                const dev::WaitSite& site) {
   if (c > 0 && threadIdx.x % 32 == 0) {
     dev::SpinBudget budget;
@@ -45,7 +46,7 @@ __device__ __forceinline__ void wait_for_grant(ChunkGrants& s, const PeerGroup& 
 // receiver may need chunk c to free the room).
 __device__ __forceinline__ void publish_chunk(ChunkGrants& s, const PeerGroup& g, int c, uint64_t base, uint64_t tail,
                                               int taken, int chunk, uint64_t cap, uint64_t* tail_ptr,
-                                              const uint64_t* head_ptr, const FailEnv& env,
+                                              const uint64_t* head_ptr, const FailState& env,
                                               const dev::WaitSite& site) {
   if (c % g.warps != g.warp) {
     dev::named_barrier_arrive(g.barrier_id, g.threads);  // this warp's records of chunk c are written
@@ -54,13 +55,13 @@ __device__ __forceinline__ void publish_chunk(ChunkGrants& s, const PeerGroup& g
   dev::named_barrier(g.barrier_id, g.threads);  // every record of chunk c is written
   if (threadIdx.x % 32 == 0) {
     uint64_t head = c == 0 ? base : s.head_seen[g.peer];
-    if (tail + chunk > cap + head) head = dev::ld_acquire_sys(head_ptr);  // pairs with the receiver's head release
+    if (tail + chunk > cap + head) head = dev::acquire(head_ptr);  // pairs with the receiver's head release
     const bool room = tail + chunk <= cap + head;
     if (room) {
       s.head_seen[g.peer] = head;
       dev::st_release_cta(&s.granted[g.peer], c + 1);
     }
-    if (taken > 0) dev::st_release_sys(tail_ptr, tail);  // pairs with the receiver's acquire of tail
+    if (taken > 0) dev::publish(tail_ptr, tail);  // pairs with the receiver's acquire of tail
     if (!room) {
       s.head_seen[g.peer] = dev::wait_at_least(head_ptr, tail + chunk - cap, env, site);
       dev::st_release_cta(&s.granted[g.peer], c + 1);

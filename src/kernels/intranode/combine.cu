@@ -13,12 +13,14 @@
 
 #include "device/bf16.cuh"
 #include "device/ptx.cuh"
+#include "device/transport.cuh"
 #include "device/wait.cuh"
+#include "device/warp.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/intranode/chunk_publisher.cuh"
-#include "layout/intranode_params.hpp"
 #include "kernels/intranode/peer_groups.cuh"
 #include "kernels/intranode/sender_coordinator.cuh"
+#include "layout/intranode_params.hpp"
 
 namespace epx {
 namespace {
@@ -28,12 +30,11 @@ using namespace dev;
 // 16-byte loads in flight per lane in row copies (8 measured no faster for dispatch, slower for combine).
 constexpr int kCopyUnroll = 4;
 
-constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr int kReducerWarps = kDataWarps - 1;  // the last warp of a receiver block coordinates
 
 __device__ __forceinline__ int row_end_of(const CombineParams& p, int src, int channel) {
   return channel + 1 < p.num_channels ? p.recv_channel_prefix_matrix[src * p.num_channels + channel + 1]
-                                      : p.rank_prefix_matrix[src * p.num_ranks + p.env.rank];
+                                      : p.rank_prefix_matrix[src * p.num_ranks + p.peers.rank];
 }
 
 // Chunked sender (3 or more ranks), the group for one destination (a source rank of the dispatch): pushes its
@@ -43,13 +44,13 @@ template <int kUnroll>
 __device__ void combine_sender(const CombineParams& p, int channel, ChunkGrants& grants) {
   PeerGroup g;
   if (!PeerGroup::of(p.num_ranks, g)) return;
-  const int lane = threadIdx.x % 32, dest = g.peer, me = p.env.rank;
+  const int lane = threadIdx.x % 32, dest = g.peer, me = p.peers.rank;
   const int row_begin = p.recv_channel_prefix_matrix[dest * p.num_channels + channel];
   const int row_end = row_end_of(p, dest, channel);
-  NvlControl* dst = p.env.peers[dest];
+  NvlControl* dst = nvl_control(p.peers, dest);
   uint64_t* tail_ptr = &dst->combine_tail[channel][me];
   const uint64_t* head_ptr = &dst->combine_head[channel][me];
-  const uint64_t base = ld_relaxed_sys(tail_ptr);  // idle ring: head == tail == base
+  const uint64_t base = read_idle(tail_ptr);  // idle ring: head == tail == base
   const uint64_t cap = p.ring.capacity;
   uint64_t tail = base;
 
@@ -57,18 +58,17 @@ __device__ void combine_sender(const CombineParams& p, int channel, ChunkGrants&
   for (int row = row_begin; row < row_end; ++c) {
     const int n = min(p.num_send_chunk, row_end - row);
     // pairs with the grant, whose publisher acquired the coordinator's release of head
-    wait_for_grant(grants, g, c, p.env, WaitSite{kRoleCombineSender, channel, dest, row});
+    wait_for_grant(grants, g, c, p.fail, WaitSite{kRoleCombineSender, channel, dest, row});
     for (int i = g.warp; i < n; i += g.warps) {
       uint8_t* slot = p.ring.slot(dst, channel, me, tail + i);
       // The weight is loaded before the row so that its latency hides behind the copy.
       const float w = lane < p.num_topk ? ld_nc(p.topk_weights + int64_t(row + i) * p.num_topk + lane) : 0.f;
-      warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row + i) * p.x_int4, p.x_int4, lane,
-                             LoadNc{}, StoreNa{});
+      write_rows<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row + i) * p.x_int4, p.x_int4, lane, LoadNc{});
       if (lane < p.num_topk) reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] = w;
     }
     tail += n;
     row += n;
-    publish_chunk(grants, g, c, base, tail, n, p.num_send_chunk, cap, tail_ptr, head_ptr, p.env,
+    publish_chunk(grants, g, c, base, tail, n, p.num_send_chunk, cap, tail_ptr, head_ptr, p.fail,
                   WaitSite{kRoleCombineSender, channel, dest, row});
   }
 }
@@ -79,27 +79,26 @@ __device__ void combine_sender(const CombineParams& p, int channel, ChunkGrants&
 // below it that this warp owns is written. The sender coordinator turns progress into ring tails.
 template <int kUnroll>
 __device__ void combine_sender_coordinated(const CombineParams& p, int channel, int32_t* s_progress) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
   const SenderGroups::Place place = SenderGroups::of(R).place(warp, R, me);
   const int dest = place.dest, gwarp = place.index, gwarps = place.warps;
   const int row_begin = p.recv_channel_prefix_matrix[dest * p.num_channels + channel];
   const int n = row_end_of(p, dest, channel) - row_begin;
-  NvlControl* dst = p.env.peers[dest];
+  NvlControl* dst = nvl_control(p.peers, dest);
   const uint64_t* head_ptr = &dst->combine_head[channel][me];
-  const uint64_t base = ld_relaxed_sys(&dst->combine_tail[channel][me]);  // idle ring: head == tail == base
+  const uint64_t base = read_idle(&dst->combine_tail[channel][me]);  // idle ring: head == tail == base
   const uint64_t cap = p.ring.capacity;
   uint64_t head_seen = base;
   int32_t* progress = s_progress + warp;
 
   for (int i = gwarp; i < n; i += gwarps) {
-    head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.env,  // the receiver coordinator's head
+    head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.fail,  // the receiver coordinator's head
                               kRoleCombineSender, channel, dest, row_begin + i);
     uint8_t* slot = p.ring.slot(dst, channel, me, base + i);
     const int row = row_begin + i;
     // The weight is loaded before the row so that its latency hides behind the copy.
     const float w = lane < p.num_topk ? ld_nc(p.topk_weights + int64_t(row) * p.num_topk + lane) : 0.f;
-    warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row) * p.x_int4, p.x_int4, lane, LoadNc{},
-                       StoreNa{});
+    write_rows<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row) * p.x_int4, p.x_int4, lane, LoadNc{});
     if (lane < p.num_topk) reinterpret_cast<float*>(slot + p.record.weight_offset)[lane] = w;
     __syncwarp();  // every lane's stores of this row come before lane 0's release
     if (lane == 0) st_release_cta(progress, min(i + gwarps, n));  // pairs with the coordinator's acquire
@@ -110,9 +109,9 @@ __device__ void combine_sender_coordinated(const CombineParams& p, int channel, 
 
 // Sender coordinator (the sender block's last warp): see coordinate_sender_tails.
 __device__ void combine_sender_coordinator(const CombineParams& p, int channel, const int32_t* s_progress) {
-  const int lane = threadIdx.x % 32, me = p.env.rank;
-  uint64_t* tail_j = lane < p.num_ranks ? &p.env.peers[lane]->combine_tail[channel][me] : nullptr;
-  coordinate_sender_tails(tail_j, s_progress, SenderGroups::of(p.num_ranks), p.num_ranks, me, p.env,
+  const int lane = threadIdx.x % 32, me = p.peers.rank;
+  uint64_t* tail_j = lane < p.num_ranks ? &nvl_control(p.peers, lane)->combine_tail[channel][me] : nullptr;
+  coordinate_sender_tails(tail_j, s_progress, SenderGroups::of(p.num_ranks), p.num_ranks, me, p.fail,
                           kRoleCombineSenderCoordinator, channel);
 }
 
@@ -152,9 +151,9 @@ __device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const 
 template <int kRanks>
 __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks;
-  NvlControl* self = p.env.self;
+  NvlControl* self = nvl_self(p.peers);
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
-  const uint64_t base = lane < R ? ld_relaxed_sys(&self->combine_head[channel][lane]) : 0;
+  const uint64_t base = lane < R ? read_idle(&self->combine_head[channel][lane]) : 0;
   volatile int* need_slot = s_need[warp];
 
   for (int t = range.begin + warp; t < range.end; t += kReducerWarps) {
@@ -163,7 +162,7 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
       pos = p.send_head[int64_t(t) * R + lane];
       need_slot[lane] = pos >= 0 ? pos : -pos - 1;  // positions below this are no longer needed by this warp
       if (pos >= 0)  // pairs with the sender's release of tail
-        wait_at_least(&self->combine_tail[channel][lane], base + pos + 1, p.env,
+        wait_at_least(&self->combine_tail[channel][lane], base + pos + 1, p.fail,
                       WaitSite{kRoleCombineReceiver, channel, lane, t});
     }
     __syncwarp();
@@ -195,9 +194,9 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
 // Publishes, for every source rank j, head = base + min over reducers of the position they may still need.
 __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
   const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels;
-  NvlControl* self = p.env.self;
+  NvlControl* self = nvl_self(p.peers);
   const bool active = lane < R;
-  const uint64_t base = active ? ld_relaxed_sys(&self->combine_head[channel][lane]) : 0;
+  const uint64_t base = active ? read_idle(&self->combine_head[channel][lane]) : 0;
   const int total = active ? p.channel_prefix_matrix[lane * C + channel] -
                                  (channel > 0 ? p.channel_prefix_matrix[lane * C + channel - 1] : 0)
                            : 0;
@@ -209,19 +208,19 @@ __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s
       for (int w = 0; w < kReducerWarps; ++w) m = min(m, reinterpret_cast<volatile int*>(s_need[w])[lane]);
       if (m == INT_MAX) m = total;
       if (m > published) {
-        st_release_sys(&self->combine_head[channel][lane], base + m);  // pairs with the sender's acquire of head
+        publish(&self->combine_head[channel][lane], base + m);  // pairs with the sender's acquire of head
         published = m;
       }
     }
     if (__all_sync(kFullMask, !active || published == total)) break;
-    budget.tick(p.env, WaitSite{kRoleCombineCoordinator, channel, lane, total}, published, total);
+    budget.tick(p.fail, WaitSite{kRoleCombineCoordinator, channel, lane, total}, published, total);
   }
 }
 
 template <int kUnroll, int kRanks>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int s_need[kReducerWarps][kMaxNvlRanks];
-  if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
+  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
     // At most 2 ranks the coordinated sender (4 x H200, 24 SMs: 423.9-440.2 vs 407.0-419.8 GB/s at 2 ranks;

@@ -10,12 +10,14 @@
 #include <cuda_runtime.h>
 
 #include "device/ptx.cuh"
+#include "device/transport.cuh"
 #include "device/wait.cuh"
+#include "device/warp.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/intranode/chunk_publisher.cuh"
-#include "layout/intranode_params.hpp"
 #include "kernels/intranode/peer_groups.cuh"
 #include "kernels/intranode/sender_coordinator.cuh"
+#include "layout/intranode_params.hpp"
 
 namespace epx {
 namespace {
@@ -25,7 +27,6 @@ using namespace dev;
 // 16-byte loads in flight per lane in row copies (8 measured no faster for dispatch, slower for combine).
 constexpr int kCopyUnroll = 4;
 
-constexpr uint32_t kFullMask = 0xffffffffu;
 // Scale words a lane preloads (up to 128 scales, hidden 16384 in FP8); the rest are copied after the row.
 constexpr int kScaleWordsPerLane = 4;
 
@@ -85,7 +86,7 @@ template <int kUnroll>
 __device__ __forceinline__ void write_record(const DispatchParams& p, int t, int dest, uint8_t* slot, int lane) {
   const SmallFields f = token_fields(p, t, dest, lane);
   const int32_t* src_scales = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
-  warp_copy<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{}, StoreNa{});
+  write_rows<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{});
   store_scales(p, reinterpret_cast<int32_t*>(slot + p.record.scale_offset), f, src_scales, lane, LoadNc{});
   int32_t* meta = reinterpret_cast<int32_t*>(slot + p.record.meta_offset);
   if (lane == 0) meta[0] = f.src_idx;
@@ -117,7 +118,7 @@ __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8
 // Copies this rank's token t straight to output row `row`: what write_record and read_record do together.
 template <int kUnroll>
 __device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, int row, int lane) {
-  const SmallFields f = token_fields(p, t, p.env.rank, lane);
+  const SmallFields f = token_fields(p, t, p.peers.rank, lane);
   warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{},
                      StoreNa{});
   store_row_fields(p, row, f, reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales, lane,
@@ -133,20 +134,20 @@ __device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, i
 template <int kUnroll>
 __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrants& grants) {
   PeerGroup g;
-  if (!PeerGroup::of_peers(p.num_ranks, p.env.rank, g)) return;
-  const int lane = threadIdx.x % 32, R = p.num_ranks, dest = g.peer, me = p.env.rank;
+  if (!PeerGroup::of_peers(p.num_ranks, p.peers.rank, g)) return;
+  const int lane = threadIdx.x % 32, R = p.num_ranks, dest = g.peer, me = p.peers.rank;
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
-  NvlControl* dst = p.env.peers[dest];
+  NvlControl* dst = nvl_control(p.peers, dest);
   uint64_t* tail_ptr = &dst->dispatch_tail[channel][me];
   const uint64_t* head_ptr = &dst->dispatch_head[channel][me];
-  const uint64_t base = ld_relaxed_sys(tail_ptr);  // idle ring: head == tail == base
+  const uint64_t base = read_idle(tail_ptr);  // idle ring: head == tail == base
   const uint64_t cap = p.ring.capacity;
   const int chunk = p.num_send_chunk;
   uint64_t tail = base;
 
   int cursor = range.begin;
   for (int c = 0; cursor < range.end; ++c) {
-    wait_for_grant(grants, g, c, p.env, WaitSite{kRoleDispatchSender, channel, dest, cursor});
+    wait_for_grant(grants, g, c, p.fail, WaitSite{kRoleDispatchSender, channel, dest, cursor});
     int taken = 0;
     while (taken < chunk && cursor < range.end) {
       const int t = cursor + lane;
@@ -171,7 +172,7 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
       cursor += scanned;
     }
     tail += taken;
-    publish_chunk(grants, g, c, base, tail, taken, chunk, cap, tail_ptr, head_ptr, p.env,
+    publish_chunk(grants, g, c, base, tail, taken, chunk, cap, tail_ptr, head_ptr, p.fail,
                   WaitSite{kRoleDispatchSender, channel, dest, cursor});
   }
 }
@@ -185,14 +186,14 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
 // round-robin over the group).
 template <int kUnroll>
 __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.env.rank;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
   const SenderGroups::Place place = SenderGroups::peers_only(R).place(warp, R, me);
   if (place.index >= place.warps) return;  // idle: no group (the coordinator reads group warps' words only)
   const int dest = place.dest, gwarp = place.index, gwarps = place.warps;
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
-  NvlControl* dst = p.env.peers[dest];
+  NvlControl* dst = nvl_control(p.peers, dest);
   const uint64_t* head_ptr = &dst->dispatch_head[channel][me];
-  const uint64_t base = ld_relaxed_sys(&dst->dispatch_tail[channel][me]);  // idle ring: head == tail == base
+  const uint64_t base = read_idle(&dst->dispatch_tail[channel][me]);  // idle ring: head == tail == base
   const uint64_t cap = p.ring.capacity;
   uint64_t head_seen = base;
   int32_t* progress = s_progress + warp;
@@ -209,7 +210,7 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
     int i = routed;
     for (uint32_t m = mask; m != 0; m &= m - 1, ++i) {
       if (i % gwarps != gwarp) continue;
-      head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.env,  // the receiver's release of head
+      head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.fail,  // the receiver's release of head
                                 kRoleDispatchSender, channel, dest, cursor + __ffs(m) - 1);
       write_record<kUnroll>(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, base + i), lane);
     }
@@ -223,9 +224,9 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
 
 // Sender coordinator (the sender block's last warp): see coordinate_sender_tails.
 __device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel, const int32_t* s_progress) {
-  const int lane = threadIdx.x % 32, me = p.env.rank;
-  uint64_t* tail_j = lane < p.num_ranks ? &p.env.peers[lane]->dispatch_tail[channel][me] : nullptr;
-  coordinate_sender_tails(tail_j, s_progress, SenderGroups::peers_only(p.num_ranks), p.num_ranks, me, p.env,
+  const int lane = threadIdx.x % 32, me = p.peers.rank;
+  uint64_t* tail_j = lane < p.num_ranks ? &nvl_control(p.peers, lane)->dispatch_tail[channel][me] : nullptr;
+  coordinate_sender_tails(tail_j, s_progress, SenderGroups::peers_only(p.num_ranks), p.num_ranks, me, p.fail,
                           kRoleDispatchCoordinator, channel);
 }
 
@@ -236,7 +237,7 @@ __device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel
 // channel's count from the layout (an inconsistent handle) are not written.
 template <int kUnroll>
 __device__ void dispatch_self_copy(const DispatchParams& p, int channel, const PeerGroup& g) {
-  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, me = p.env.rank;
+  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, me = p.peers.rank;
   const ChannelRange range = ChannelRange::of(p.num_tokens, C, channel);
   const int row_begin = p.recv_channel_prefix_matrix[me * C + channel];
   const int row_end =
@@ -264,22 +265,22 @@ template <int kUnroll>
 __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t* s_tail) {
   PeerGroup g;
   if (!PeerGroup::of(p.num_ranks, g)) return;
-  if (g.peer == p.env.rank) {
+  if (g.peer == p.peers.rank) {
     dispatch_self_copy<kUnroll>(p, channel, g);
     return;
   }
-  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, src = g.peer, me = p.env.rank;
-  NvlControl* self = p.env.self;
+  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, src = g.peer, me = p.peers.rank;
+  NvlControl* self = nvl_self(p.peers);
   const uint64_t* tail_ptr = &self->dispatch_tail[channel][src];
   uint64_t* head_ptr = &self->dispatch_head[channel][src];
-  uint64_t head = ld_relaxed_sys(head_ptr);
+  uint64_t head = read_idle(head_ptr);
   const int row_begin = p.recv_channel_prefix_matrix[src * C + channel];
   const int row_end =
       channel + 1 < C ? p.recv_channel_prefix_matrix[src * C + channel + 1] : p.rank_prefix_matrix[src * R + me];
 
   for (int row = row_begin; row < row_end;) {
     if (g.leader)  // pairs with the sender's release of tail
-      s_tail[src] = wait_at_least(tail_ptr, head + 1, p.env, WaitSite{kRoleDispatchReceiver, channel, src, row});
+      s_tail[src] = wait_at_least(tail_ptr, head + 1, p.fail, WaitSite{kRoleDispatchReceiver, channel, src, row});
     named_barrier(g.barrier_id, g.threads);
     const uint64_t tail = *reinterpret_cast<volatile uint64_t*>(&s_tail[src]);
     const int avail = int(min(tail - head, uint64_t(row_end - row)));
@@ -288,13 +289,13 @@ __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t
     named_barrier(g.barrier_id, g.threads);  // every record read: the slots may be reused
     head += avail;
     row += avail;
-    if (g.leader) st_release_sys(head_ptr, head);  // pairs with the sender's acquire of head
+    if (g.leader) publish(head_ptr, head);  // pairs with the sender's acquire of head
   }
 }
 
 // Worst-case mode: rows past the received ones get src index -1 and no experts.
 __device__ void pad_rows(const DispatchParams& p, int channel) {
-  const int first = p.rank_prefix_matrix[(p.num_ranks - 1) * p.num_ranks + p.env.rank];  // rows received
+  const int first = p.rank_prefix_matrix[(p.num_ranks - 1) * p.num_ranks + p.peers.rank];  // rows received
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int row = first + channel * kDataWarps + warp; row < p.num_worst_tokens; row += p.num_channels * kDataWarps) {
     if (lane == 0) p.recv_src_idx[row] = -1;
@@ -308,7 +309,7 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
 template <int kUnroll, bool kCoordinated>
 __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
-  if (ld_relaxed_sys(&p.env.self->op_error) != 0) return;  // collective: every rank skips
+  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
     run_sender_block<kCoordinated>(

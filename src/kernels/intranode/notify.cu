@@ -10,7 +10,9 @@
 
 #include "device/ptx.cuh"
 #include "device/report.cuh"
+#include "device/transport.cuh"
 #include "device/wait.cuh"
+#include "device/warp.cuh"
 #include "layout/intranode_params.hpp"
 
 namespace epx {
@@ -19,12 +21,6 @@ namespace {
 using namespace dev;
 
 constexpr int kNotifyThreads = 1024;
-
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // Tokens this rank sends to rank j in channel c, for all (j, c).
 __device__ void count_channels(const NotifyParams& p, int (*s_counts)[kMaxChannels]) {
@@ -65,11 +61,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
   __shared__ int s_worst_rank;
   __shared__ uint32_t s_epoch;
   const int tid = threadIdx.x;
-  const int R = p.num_ranks, C = p.num_channels, me = p.env.rank;
-  NvlControl* self = p.env.self;
+  const int R = p.num_ranks, C = p.num_channels, me = p.peers.rank;
+  NvlControl* self = nvl_self(p.peers);
 
   if (tid == 0) {
-    check_abort(p.env, WaitSite{kRoleNotify, -1, -1, 0});  // a peer failed earlier: fail now, not after the budget
+    check_abort(p.fail, WaitSite{kRoleNotify, -1, -1, 0});  // a peer failed earlier: fail now, not after the budget
     s_epoch = self->epoch + 1;
     self->epoch = s_epoch;
     // Sticky: an error stays until every rank's host has reported it (runtime clears op_error then).
@@ -91,7 +87,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
       const int claimed = p.num_tokens_per_rank[tid];
       if (sent != claimed && atomicCAS(&s_error, 0, kErrLayoutMismatch) == 0) {
         s_error_rank = me;
-        write_diag(&p.env.host->input, kErrLayoutMismatch, me, kRoleNotify, tid, claimed, sent);
+        write_diag(&p.fail.host->input, kErrLayoutMismatch, me, kRoleNotify, tid, claimed, sent);
       }
     }
     __syncthreads();
@@ -107,15 +103,16 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
     const bool unused_expert = field >= NotifyMsg::expert(0) && field < NotifyMsg::channel(0) &&
                                field - NotifyMsg::expert(0) >= (p.num_experts ? p.num_experts / R : 0);
     if (unused || unused_expert) continue;
-    p.env.peers[j]->notify_msg[parity][me][field] = message_field(p, j, field, error, error_rank, s_counts);
+    write_word(&nvl_control(p.peers, j)->notify_msg[parity][me][field],
+               message_field(p, j, field, error, error_rank, s_counts));
   }
   // Every thread's message stores precede the flag stores through the block barrier; one release store per
   // peer carries them (release is cumulative), so no thread needs a fence of its own.
   __syncthreads();
-  if (tid < R) st_release_sys(&p.env.peers[tid]->notify_flag[me], epoch);  // pairs with wait_equal below
+  if (tid < R) publish(&nvl_control(p.peers, tid)->notify_flag[me], epoch);  // pairs with wait_equal below
   // Acquire: peer tid's messages to this rank are visible to this thread, and after the barrier below to
   // every thread of the block.
-  if (tid < R) wait_equal(&self->notify_flag[tid], epoch, p.env, WaitSite{kRoleNotify, -1, tid, int64_t(epoch)});
+  if (tid < R) wait_equal(&self->notify_flag[tid], epoch, p.fail, WaitSite{kRoleNotify, -1, tid, int64_t(epoch)});
   __syncthreads();
 
   auto msg = [&](int s, int field) { return dev::ld_cg(&self->notify_msg[parity][s][field]); };
@@ -130,7 +127,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
       if (theirs == p.signature) continue;
       code = kErrShapeMismatch;
       rank = s;
-      write_diag(&p.env.host->input, kErrShapeMismatch, me, kRoleNotify, s, theirs, p.signature);
+      write_diag(&p.fail.host->input, kErrShapeMismatch, me, kRoleNotify, s, theirs, p.signature);
     }
     s_error = code;
     s_error_rank = rank;
@@ -168,7 +165,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
       int n = 0;
       for (int s = 0; s < R; ++s) n += msg(s, NotifyMsg::expert(i));
       const int a = p.expert_alignment;
-      p.env.host->num_recv_tokens_per_expert[i] = (n + a - 1) / a * a;
+      p.fail.host->num_recv_tokens_per_expert[i] = (n + a - 1) / a * a;
     }
     for (int s = 0; s < R; ++s) num_recv += msg(s, NotifyMsg::tokens_per_rank(me));
   }
@@ -181,16 +178,16 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
       rank = s_worst_rank;
       int rows = 0;
       for (int s = 0; s < R; ++s) rows += msg(s, NotifyMsg::tokens_per_rank(rank));
-      write_diag(&p.env.host->input, kErrWorstTokensExceeded, rank, kRoleNotify, rank, rows, p.num_worst_tokens);
+      write_diag(&p.fail.host->input, kErrWorstTokensExceeded, rank, kRoleNotify, rank, rows, p.num_worst_tokens);
     }
     self->op_error = code;
     self->op_error_rank = rank;
-    HostShared* host = p.env.host;
+    HostShared* host = p.fail.host;
     host->op_error = code;
     host->op_error_rank = rank;
     host->num_recv_tokens = num_recv;
     __threadfence_system();
-    if (p.host_seq > 0) st_release_sys(&host->notify_seq, p.host_seq);  // pairs with the host's acquire poll
+    if (p.host_seq > 0) publish(&host->notify_seq, p.host_seq);  // pairs with the host's acquire poll
   }
 }
 

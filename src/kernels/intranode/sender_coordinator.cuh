@@ -6,7 +6,9 @@
 #include <cstdint>
 
 #include "device/ptx.cuh"
+#include "device/transport.cuh"
 #include "device/wait.cuh"
+#include "device/warp.cuh"
 #include "kernels/intranode/sender_groups.hpp"
 #include "layout/fail_state.hpp"
 
@@ -19,7 +21,7 @@ namespace epx {
 // on every lane. The wait's diagnostic site is built only when it waits: a WaitSite built by the caller and
 // passed in was stored to local memory on every call, ahead of the branch (v0.14: ~15% of the 2-rank dispatch).
 __device__ __forceinline__ uint64_t wait_for_slot(uint64_t i, uint64_t base, uint64_t cap, uint64_t head_seen,
-                                                  const uint64_t* head_ptr, int32_t* progress, const FailEnv& env,
+                                                  const uint64_t* head_ptr, int32_t* progress, const FailState& env,
                                                   int role, int channel, int peer, int64_t extra) {
   if (base + i + 1 <= cap + head_seen) return head_seen;
   __syncwarp();  // every lane's stores so far come before lane 0's release
@@ -27,7 +29,7 @@ __device__ __forceinline__ uint64_t wait_for_slot(uint64_t i, uint64_t base, uin
     dev::st_release_cta(progress, int32_t(i));  // pairs with the coordinator's acquire
     head_seen = dev::wait_at_least(head_ptr, base + i + 1 - cap, env, dev::WaitSite{role, channel, peer, extra});
   }
-  return __shfl_sync(0xffffffffu, head_seen, 0);
+  return __shfl_sync(dev::kFullMask, head_seen, 0);
 }
 
 // Lane j (< num_ranks) publishes *tail_j (the tail of this block's ring at rank j) = its value at entry + the minimum
@@ -39,11 +41,11 @@ __device__ __forceinline__ uint64_t wait_for_slot(uint64_t i, uint64_t base, uin
 // they keep writing. tail_j is null on lanes >= num_ranks.
 __device__ __forceinline__ void coordinate_sender_tails(uint64_t* tail_j, const int32_t* s_progress,
                                                         const SenderGroups& groups, int num_ranks, int me,
-                                                        const FailEnv& env, int role, int channel) {
+                                                        const FailState& env, int role, int channel) {
   const int lane = threadIdx.x % 32;
   const bool active = lane < num_ranks && groups.warps(lane, me) > 0;
   const int first = active ? groups.first_warp(lane, me) : 0, warps = active ? groups.warps(lane, me) : 0;
-  const uint64_t base = active ? dev::ld_relaxed_sys(tail_j) : 0;  // idle ring: nothing published this op yet
+  const uint64_t base = active ? dev::read_idle(tail_j) : 0;  // idle ring: nothing published this op yet
   int published = 0;
   bool done = !active;
   dev::SpinBudget budget;
@@ -57,12 +59,12 @@ __device__ __forceinline__ void coordinate_sender_tails(uint64_t* tail_j, const 
         low = min(low, v < 0 ? -v - 1 : v);
       }
       if (low > published) {
-        dev::st_release_sys(tail_j, base + low);  // pairs with the receiver's acquire of tail
+        dev::publish(tail_j, base + low);  // pairs with the receiver's acquire of tail
         published = low;
       }
       done = finished;
     }
-    if (__all_sync(0xffffffffu, done)) break;
+    if (__all_sync(dev::kFullMask, done)) break;
     budget.tick(env, dev::WaitSite{role, channel, lane, published}, published, -1);
   }
 }

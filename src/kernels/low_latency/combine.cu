@@ -20,12 +20,13 @@
 
 #include "device/bf16.cuh"
 #include "device/ptx.cuh"
+#include "device/transport.cuh"
 #include "device/wait.cuh"
+#include "device/warp.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/low_latency/epochs.cuh"
 #include "kernels/low_latency/launch.cuh"
 #include "layout/ll_params.hpp"
-#include "device/transport.cuh"
 #include "layout/limits.hpp"
 
 namespace epx {
@@ -55,17 +56,17 @@ __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, in
 // source rank s (from the layout range). s_items counts the block's items per (local expert, source) pair.
 __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int R = p.num_ranks, M = p.max_tokens, me = p.env.rank;
+  const int R = p.num_ranks, M = p.max_tokens, me = p.peers.rank;
   const int L = p.num_experts / R;
   const int row_int4 = p.hidden / 8;
   const int64_t rows_per_expert = int64_t(R) * M;
-  int32_t* sent = p.layout.combine_sent(p.peers.local, p.set);          // running totals per (local expert, source)
-  int32_t* arrived = p.layout.combine_arrived(p.peers.local, p.set);    // addresses here = offsets at every peer
-  uint64_t* targets = p.layout.combine_target(p.peers.local, p.set);
-  const uint64_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
-  const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // earlier ops on this set, of either kind
-  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
-  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.local, p.set));
+  int32_t* sent = p.layout.combine_sent(p.peers.ll.local, p.set);          // running totals per (local expert, source)
+  int32_t* arrived = p.layout.combine_arrived(p.peers.ll.local, p.set);    // addresses here = offsets at every peer
+  uint64_t* targets = p.layout.combine_target(p.peers.ll.local, p.set);
+  const uint64_t* recv_seen = p.layout.recv_seen(p.peers.ll.local, p.set);
+  const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // earlier ops on this set, of either kind
+  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set));
+  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.ll.local, p.set));
   // Rows per (local expert, source) and their begins, from the layout ranges: one load per pair, all threads
   // at once, into shared memory; then warp 0 turns the per-expert totals into the exclusive prefix s_first.
   for (int pair = threadIdx.x; pair < L * R; pair += kThreads) {
@@ -78,7 +79,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // acquire (alongside the range loads) pairs with the release at the end of r's receive phase
   // (finish_receive); the barrier orders every thread's writes into r's set after it.
   if (threadIdx.x < R)
-    wait_blocks(recv_seen + threadIdx.x, k_ops * gridDim.x, p.env,
+    wait_blocks(recv_seen + threadIdx.x, k_ops * gridDim.x, p.fail,
                 WaitSite{kRoleLowLatencyCombineSend, -1, int(threadIdx.x), -1});
   __syncthreads();
   if (warp == 0) {
@@ -88,14 +89,9 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       int n = 0;
       if (i < L)
         for (int s = 0; s < R; ++s) n += s_range[i * R + s].y;
-      int incl = n;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
+      const int incl = warp_inclusive_scan(n);
       if (i < L) s_first[i] = carry + incl - n;
-      carry += __shfl_sync(0xffffffffu, incl, 31);
+      carry += __shfl_sync(kFullMask, incl, 31);
     }
     if (lane == 0) s_first[L] = carry;
   }
@@ -116,7 +112,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     const int i = pair / R, s = pair % R;
     const int32_t target = int32_t(uint32_t(sent[pair]) + uint32_t(s_range[pair].y * parts));  // wraps
     sent[pair] = target;
-    post64(p.peers, s, targets + arrival_slot(me, i, R), uint64_t(k_ops + 1u) << 32 | uint32_t(target));
+    post64(p.peers.ll, s, targets + arrival_slot(me, i, R), uint64_t(k_ops + 1u) << 32 | uint32_t(target));
   }
   // With both phases in this launch, this rank's own rows are not copied: the receive phase reads them from x
   // in place, through the row index each one leaves in its receive slot (local_row_of). A send-only launch
@@ -153,13 +149,13 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
         if (part == 0 && lane == 0)  // published like the data items (the block's fence and add)
           *local_row_of(receive, int64_t(e) * M + t, row_int4) = int32_t(row);
       } else {
-        if (!has_peer_pointer(p.peers, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
+        if (!has_peer_pointer(p.peers.ll, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
           warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
           __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
           __syncwarp();
           src = stage + row * row_int4 + first;
         }
-        put_warp_once<kChunk / 32>(p.peers, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first,
+        put_warp_once<kChunk / 32>(p.peers.ll, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first,
                                    lane, LoadNc{});
       }
       b_pair[j] = i * R + s;
@@ -181,7 +177,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       const int n = pair < L * R ? s_items[pair] : 0;
       if (n == 0) continue;
       fence_acq_rel_sys();
-      add_after_fence(p.peers, pair % R, arrived + arrival_slot(me, pair / R, R), n);
+      add_after_fence(p.peers.ll, pair % R, arrived + arrival_slot(me, pair / R, R), n);
     }
   }
 }
@@ -200,12 +196,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   __shared__ const int4* s_row[kMaxTopk];  // token t's row of slot k: in the receive area, or in x (own rows)
   const int M = p.max_tokens, K = p.num_topk, E = p.num_experts;
   const int L = E / p.num_ranks;
-  const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // the send phase's too (same block, same op)
-  const int32_t* arrived = p.layout.combine_arrived(p.peers.local, p.set);
-  const uint64_t* targets = p.layout.combine_target(p.peers.local, p.set);
+  const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // the send phase's too (same block, same op)
+  const int32_t* arrived = p.layout.combine_arrived(p.peers.ll.local, p.set);
+  const uint64_t* targets = p.layout.combine_target(p.peers.ll.local, p.set);
   const int row_int4 = p.hidden / 8;
-  int4* recv = reinterpret_cast<int4*>(p.layout.receive(p.peers.local, p.set));
-  const int me = p.env.rank;
+  int4* recv = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set));
+  const int me = p.peers.rank;
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     if (threadIdx.x < K) {
       const int k = threadIdx.x;
@@ -221,8 +217,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
         const WaitSite site{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)};
         const int slot = arrival_slot(int(e) / L, int(e) % L, p.num_ranks);
         const uint64_t posted =
-            wait_until(targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.env, site);
-        wait_epoch(arrived + slot, int32_t(uint32_t(posted)), p.env, site);
+            wait_until(targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.fail, site);
+        wait_epoch(arrived + slot, int32_t(uint32_t(posted)), p.fail, site);
         if constexpr (kInPlace) {
           const int64_t slot = e * M + t;
           s_row[k] = recv + slot * row_int4;
@@ -259,7 +255,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   }
   // The counters stay as they are (running totals; an add no token here waited for may still be on its way,
   // and lands before any of its sender's later writes to this set, which wait for this block's epoch).
-  finish_receive(p.layout, p.peers, p.set, k_ops, p.env.rank, p.num_ranks);
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {
@@ -279,8 +275,8 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const 
 
 }  // namespace
 
-void launch_low_latency_combine(const LowLatencyCombineParams& p, int grid, cudaStream_t stream) {
-  launch_low_latency_kernel(low_latency_combine_kernel, p, grid, kThreads, 0, stream);
+void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream) {
+  launch_low_latency_kernel(low_latency_combine_kernel, p, launch, kThreads, 0, stream);
 }
 
 }  // namespace epx

@@ -31,12 +31,13 @@
 #include "device/fp8.cuh"
 #include "device/ptx.cuh"
 #include "device/report.cuh"
+#include "device/transport.cuh"
 #include "device/wait.cuh"
+#include "device/warp.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/low_latency/epochs.cuh"
 #include "kernels/low_latency/launch.cuh"
 #include "layout/ll_params.hpp"
-#include "device/transport.cuh"
 
 namespace epx {
 namespace {
@@ -45,18 +46,6 @@ using namespace dev;
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr uint32_t kFullMask = 0xffffffffu;
-
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
-  return v;
-}
 
 // The block's copy of topk_idx as int16 in shared memory (indices outside [-1, E) become -2, which no expert
 // matches), so that the scans below cost shared-memory latency instead of one L2 round trip per 32 entries.
@@ -108,7 +97,7 @@ __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyR
 
 // Token t's record in symmetric memory, the source of NVSHMEM puts.
 __device__ __forceinline__ int4* staged_record(const LowLatencyDispatchParams& p, const LowLatencyRecord& rec, int t) {
-  return reinterpret_cast<int4*>(p.layout.dispatch_stage(p.peers.local, p.set) + int64_t(t) * rec.bytes);
+  return reinterpret_cast<int4*>(p.layout.dispatch_stage(p.peers.ll.local, p.set) + int64_t(t) * rec.bytes);
 }
 
 // Count senders: warps cw = 0 .. ncw-1 of block b own experts b + G * cw, stride G * ncw. Each sends its
@@ -117,13 +106,13 @@ __device__ __forceinline__ int4* staged_record(const LowLatencyDispatchParams& p
 // published by the arrival counters.
 __device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_topk, int cw, int ncw) {
   const int lane = threadIdx.x % 32;
-  const int R = p.num_ranks, me = p.env.rank;
+  const int R = p.num_ranks, me = p.peers.rank;
   const int L = p.num_experts / R;
   for (int e = blockIdx.x + gridDim.x * cw; e < p.num_experts; e += gridDim.x * ncw) {
     const int expected = selections_of(s_topk, p.num_tokens * p.num_topk, e, lane);
     if (lane == 0) {
       const int dest = e / L;
-      post(p.peers, dest, p.layout.dispatch_count(p.peers.local, p.set) + (e % L) * R + me, expected + 1);
+      post(p.peers.ll, dest, p.layout.dispatch_count(p.peers.ll.local, p.set) + (e % L) * R + me, expected + 1);
     }
   }
 }
@@ -133,13 +122,13 @@ __device__ __forceinline__ int first_writer(int num_ranks) { return kWarps - num
 
 __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, int16_t* s_topk) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk, me = p.env.rank;
+  const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk, me = p.peers.rank;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
-  const uint64_t* recv_seen = p.layout.recv_seen(p.peers.local, p.set);
+  const uint64_t* recv_seen = p.layout.recv_seen(p.peers.ll.local, p.set);
   // Earlier ops on this set, of either kind: every peer must have received them before this one writes there.
   // This block's receive count on the set (kernels/ll_epochs.cuh), written by an earlier kernel.
-  const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);
+  const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);
   // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging (or before the counts below)
   // Back-pressure, once per rank and block (not once per writer or count warp and destination): every rank has
@@ -149,15 +138,15 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   // the end of r's receive phase (finish_receive); the barrier after staging (or before the counts when the
   // block has no token) orders every thread's writes into r's set after it.
   if (warp == kWarps - 1 && lane < R)
-    wait_blocks(recv_seen + lane, k_ops * gridDim.x, p.env, WaitSite{kRoleLowLatencySend, -1, lane, -1});
+    wait_blocks(recv_seen + lane, k_ops * gridDim.x, p.fail, WaitSite{kRoleLowLatencySend, -1, lane, -1});
 
-  int32_t* row_map = p.layout.dispatch_row_map(p.peers.local, p.set, R, M, rec.bytes);
+  int32_t* row_map = p.layout.dispatch_row_map(p.peers.ll.local, p.set, R, M, rec.bytes);
   const int writer0 = first_writer(R), d = warp - writer0;  // d: this warp's destination if it is a writer
   bool counted = false;
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
     __syncthreads();
-    if (uses_nvshmem(p.peers)) {  // NVSHMEM puts read their source from symmetric memory: a copy there
+    if (uses_nvshmem(p.peers.ll)) {  // NVSHMEM puts read their source from symmetric memory: a copy there
       int4* staged = staged_record(p, rec, t);
       for (int i = threadIdx.x; i < int(rec.bytes / 16); i += kThreads)
         staged[i] = reinterpret_cast<const int4*>(s_rec)[i];
@@ -165,7 +154,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       __syncthreads();
     }
     if (warp == 0 && lane < K && s_topk[t * K + lane] == -2)  // skipped, never written: Buffer::check()
-      report_input_error(p.env.self, p.env.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, lane,
+      report_input_error(p.fail.self, p.fail.host, kErrTopkOutOfRange, kRoleLowLatencySend, t, lane,
                          p.topk_idx[int64_t(t) * K + lane]);
     if (d >= 0) {
       // Writer of destination d: the whole record once if the token has an expert at d, then the row map entry
@@ -174,20 +163,20 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       const bool here = e >= d * L && e < (d + 1) * L;          // -1 and -2 are at no rank
       const uint32_t at_d = __ballot_sync(kFullMask, here);
       if (at_d != 0) {
-        int4* dst = reinterpret_cast<int4*>(p.layout.dispatch_records(p.peers.local, p.set) +
+        int4* dst = reinterpret_cast<int4*>(p.layout.dispatch_records(p.peers.ll.local, p.set) +
                                             (int64_t(me) * M + t) * rec.bytes);
-        const int4* src = has_peer_pointer(p.peers, d) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
+        const int4* src = has_peer_pointer(p.peers.ll, d) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
         // On return this lane's stores are issued (peer pointer) or complete at d (NVSHMEM); published by the
         // arrival adds after the token loop.
-        put_warp<2>(p.peers, d, dst, src, int(rec.bytes / 16), lane, [](const int4* q) { return *q; });
+        put_warp<2>(p.peers.ll, d, dst, src, int(rec.bytes / 16), lane, [](const int4* q) { return *q; });
         for (uint32_t mine = at_d; mine != 0; mine &= mine - 1) {
           const int k = __ffs(mine) - 1;  // the same k in every lane: position_of is warp-collective
           const int ek = __shfl_sync(kFullMask, e, k);
           const int slot = position_of(s_topk, t, k, K, ek, lane);
           if (lane == 0 && slot < M)
-            put_int(p.peers, d, row_map + (int64_t(ek % L) * R + me) * M + slot, t + 1);
+            put_int(p.peers.ll, d, row_map + (int64_t(ek % L) * R + me) * M + slot, t + 1);
           else if (lane == 0)  // only with an expert listed twice in a token: M rows per expert and source at most
-            report_input_error(p.env.self, p.env.host, kErrExpertRowsExceeded, kRoleLowLatencySend, ek, slot + 1, M);
+            report_input_error(p.fail.self, p.fail.host, kErrExpertRowsExceeded, kRoleLowLatencySend, ek, slot + 1, M);
         }
       }
     } else if (!counted) {
@@ -206,10 +195,10 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
     // lane 0's map entries (ordered by the __syncwarp) land before the add. Pairs with the receiver's
     // wait_at_least on dispatch_arrived.
     __syncwarp();
-    int32_t* arrived = p.layout.dispatch_arrived(p.peers.local, p.set);
+    int32_t* arrived = p.layout.dispatch_arrived(p.peers.ll.local, p.set);
     for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
       const int e = lane < K ? int(s_topk[t * K + lane]) : -1;
-      if (e >= d * L && e < (d + 1) * L) signal_add(p.peers, d, arrived + (e % L) * R + me, 1);
+      if (e >= d * L && e < (d + 1) * L) signal_add(p.peers.ll, d, arrived + (e % L) * R + me, 1);
     }
   }
 }
@@ -252,16 +241,16 @@ __device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p,
 __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int recv_warps) {
   __shared__ int s_begin[kMaxNvlRanks + 1];
   __shared__ int s_expected[kMaxNvlRanks];  // per source: its count as sent (uncapped), the arrivals to await
-  const uint32_t k_ops = ops_before(p.layout, p.peers, p.set);  // the send phase's too (same block, same op)
+  const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // the send phase's too (same block, same op)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   const int64_t rows_per_expert = int64_t(R) * M;
-  const uint8_t* records = p.layout.dispatch_records(p.peers.local, p.set);
-  const int32_t* row_map = p.layout.dispatch_row_map(p.peers.local, p.set, R, M, rec.bytes);
-  int32_t* counts = p.layout.dispatch_count(p.peers.local, p.set);
-  int32_t* arrived = p.layout.dispatch_arrived(p.peers.local, p.set);
+  const uint8_t* records = p.layout.dispatch_records(p.peers.ll.local, p.set);
+  const int32_t* row_map = p.layout.dispatch_row_map(p.peers.ll.local, p.set, R, M, rec.bytes);
+  int32_t* counts = p.layout.dispatch_count(p.peers.ll.local, p.set);
+  int32_t* arrived = p.layout.dispatch_arrived(p.peers.ll.local, p.set);
   const int row_int4 = int(rec.row_bytes / 16);
   const int chunks = (row_int4 + kChunk - 1) / kChunk, items = chunks + 1;
   const int threads = recv_warps * 32;
@@ -272,16 +261,11 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       if (lane < R) {
         // The count carries no data (its rows are published by the arrival counter below), so it is sent
         // before them; rows past M (an expert listed twice in a token) were reported and not written.
-        const int expected = wait_nonzero(counts + i * R + lane, p.env, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;
+        const int expected = wait_nonzero(counts + i * R + lane, p.fail, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;
         s_expected[lane] = expected;
         count = min(expected, M);
       }
-      int incl = count;  // inclusive scan over source ranks
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(kFullMask, incl, o);
-        if (lane >= o) incl += v;
-      }
+      const int incl = warp_inclusive_scan(count);  // over source ranks
       if (lane < R) {
         s_begin[lane] = incl - count;
         p.recv_layout_range[int64_t(i) * R + lane] = (int64_t(incl - count) << 32) | int64_t(count);
@@ -311,7 +295,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       while (n >= s_begin[s + 1]) ++s;  // rows ascend, so s only moves forward
       if (lane == 0 && !(complete >> s & 1)) {
         // Acquire; pairs with the writers' release adds (send_phase): the rows' records and map entries are here.
-        wait_at_least_i32(arrived + i * R + s, s_expected[s], p.env, WaitSite{kRoleLowLatencyRecv, -1, s, i});
+        wait_at_least_i32(arrived + i * R + s, s_expected[s], p.fail, WaitSite{kRoleLowLatencyRecv, -1, s, i});
         complete |= 1u << s;
       }
       __syncwarp();  // lane 0's acquire orders every lane's loads below
@@ -336,7 +320,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       arrived[i * R + lane] = 0;
     }
   }
-  finish_receive(p.layout, p.peers, p.set, k_ops, p.env.rank, p.num_ranks);
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks);
 }
 
 // Dynamic shared memory of a launch: the staged record and topk as int16 (send).
@@ -382,10 +366,11 @@ void allow_dispatch_smem(size_t smem) {
 
 }  // namespace
 
-void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, int grid, cudaStream_t stream) {
+void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLatencyLaunch& launch,
+                                 cudaStream_t stream) {
   const size_t smem = dispatch_smem_bytes(p);
   allow_dispatch_smem(smem);
-  launch_low_latency_kernel(low_latency_dispatch_kernel, p, grid, kThreads, smem, stream);
+  launch_low_latency_kernel(low_latency_dispatch_kernel, p, launch, kThreads, smem, stream);
 }
 
 }  // namespace epx

@@ -16,14 +16,14 @@ namespace epx::dev {
 // The number k of ops on the set before this one, as this block counted them: every earlier op there was
 // received by this rank before this one was sent (the host keeps that order: runtime/low_latency_ops.cpp,
 // choose_set). Written by this same block index at the end of an earlier kernel's receive phase.
-__device__ __forceinline__ uint32_t ops_before(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set) {
-  return layout.block_ops(peers.local, set)[blockIdx.x];
+__device__ __forceinline__ uint32_t ops_before(const LowLatencyLayout& layout, const RegionMap& region, int set) {
+  return layout.block_ops(region.local, set)[blockIdx.x];
 }
 
 // Waits until the block counter *p has reached target, compared in its low 32 bits, wrap-safe (the counter
 // is a sum of ones, so that is exact modulo 2^32 while it is less than 2^31 ahead: it can be at most one op's G
 // ahead here). Acquire.
-__device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, const FailEnv& env,
+__device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, const FailState& env,
                                             const WaitSite& site) {
   wait_until(p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, env, site);
 }
@@ -32,11 +32,11 @@ __device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, 
 // clears of count slots: the block counts the op as received (its own block_ops) and adds one to every rank's
 // recv_seen[me]. Release (the barrier first, so it covers every thread's reads and clears): pairs with
 // the back-pressure polls (wait_blocks) at the senders of the next op on this set.
-__device__ __forceinline__ void finish_receive(const LowLatencyLayout& layout, const LowLatencyPeers& peers, int set,
+__device__ __forceinline__ void finish_receive(const LowLatencyLayout& layout, const RegionMap& region, int set,
                                                uint32_t k_ops, int me, int num_ranks) {
   __syncthreads();
-  if (threadIdx.x == 0) layout.block_ops(peers.local, set)[blockIdx.x] = k_ops + 1u;  // wraps; only this block
-  if (threadIdx.x < num_ranks) signal_add(peers, threadIdx.x, layout.recv_seen(peers.local, set) + me, 1);
+  if (threadIdx.x == 0) layout.block_ops(region.local, set)[blockIdx.x] = k_ops + 1u;  // wraps; only this block
+  if (threadIdx.x < num_ranks) signal_add(region, threadIdx.x, layout.recv_seen(region.local, set) + me, 1);
 }
 
 }  // namespace epx::dev

@@ -3,11 +3,12 @@
 // Default: cooperative. Blocks wait for one another (the dispatch's receivers for counts that other blocks send,
 // the combine's reducers for other blocks' rows), so every block must be resident; the cooperative launch
 // checks that the grid fits and starts it as one.
-// EPX_LL_EARLY_LAUNCH=1 (read once per process): programmatic dependent launch instead. The kernel may be
+// LowLatencyLaunch::early (EPX_LL_EARLY_LAUNCH=1, read when the Buffer is created): programmatic dependent launch
+// instead. The kernel may be
 // launched while the kernel before it in the stream is still running, and its blocks take each SM as the
 // earlier kernel's block there exits, instead of after the whole grid has ended and the next launch has gone
 // through (4 x H200, ten calls in a row: dispatch ~1.1 us, combine ~0.8, dispatch + combine ~2.2 faster; queued
-// single calls and graphs unchanged; docs/bench-notes.md, v0.16). It needs the cooperative attribute dropped: with it
+// single calls and graphs unchanged; docs/bench-notes.md). It needs the cooperative attribute dropped: with it
 // the launch waited for the whole device as before and nothing changed. The grid stays one block per SM, so
 // its blocks are resident together as soon as the SMs are free; what the attribute no longer guarantees is
 // that they start together: a kernel of another stream that holds SMs delays our last blocks until it ends
@@ -22,18 +23,10 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
+
+#include "layout/ll_params.hpp"
 
 namespace epx {
-
-inline bool low_latency_early_launch_enabled() {
-  static const bool from_env = [] {
-    const char* v = std::getenv("EPX_LL_EARLY_LAUNCH");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return from_env;
-}
 
 // Set once a driver refused the early launch: both kernels launch cooperatively from then on.
 inline std::atomic<bool>& low_latency_early_launch_refused() {
@@ -43,18 +36,18 @@ inline std::atomic<bool>& low_latency_early_launch_refused() {
 
 // Launches kernel(p) as above; the caller checks cudaGetLastError as for any launch.
 template <typename Params>
-void launch_low_latency_kernel(void (*kernel)(Params), const Params& p, int grid, int threads, size_t smem,
-                               cudaStream_t stream) {
+void launch_low_latency_kernel(void (*kernel)(Params), const Params& p, const LowLatencyLaunch& launch, int threads,
+                               size_t smem, cudaStream_t stream) {
   std::atomic<bool>& refused = low_latency_early_launch_refused();
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
+  config.gridDim = dim3(launch.grid);
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   config.attrs = attr;
   config.numAttrs = 1;
-  if (low_latency_early_launch_enabled() && !refused.load(std::memory_order_relaxed)) {
+  if (launch.early && !refused.load(std::memory_order_relaxed)) {
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     if (cudaLaunchKernelEx(&config, kernel, p) == cudaSuccess) return;

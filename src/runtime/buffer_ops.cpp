@@ -1,0 +1,66 @@
+// The public operations of a Buffer, whatever its mode: each checks that the buffer is usable, then runs the
+// operation of the buffer's mode (runtime/ops.hpp).
+#include "runtime/ops.hpp"
+
+namespace epx {
+
+void Buffer::get_dispatch_layout(const LayoutArgs& a, const LayoutOutputs& o, cudaStream_t stream) {
+  const char* op = "get_dispatch_layout";
+  impl_->enter(op);
+  epx::get_dispatch_layout(*impl_, a, o, stream, op);
+}
+
+DispatchCounts Buffer::notify_dispatch(const DispatchArgs& a, const Config& c, DispatchHandle& h, cudaStream_t stream) {
+  const char* op = "notify_dispatch";
+  impl_->enter(op);
+  return intranode::notify_dispatch(*impl_, a, c, h, stream, op);
+}
+
+void Buffer::dispatch(const DispatchArgs& a, const Config& c, const DispatchHandle& h, const DispatchOutputs& o,
+                      cudaStream_t stream) {
+  const char* op = "dispatch";
+  impl_->enter(op);
+  intranode::dispatch(*impl_, a, c, h, o, stream, op);
+}
+
+void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const DispatchHandle& h,
+                             const DispatchOutputs& o, cudaStream_t stream) {
+  const char* op = "dispatch (cached)";
+  impl_->enter(op);
+  intranode::dispatch_cached(*impl_, a, c, h, o, stream, op);
+}
+
+void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
+                     cudaStream_t stream) {
+  const char* op = "combine";
+  impl_->enter(op);
+  intranode::combine(*impl_, a, c, h, o, stream, op);
+}
+
+void Buffer::clean_low_latency_buffer(cudaStream_t stream) {
+  const char* op = "clean_low_latency_buffer";
+  impl_->enter(op);
+  low_latency::clean(*impl_, stream, op);
+}
+
+void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLatencyDispatchOutputs& o, int phases,
+                                  LowLatencyHandle& h, cudaStream_t stream) {
+  const char* op = "low_latency_dispatch";
+  impl_->enter(op);
+  low_latency::dispatch(*impl_, a, o, phases, h, stream, op);
+}
+
+int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x,
+                                int phases, int buffer_set, cudaStream_t stream) {
+  const char* op = "low_latency_combine";
+  impl_->enter(op);
+  return low_latency::combine(*impl_, a, h, combined_x, phases, buffer_set, stream, op);
+}
+
+void* Buffer::next_low_latency_combine_buffer(const LowLatencyHandle& h) {
+  const char* op = "next_low_latency_combine_buffer";
+  impl_->enter(op);
+  return low_latency::next_combine_buffer(*impl_, h, op);
+}
+
+}  // namespace epx
