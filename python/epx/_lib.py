@@ -18,7 +18,7 @@ from .errors import error_for
 
 # The ABI this package was written against (epx.h EPX_VERSION_MAJOR / MINOR).
 ABI_MAJOR = 0
-ABI_MIN_MINOR = 2  # epx_buffer_region
+ABI_MIN_MINOR = 3  # epx_get_limits, epx_config_num_channels
 
 LIBRARY_NAME = "libepx.so"
 
@@ -50,6 +50,13 @@ class Bootstrap(Structure):
 class BufferOptions(Structure):
     _fields_ = [("num_nvl_bytes", c_int64), ("num_rdma_bytes", c_int64), ("low_latency_mode", c_int),
                 ("num_nvl_ranks", c_int), ("timeout_s", c_double), ("device", c_int)]
+
+
+class Limits(Structure):
+    _fields_ = [("max_nvl_ranks", c_int), ("max_ranks", c_int), ("max_channels", c_int), ("max_topk", c_int),
+                ("max_hidden", c_int), ("max_local_experts", c_int), ("max_experts", c_int),
+                ("fp8_group_size", c_int), ("ll_max_ranks", c_int), ("ll_max_tokens", c_int),
+                ("ll_max_experts", c_int), ("ll_max_topk", c_int)]
 
 
 class Config(Structure):
@@ -128,7 +135,7 @@ class LLTransportInfo(Structure):
 
 # Every struct of epx.h, by its C name (the ABI test compares each with the C compiler's layout).
 STRUCTS = {
-    "epx_bootstrap": Bootstrap, "epx_buffer_options": BufferOptions, "epx_config": Config,
+    "epx_bootstrap": Bootstrap, "epx_buffer_options": BufferOptions, "epx_limits": Limits, "epx_config": Config,
     "epx_layout_args": LayoutArgs, "epx_layout_outputs": LayoutOutputs, "epx_dispatch_args": DispatchArgs,
     "epx_dispatch_handle": DispatchHandle, "epx_dispatch_outputs": DispatchOutputs,
     "epx_dispatch_counts": DispatchCounts, "epx_combine_args": CombineArgs, "epx_combine_outputs": CombineOutputs,
@@ -153,6 +160,8 @@ SIGNATURES = {
     "epx_buffer_ll_transport": (c_int, [_buffer_p, _P(LLTransportInfo)]),
     "epx_buffer_check": (c_int, [_buffer_p, _stream]),
     "epx_buffer_region": (c_int, [_buffer_p, c_int, _P(c_void_p), _P(c_int64)]),
+    "epx_get_limits": (c_int, [_P(Limits)]),
+    "epx_config_num_channels": (c_int, [_P(Config), _P(c_int)]),
     "epx_default_dispatch_config": (c_int, [c_int, _P(Config)]),
     "epx_default_combine_config": (c_int, [c_int, _P(Config)]),
     "epx_config_nvl_size_hint": (c_int, [_P(Config), c_int64, c_int, _P(c_int64)]),
@@ -271,6 +280,26 @@ def default_config(kind: str, num_ranks: int) -> Config:
     fn = lib().epx_default_dispatch_config if kind == "dispatch" else lib().epx_default_combine_config
     lib().check(fn(int(num_ranks), byref(out)))
     return out
+
+
+_limits = None
+
+
+def limits() -> Limits:
+    """The library's limits (epx_get_limits), read once."""
+    global _limits
+    if _limits is None:
+        out = Limits()
+        lib().check(lib().epx_get_limits(byref(out)))
+        _limits = out
+    return _limits
+
+
+def num_channels(config: Config) -> int:
+    """Channels of the high-throughput kernels under a config (the per-channel handle arrays are [R, channels])."""
+    out = c_int(0)
+    lib().check(lib().epx_config_num_channels(byref(config), byref(out)))
+    return out.value
 
 
 def nvl_size_hint(config: Config, hidden_bytes: int, num_ranks: int) -> int:

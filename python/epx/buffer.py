@@ -475,7 +475,7 @@ class Buffer(LowLatencyMixin):
         ptr = self._ptr()
         streams = self._streams
         compute = streams.begin(previous_event)
-        C = c_config.num_sms // 2
+        C = _lib.num_channels(c_config)
         with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             rank_prefix_matrix = self._empty((R, R), _INT32)
             channel_prefix_matrix = self._empty((R, C), _INT32)

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 from . import _lib
 
-# Ranks of one NVLink domain (epx's kMaxNvlRanks): up to this many ranks need no RDMA buffer.
-MAX_NVL_RANKS = 8
-
-
 class Config:
     """Kernel tuning: num_sms blocks (num_sms / 2 channels), tokens per send chunk (unused by the senders at 2 ranks
     or fewer), ring capacity in tokens."""
@@ -42,10 +38,11 @@ class Config:
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """0 inside one NVLink domain (up to 8 ranks): the high-throughput path needs no RDMA buffer."""
-        if num_ranks <= MAX_NVL_RANKS:
+        max_nvl_ranks = _lib.limits().max_nvl_ranks
+        if num_ranks <= max_nvl_ranks:
             return 0
         raise NotImplementedError(f"epx has no internode (RDMA) mode yet: {num_ranks} ranks span several "
-                                  f"NVLink domains of at most {MAX_NVL_RANKS} GPUs")
+                                  f"NVLink domains of at most {max_nvl_ranks} GPUs")
 
     def to_c(self) -> _lib.Config:
         return _lib.Config(self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens)

@@ -20,9 +20,6 @@ from .event import EventOverlap
 
 _FP8_GROUP = 128      # elements per FP8 scale
 _UE8M0_PER_WORD = 4   # UE8M0 exponents packed per int32
-_MAX_TOKENS = 4096    # largest num_max_dispatch_tokens_per_rank (kLowLatencyMaxTokens)
-_MAX_EXPERTS = 1024   # largest num_experts (kLowLatencyMaxExperts)
-_MAX_TOPK = 32
 # Names of the hot paths, looked up once (each torch.X or _lib.X costs an attribute lookup per use).
 _BF16, _FP8, _FP32, _INT32, _INT64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
 _SEND, _RECV, _BOTH = _lib.EPX_LL_SEND, _lib.EPX_LL_RECV, _lib.EPX_LL_BOTH
@@ -56,11 +53,12 @@ class LowLatencyMixin:
         if key == self._ll_shape_ok and type(num_max_dispatch_tokens_per_rank) is int and type(num_experts) is int:
             return num_max_dispatch_tokens_per_rank, num_experts
         R = self.group_size
-        M = _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, _MAX_TOKENS)
+        M = _checks.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1,
+                            _lib.limits().ll_max_tokens)
         _checks.integer("hidden", hidden, 8)
         if hidden % 8 != 0:
             raise ValueError(f"hidden must be a multiple of 8, got {hidden}")
-        num_experts = _checks.integer("num_experts", num_experts, 1, _MAX_EXPERTS)
+        num_experts = _checks.integer("num_experts", num_experts, 1, _lib.limits().ll_max_experts)
         if num_experts % R != 0:
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of the number of ranks ({R})")
         if type(num_max_dispatch_tokens_per_rank) is int and type(hidden) is int and type(num_experts) is int:
@@ -123,7 +121,7 @@ class LowLatencyMixin:
         if T > M:
             raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank ({M})")
         _checks.tensor("topk_idx", topk_idx, _INT64, (T, None), d)
-        K = _checks.integer("topk_idx.shape[1] (num_topk)", topk_idx.shape[1], 1, _MAX_TOPK)
+        K = _checks.integer("topk_idx.shape[1] (num_topk)", topk_idx.shape[1], 1, _lib.limits().ll_max_topk)
         L = num_experts // R
         stats = cumulative_local_expert_recv_stats
         if stats is not None:

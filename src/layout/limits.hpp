@@ -14,7 +14,7 @@ namespace epx {
 // Ranks inside one NVLink domain. A sender block gives every peer at least one warp, and a named barrier
 // per peer (16 hardware barriers per block, id 0 kept for __syncthreads).
 constexpr int kMaxNvlRanks = 8;
-// Channels of the high-throughput kernels (num_sms / 2). H200 has 132 SMs.
+// Channels of the high-throughput kernels (num_sms / 2, config.cpp's num_channels).
 constexpr int kMaxChannels = 64;
 // Top-k slots per token: one lane per slot in the kernels.
 constexpr int kMaxTopk = 32;

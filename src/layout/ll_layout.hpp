@@ -12,7 +12,7 @@
 //                    combine_arrived[E]: at the token's source rank, index expert rank * (E_max / R) + its
 //                                       local expert (E_max = kLowLatencyMaxExperts: the same slots whatever
 //                                       a call's expert count, so the running totals keep pairing up); work items
-//                                       (kernels/ll_combine.cu) of that expert's rows written here, summed
+//                                       (kernels/low_latency/combine.cu) of that expert's rows written here, summed
 //                                       over every combine on the set (never cleared but by clean; added to
 //                                       by the sending blocks, a release each; compared wrap-safe)
 //                    combine_sent[E]:   at the sender, per (local expert, source): the running total of work

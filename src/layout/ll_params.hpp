@@ -51,7 +51,7 @@ struct LowLatencyCombineParams {
 };
 
 // Grid of every low-latency launch on a GPU with that many SMs; a Buffer takes the smallest over its ranks, since
-// the epochs count G blocks per op (kernels/ll_epochs.cuh) and so need the same G on every rank and launch.
+// the epochs count G blocks per op (kernels/low_latency/epochs.cuh) and so need the same G on every rank and launch.
 int low_latency_grid(int num_device_sms);
 
 // How a Buffer launches its low-latency kernels (kernels/low_latency/launch.cuh).

@@ -196,7 +196,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
     EPX_REQUIRE(p.ll_early_launch == mine.ll_early_launch, "EPX_LL_EARLY_LAUNCH differs between ranks: rank ", i,
                 " has ", p.ll_early_launch, ", rank ", rank, " has ", mine.ll_early_launch);
   }
-  // The low-latency kernels count completed blocks per op (kernels/ll_epochs.cuh): every rank launches the same
+  // The low-latency kernels count completed blocks per op (kernels/low_latency/epochs.cuh): every rank launches the same
   // grid, one block per SM of the smallest GPU (and at most kLowLatencyMaxBlocks).
   ll_launch.grid = kLowLatencyMaxBlocks;
   for (const PeerInfo& p : all) ll_launch.grid = std::min(ll_launch.grid, low_latency_grid(p.num_sms));

@@ -6,7 +6,7 @@
 namespace epx {
 namespace {
 
-// Default SMs: the target point (24 SMs on H200); both kernels split them into senders and receivers.
+// Default SMs: 24 of an H200's 132; both kernels split them into senders and receivers.
 constexpr int kDefaultNumSms = 24;
 // Ring capacity per (channel, peer): enough that a sender rarely waits for its receiver.
 constexpr int kDefaultRingTokens = 256;
@@ -17,11 +17,9 @@ int default_chunk(int num_ranks) {
   return 2 * (kDataWarps / r);
 }
 
-// Dispatch senders also scan the routing once per chunk, so a longer chunk pays off sooner. At 4 ranks on
-// 4 x H200 (24 SMs), one sweep of chunks 12 / 16 / 24 (v0.6) measured dispatch FP8 265.3 / 273.8 / 291.2 GB/s,
-// BF16 331.4 / 332.4 / 332.2, cached 340.5 / 340.9 / 343.1, while combine was best at 12 (374.5 vs 359.2 at
-// 16); two earlier machines agree (FP8 at 24: 288.3 and 292.4); docs/bench-notes.md. Other rank counts keep
-// two tokens per warp (2 ranks: 24, measured; 8 ranks: 6, not measured yet).
+// Dispatch senders also scan the routing once per chunk, so a longer chunk pays off sooner: at 4 ranks 24 tokens
+// (the best of a sweep; the combine stays at two tokens per warp). Other rank counts keep two tokens per warp
+// (8 ranks not measured). The sweep is in docs/bench-notes.md.
 int default_dispatch_chunk(int num_ranks) { return num_ranks == 4 ? 24 : default_chunk(num_ranks); }
 
 // The defaults must pass validate_config: a rank count the kernels cannot run is an error here, not a config.

@@ -12,7 +12,7 @@ namespace epx {
 namespace {
 
 // The order of the calls on the two buffer sets, kept on the host (Buffer::Impl::ll_waiting). The kernels
-// count the ops of a set by the receives this rank completed there (kernels/ll_epochs.cuh), which is right only
+// count the ops of a set by the receives this rank completed there (kernels/low_latency/epochs.cuh), which is right only
 // if every earlier call on the set was received before the next is sent.
 enum LowLatencyCall { kNoCall = 0, kDispatchCall = 1, kCombineCall = 2 };
 const char* call_name(int c) { return c == kDispatchCall ? "dispatch" : "combine"; }
@@ -76,8 +76,8 @@ void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_t
 }
 
 // NVSHMEM puts read dispatch records staged in the combine-send area (LowLatencyLayout::dispatch_stage).
-// A guard: since records carry no metadata (v0.6) M records always fit E * M combine rows for a shape that
-// validate_shape accepts, so this fires only if the layout or the record format changes.
+// A guard: records carry no metadata, so M records always fit E * M combine rows for a shape that
+// validate_shape accepts; this fires only if the layout or the record format changes.
 void check_staging(const Buffer::Impl& b, const LowLatencyLayout& layout, int max_tokens, int hidden, bool fp8,
                    const char* op) {
   const int64_t record = LowLatencyRecord::make(hidden, fp8).bytes;

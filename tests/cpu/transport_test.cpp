@@ -1,4 +1,4 @@
-// The choice of the low-latency transport (runtime/ll_transport.hpp) and what it relies on, without a GPU: the
+// The choice of the low-latency transport (runtime/transport.hpp) and what it relies on, without a GPU: the
 // environment switches, the NVSHMEM heap size epx asks for, the staging room of the NVSHMEM path, the C ABI.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -36,6 +36,16 @@ epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t*
   return EPX_OK;
 }
 
+epx_status epx_get_limits(epx_limits* out) {
+  out->max_nvl_ranks = 8, out->max_ranks = 64, out->max_channels = 64, out->max_topk = 32, out->max_hidden = 32768;
+  out->max_local_experts = 1024, out->max_experts = 8192, out->fp8_group_size = 128;
+  out->ll_max_ranks = 8, out->ll_max_tokens = 4096, out->ll_max_experts = 1024, out->ll_max_topk = 32;
+  return EPX_OK;
+}
+epx_status epx_config_num_channels(const epx_config* c, int* out) {
+  *out = c->num_sms / 2;
+  return EPX_OK;
+}
 epx_status epx_default_dispatch_config(int num_ranks, epx_config* out) {
   (void)num_ranks;
   out->num_sms = 24, out->num_max_send_tokens = 6, out->num_max_recv_tokens = 256;

@@ -207,7 +207,7 @@ void time_nccl(Bench& b, NcclComm& comm, const IntranodeSession& bf16, const Int
     to[j] = bf16.num_tokens_routed(me, j);
     from[j] = bf16.num_tokens_routed(j, me);
   }
-  const size_t bf16_row = size_t(H) * 2, fp8_row = size_t(H) + size_t(H / 128) * sizeof(float);
+  const size_t bf16_row = size_t(H) * 2, fp8_row = size_t(H) + size_t(H / epx::limits().fp8_group_size) * sizeof(float);
   struct Transfer {
     Op op;
     std::vector<size_t> send, recv;

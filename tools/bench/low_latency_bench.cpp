@@ -61,7 +61,7 @@ LowLatencyOptions parse(int argc, char** argv, bool* help) {
     if (a == "--help" || a == "-h") *help = true;
     else if (a == "--gpus") o.gpus = parse_int(a, value(), 1, 8);
     else if (a == "--tokens") o.tokens = parse_int(a, value(), 1, 4096);
-    else if (a == "--hidden") o.hidden = parse_int(a, value(), 128, 32768);
+    else if (a == "--hidden") o.hidden = parse_int(a, value(), epx::limits().fp8_group_size, epx::limits().max_hidden);
     else if (a == "--topk") o.topk = parse_int(a, value(), 1, 32);
     else if (a == "--experts") o.experts = parse_int(a, value(), 1, 1024);
     else if (a == "--bf16") o.fp8 = false;
@@ -272,7 +272,7 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     all_have = *std::min_element(flags.begin(), flags.end());
     if (all_have) {
       NcclComm comm(*lib, bs);
-      const size_t row = o.fp8 ? size_t(o.hidden) + o.hidden / 128 * 4 : size_t(o.hidden) * 2;
+      const size_t row = o.fp8 ? size_t(o.hidden) + o.hidden / epx::limits().fp8_group_size * 4 : size_t(o.hidden) * 2;
       // Uniform routing: about T * (1 - (1 - 1/R)^K) tokens per destination; use T per destination (upper bound).
       std::vector<size_t> bytes(R, size_t(o.tokens) * row);
       harness::DeviceArray<uint8_t> send(bytes[0] * R), recv(bytes[0] * R);

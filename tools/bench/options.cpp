@@ -12,10 +12,6 @@ namespace {
 // Sweep used when no --sms/--chunks/--ring is given: around the default point (24 SMs, the default chunk).
 // Kept small: each config costs a few seconds (its x refreshes are generated on the host).
 const std::vector<int> kDefaultSweepSms = {16, 24, 32};
-// Hidden sizes whose FP8 scales (one per group of 128) cover the row exactly; the library's largest row.
-constexpr int kFp8Group = 128;
-constexpr int kMaxHidden = 32768;
-constexpr int kMaxTopk = 32;
 
 std::string describe(const Config& c) {
   std::ostringstream o;
@@ -100,9 +96,9 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
     } else if (a == "--tokens") {
       o.tokens = parse_int(a, value(), 1, 1 << 20);
     } else if (a == "--hidden") {
-      o.hidden = parse_int(a, value(), kFp8Group, kMaxHidden);
+      o.hidden = parse_int(a, value(), epx::limits().fp8_group_size, epx::limits().max_hidden);
     } else if (a == "--topk") {
-      o.topk = parse_int(a, value(), 1, kMaxTopk);
+      o.topk = parse_int(a, value(), 1, epx::limits().max_topk);
     } else if (a == "--experts") {
       o.experts = parse_int(a, value(), 1, 1 << 16);
     } else if (a == "--sms") {
@@ -130,8 +126,10 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
       throw UsageError{"unknown option '" + a + "'"};
     }
   }
-  if (o.hidden % kFp8Group != 0)
-    throw UsageError{"--hidden must be a multiple of " + std::to_string(kFp8Group) +
+  // Hidden sizes whose FP8 scales (one per group) cover the row exactly.
+  const int fp8_group = epx::limits().fp8_group_size;
+  if (o.hidden % fp8_group != 0)
+    throw UsageError{"--hidden must be a multiple of " + std::to_string(fp8_group) +
                      " (FP8 rows carry one scale per 128 values), got " + std::to_string(o.hidden)};
   if (o.topk > o.experts)
     throw UsageError{"--topk (" + std::to_string(o.topk) + ") must not exceed --experts (" +

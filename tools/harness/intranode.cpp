@@ -75,7 +75,7 @@ IntranodeSession::IntranodeSession(Buffer& buffer, const IntranodeCase& c, const
   }
   expected_rows_ = ref::recv_rows(sources_, rank_);
 
-  const int T = num_tokens_, C = dispatch_config.num_sms / 2;
+  const int T = num_tokens_, C = num_channels(dispatch_config);
   topk_idx_.upload(topk_[rank_], stream);
   topk_weights_.upload(weights_[rank_], stream);
   num_tokens_per_rank_.resize(R);
@@ -106,8 +106,8 @@ IntranodeSession::IntranodeSession(Buffer& buffer, const IntranodeCase& c, const
 void IntranodeSession::set_configs(const Config& dispatch_config, const Config& combine_config) {
   dispatch_config_ = dispatch_config;
   combine_config_ = combine_config;
-  // The per-channel handle arrays are [R, C] with C = num_sms / 2 of the dispatch config.
-  const size_t rc = size_t(num_ranks_) * (dispatch_config.num_sms / 2);
+  // The per-channel handle arrays are [R, C] with C the dispatch config's channels.
+  const size_t rc = size_t(num_ranks_) * num_channels(dispatch_config);
   channel_prefix_.resize(rc);
   recv_channel_prefix_.resize(rc);
   handle_ = DispatchHandle{};  // its arrays may have moved, and its channel count no longer matches

@@ -62,7 +62,7 @@ class IntranodeSession {
   DispatchArgs dispatch_args() const;
   DispatchOutputs dispatch_outputs() const;
   int64_t row_bytes() const { return int64_t(c_.hidden) * (c_.dtype == EPX_FP8_E4M3 ? 1 : 2); }
-  int num_scales() const { return c_.dtype == EPX_FP8_E4M3 ? c_.hidden / 128 : 0; }
+  int num_scales() const { return c_.dtype == EPX_FP8_E4M3 ? c_.hidden / epx::limits().fp8_group_size : 0; }
   int worst_tokens() const;
   void expected_x_row(int src_rank, int token, std::vector<uint8_t>& row) const;
 

@@ -49,7 +49,7 @@ LowLatencySession::LowLatencySession(Buffer& buffer, const LowLatencyCase& c, cu
   stats_.fill_bytes(0, stream);
   expected_stats_.assign(L, 0);
   packed_x_.resize(rows * H * (c.fp8 ? 1 : 2));
-  packed_scales_.resize(c.fp8 ? rows * (H / 128) : 1);
+  packed_scales_.resize(c.fp8 ? rows * (H / epx::limits().fp8_group_size) : 1);
   packed_count_.resize(L);
   src_info_.resize(rows);
   layout_range_.resize(size_t(L) * num_ranks_);
@@ -156,7 +156,7 @@ void LowLatencySession::combine(int phases) {
 }
 
 std::string LowLatencySession::check_dispatch() const {
-  const int R = num_ranks_, M = c_.max_tokens, H = c_.hidden, L = num_local_experts(), G = H / 128;
+  const int R = num_ranks_, M = c_.max_tokens, H = c_.hidden, L = num_local_experts(), G = H / epx::limits().fp8_group_size;
   const size_t rows_per_expert = size_t(R) * M;
   Report r;
   const auto count = packed_count_.download(L, stream_);
@@ -249,7 +249,7 @@ std::string LowLatencySession::check_combine() const {
 double LowLatencySession::dispatch_bytes() const {
   size_t rows = 0;
   for (const auto& e : rows_) rows += e.size();
-  const double row = c_.fp8 ? c_.hidden + c_.hidden / 128 * 4.0 : c_.hidden * 2.0;
+  const double row = c_.fp8 ? c_.hidden + c_.hidden / epx::limits().fp8_group_size * 4.0 : c_.hidden * 2.0;
   return double(rows) * row;
 }
 

@@ -1,11 +1,10 @@
 // The rotating tail publisher of a chunked sender group (dispatch and combine at 3 ranks or more): the group's
 // warps write chunk c of a ring's records, then arrive at the group's barrier without waiting and go on to chunk
 // c + 1 once it is granted; chunk c's publisher (warp c % warps) waits at the barrier for the chunk's records,
-// grants the next chunk and publishes the tail with a system-scope release. That release's fence (~4 us on a
-// busy SM, link_rate fence mode) so holds back one warp, not the group (v0.13: the group waited at the next
-// chunk's barrier for its leader's fence; dispatch BF16 at 4 ranks 345-348 GB/s then, 363-365 with this). The
-// grant also keeps every warp within one chunk of the barrier's phase: a warp arrives for chunk c + 1 only after
-// the publisher of chunk c has passed the barrier.
+// grants the next chunk and publishes the tail with a system-scope release. That release's fence (microseconds
+// on a busy SM) so holds back one warp, not the group (docs/bench-notes.md). The grant also keeps every warp
+// within one chunk of the barrier's phase: a warp arrives for chunk c + 1 only after the publisher of chunk c
+// has passed the barrier.
 #pragma once
 
 #include <cstdint>

@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(const __grid_c
   if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    // At most 2 ranks the coordinated sender (4 x H200, 24 SMs: 423.9-440.2 vs 407.0-419.8 GB/s at 2 ranks;
-    // 315.8-340.5 vs 359.3-377.2 at 4, where the chunked one stays; docs/bench-notes.md, v0.13).
+    // At most 2 ranks the coordinated sender, at more the chunked one: each is the faster there
+    // (docs/bench-notes.md).
     run_sender_block<kRanks <= 2>(
         [&](int32_t* progress) { combine_sender_coordinated<kUnroll>(p, channel, progress); },
         [&](const int32_t* progress) { combine_sender_coordinator(p, channel, progress); },

@@ -324,11 +324,9 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(const __grid_
 
 }  // namespace
 
-// Senders: at most 2 ranks the coordinated sender (no per-chunk barrier and fence in its data warps; 4 x H200,
-// 2 ranks, 24 SMs: BF16 dispatch 352.9-361.7 vs 309.2-319.8 GB/s over five calls); at more ranks the chunked
-// one, 5-10% faster at 4 ranks (docs/bench-notes.md, v0.13: there the coordinator's fences took 9-31 us on
-// average, each waiting for every store in flight from its SM, and the receivers finished 250-430 us after the
-// senders).
+// Senders: at most 2 ranks the coordinated sender (no per-chunk barrier and fence in its data warps); at more
+// ranks the chunked one, which is faster there: the coordinator's fences each wait for every store in flight
+// from its SM (docs/bench-notes.md).
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
   if (p.num_ranks <= 2)
     dispatch_kernel<kCopyUnroll, true><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);

@@ -27,7 +27,7 @@ struct PeerGroup {
     return g.peer < num_ranks;
   }
   // The chunked dispatch senders' groups (chunked_peer_slot): one per peer, none for this rank (its own tokens go
-  // from x to the outputs in the receiver block, kernels/dispatch.cu); leftover warps stay idle. R >= 2.
+  // from x to the outputs in the receiver block, kernels/intranode/dispatch.cu); leftover warps stay idle. R >= 2.
   __device__ __forceinline__ static bool of_peers(int num_ranks, int self, PeerGroup& g) {
     const PeerSlot s = chunked_peer_slot(int(threadIdx.x / 32), num_ranks, self);
     g.peer = s.peer;

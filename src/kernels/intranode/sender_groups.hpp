@@ -1,10 +1,10 @@
-// Warp groups of a coordinated sender block (dispatch and combine at 2 ranks or fewer; kernels/dispatch.cu):
+// Warp groups of a coordinated sender block (dispatch and combine at 2 ranks or fewer; kernels/intranode/):
 // its first kSenderWarps warps form one group per destination, in rank order; the last warp is the sender
-// coordinator. Combine (of): the group for this rank itself writes local memory, ~1.5x faster per warp than a
-// peer over NVLink (group timers, docs/bench-notes.md v0.13), so it is the smaller one: every peer gets
-// ceil(W / R) warps (at most (W - 1) / (R - 1), so that it keeps one), the own rank the rest. At 2 ranks that
-// 11 / 12 split measured best (own 9, 10, 12: 1-7% slower; v0.15). Dispatch (peers_only): no own group, the
-// receiver block copies this rank's tokens. Host and device (unit-tested on the CPU).
+// coordinator. Combine (of): the group for this rank itself writes local memory, faster per warp than a peer
+// over NVLink, so it is the smaller one: every peer gets ceil(W / R) warps (at most (W - 1) / (R - 1), so that
+// it keeps one), the own rank the rest (the best split measured at 2 ranks; docs/bench-notes.md). Dispatch
+// (peers_only): no own group, the receiver block copies this rank's tokens. Host and device (unit-tested on the
+// CPU).
 #pragma once
 
 #include "layout/limits.hpp"
@@ -24,7 +24,7 @@ struct SenderGroups {
     return {kSenderWarps - (num_ranks - 1) * each, each};
   }
   // The dispatch's groups: no group for this rank itself (the receiver block copies its own tokens straight from
-  // x to the outputs, kernels/dispatch.cu), every peer kSenderWarps / (R - 1) warps, the rest idle.
+  // x to the outputs, kernels/intranode/dispatch.cu), every peer kSenderWarps / (R - 1) warps, the rest idle.
   EPX_HD static SenderGroups peers_only(int num_ranks) {
     return {0, num_ranks > 1 ? kSenderWarps / (num_ranks - 1) : 0};
   }

@@ -2,20 +2,21 @@
 //
 // Send phase: rows are cut into work items of kChunk int4, one per warp at a time over the whole grid; a row
 // goes back into its source rank's receive area at [global expert][source token] once every rank has received
-// every earlier op on this buffer set (their epochs, kernels/ll_epochs.cuh; polls of local memory, once per rank
+// every earlier op on this buffer set (their epochs, kernels/low_latency/epochs.cuh; polls of local memory, once per rank
 // and block). Before its rows, the sender posts every (expert, source) pair's target at the source: the value
 // the source's arrival counter for that expert reaches once this op's items of the pair are written (a running
 // total over the set's combines, tagged with the op's number; relaxed, it orders nothing). Each block counts
 // its items per pair in shared memory and, after its last one, adds the counts to the sources' arrival counters
 // behind one system-scope fence: no completion step per warp, and the adds land right behind the data. Writes
-// into other ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that
+// into other ranks go through device/transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that
 // is not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send
 // area. A row for this rank itself is copied only when the receive runs in a later launch (hook); with both
-// phases in one launch it stays in x and its receive slot holds its row index instead (~1.3 us, v0.11).
+// phases in one launch it stays in x and its receive slot holds its row index instead (a copy less on the
+// critical path; docs/bench-notes.md).
 // Receive phase: block b reduces tokens b, b+G, ..., each once the arrival counters of its experts have reached
 // their targets:
 // out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
-// then the block adds its completion to every rank's epoch counter (kernels/ll_epochs.cuh): no last block.
+// then the block adds its completion to every rank's epoch counter (kernels/low_latency/epochs.cuh): no last block.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -36,9 +37,9 @@ using namespace dev;
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunk = kCopyItemInt4;  // int4 per send work item (kernels/ll_transport.cuh)
+constexpr int kChunk = kCopyItemInt4;  // int4 per send work item (device/transport.cuh)
 
-// The slot of (expert rank, its local expert) in the arrival counters and targets (runtime/ll_layout.hpp). Not the
+// The slot of (expert rank, its local expert) in the arrival counters and targets (layout/ll_layout.hpp). Not the
 // global expert: a call with another expert count on the same buffer maps global experts to other ranks, and
 // the running totals (combine_sent at the sender, combine_arrived at the source) must keep pairing up.
 __device__ __forceinline__ int arrival_slot(int rank, int local_expert, int num_ranks) {
@@ -99,8 +100,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   const int total = s_first[L];
   const int warps = gridDim.x * kWarps;
   // Work items of kChunk int4 (one round of loads per lane each): ceil(row_int4 / kChunk) per row. With an
-  // NVSHMEM peer each item is a put and a quiet (put_warp): more completions per row than the 1-4 parts before
-  // v0.4; not measured on the forced path since.
+  // NVSHMEM peer each item is a put and a quiet (put_warp).
   const int parts = (row_int4 + kChunk - 1) / kChunk;
   // Targets first, one warp per (local expert, source) pair, also for pairs without rows (the source may wait
   // for them: it only knows which experts its tokens chose). The running total is this pair's own (only this
@@ -119,10 +119,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // (hook) copies them, since x may change before the hook runs.
   const bool local_in_place = (p.phases & kLowLatencyRecv) != 0;
   // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
-  // the start of the next). Measured in v0.7, when each batch still ended in a completion step of its own:
-  // adjacent items per warp 1.2-1.4 us faster at the bench defaults than items a grid apart (w0, w0 + warps), 4
-  // adjacent ones ~0.5 us slower; spreading a block's warps over many rows (part-major items) 4-5 us slower
-  // (docs/bench-notes.md). Since v0.14 the block completes its items once, after this loop.
+  // the start of the next): faster than items a grid apart, than 4 adjacent ones, and than spreading a block's
+  // warps over many rows (docs/bench-notes.md). The block completes its items once, after this loop.
   constexpr int kBatch = 2;
   for (int w0 = (blockIdx.x * kWarps + warp) * kBatch; w0 < total * parts; w0 += kBatch * warps) {
     int b_pair[kBatch];
@@ -169,7 +167,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // the fence itself (a release pattern is a fence and a write of the same thread; the warp's lanes share one
   // fence instruction). Pairs with the receiver's acquire of arrived[e] (receive_phase). The waits of the receive
   // phase start only after this (its threads k < K are warp 0's; the other warps block at its barrier): waits or
-  // row loads while the SM's stores still drain made the combine 2-3.5 us slower (v0.17, ll-prefetch).
+  // row loads while the SM's stores still drain made the combine slower (docs/bench-notes.md).
   __syncthreads();
   if (warp == 0) {
     for (int base = 0; base < L * R; base += 32) {
@@ -186,9 +184,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
 // targets (no grid-wide wait), then adds its completion to every rank's epoch counter, which (once all blocks
 // have) lets the next op on this set, of either kind, write here.
 // kInPlace: this launch's send phase left this rank's own rows in x (both phases in one launch). A separate
-// instantiation, so that the receive of a hook keeps the reduction's code of v0.10 (16 bytes of spills; reading
-// every row through a pointer per slot spills 48 there). Measured on 4 x H200 against one version for both:
-// within the noise (hook receive 16.7-18.2 vs 17.1-18.2 us, combine queued 53.7-53.8 vs 54.0-54.1).
+// instantiation, so that the receive of a hook reads every row from the receive area without a pointer per slot
+// (fewer spills; one version for both measured within the noise, docs/bench-notes.md).
 template <bool kInPlace>
 __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
@@ -262,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const 
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
   __shared__ int2 s_range[kLowLatencyMaxExperts];  // [L * R] (begin, count) of every (local expert, source)
   __shared__ int s_items[kLowLatencyMaxExperts];   // [L * R] this block's work items per pair
-  wait_prior_grids();  // before any memory access (kernels/ll_launch.cuh)
+  wait_prior_grids();  // before any memory access (kernels/low_latency/launch.cuh)
   allow_next_grid();
   if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range, s_items);
   if (p.phases & kLowLatencyRecv) {

@@ -11,8 +11,8 @@
 // slot to the destination's arrival counter of (local expert, this rank), a release that publishes the
 // records and map entries before it (deferred to the end so that no token waits for an earlier one's stores
 // to land). Before any write into a rank's set, the block waits (a local poll) until that rank has received
-// every earlier op on the set (the set's epochs, runtime/ll_layout.hpp; once per rank and block). Writes into other
-// ranks go through kernels/ll_transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record
+// every earlier op on the set (the set's epochs, layout/ll_layout.hpp; once per rank and block). Writes into other
+// ranks go through device/transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record
 // is also copied to symmetric memory, where puts can read it.
 // Receive phase (the block's warps other than the writers, so that it starts while the block's own stores
 // drain): the block owning a local expert waits for all ranks' counts, lays the rows out by source rank
@@ -127,9 +127,9 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
   const uint64_t* recv_seen = p.layout.recv_seen(p.peers.ll.local, p.set);
   // Earlier ops on this set, of either kind: every peer must have received them before this one writes there.
-  // This block's receive count on the set (kernels/ll_epochs.cuh), written by an earlier kernel.
+  // This block's receive count on the set (kernels/low_latency/epochs.cuh), written by an earlier kernel.
   const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);
-  // Addresses in this rank's region name the same offsets in every peer's region (kernels/ll_transport.cuh).
+  // Addresses in this rank's region name the same offsets in every peer's region (device/transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging (or before the counts below)
   // Back-pressure, once per rank and block (not once per writer or count warp and destination): every rank has
   // received every earlier op on this set (its blocks add their completions here after copying), so nothing
@@ -203,7 +203,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   }
 }
 
-constexpr int kChunk = kCopyItemInt4;  // int4 per receive work item (kernels/ll_transport.cuh)
+constexpr int kChunk = kCopyItemInt4;  // int4 per receive work item (device/transport.cuh)
 
 // The scales (FP8, token-minor) of row n of local expert i, from its record at src, and its source token index:
 // every load issued before the first store, so the item costs one load latency.
@@ -282,8 +282,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
     // Rows of expert i are numbered by (source, slot); work items of kChunk int4 per row (one round of loads
     // per lane each) plus one for the row's scales and source token. Each receive warp takes a contiguous range
     // of items, so that it waits for one source (two where its range crosses a boundary) and loads each row's
-    // map entry once: with items dealt round-robin every warp held items of every source and waited for them
-    // in source order, so a late source was first polled only after the earlier ones' copies (v0.12 probe).
+    // map entry once: with items dealt round-robin every warp would hold items of every source and wait for them
+    // in source order, so a late source would be polled only after the earlier ones' copies.
     const int all_items = total * items, per_warp = (all_items + recv_warps - 1) / recv_warps;
     const int w_end = min(all_items, (warp + 1) * per_warp);
     uint32_t complete = 0;  // lane 0's: sources whose rows of expert i have all arrived
@@ -331,7 +331,7 @@ __host__ __device__ __forceinline__ size_t dispatch_smem_bytes(const LowLatencyD
 __global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {
   extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
   int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
-  wait_prior_grids();  // before any memory access (kernels/ll_launch.cuh)
+  wait_prior_grids();  // before any memory access (kernels/low_latency/launch.cuh)
   allow_next_grid();
   if (p.phases & kLowLatencySend) send_phase(p, s_rec, s_topk);
   if (p.phases & kLowLatencyRecv) receive_phase(p, (p.phases & kLowLatencySend) ? first_writer(p.num_ranks) : kWarps);

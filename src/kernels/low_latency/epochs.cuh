@@ -1,4 +1,4 @@
-// The per-set epochs of the low-latency ops (runtime/ll_layout.hpp): every block of every rank counts the
+// The per-set epochs of the low-latency ops (layout/ll_layout.hpp): every block of every rank counts the
 // receive phases it completed on a buffer set (block_ops, its own) and adds each completion to every rank's
 // recv_seen[me]; a sender writes into a peer's set only once every block of the peer has received every
 // earlier op there. No block waits for the others at the end of a phase. Both kernels use these.

@@ -7,8 +7,8 @@
 // instead. The kernel may be
 // launched while the kernel before it in the stream is still running, and its blocks take each SM as the
 // earlier kernel's block there exits, instead of after the whole grid has ended and the next launch has gone
-// through (4 x H200, ten calls in a row: dispatch ~1.1 us, combine ~0.8, dispatch + combine ~2.2 faster; queued
-// single calls and graphs unchanged; docs/bench-notes.md). It needs the cooperative attribute dropped: with it
+// through (faster for calls in a row, no change for single calls and graphs; docs/bench-notes.md). It needs the
+// cooperative attribute dropped: with it
 // the launch waited for the whole device as before and nothing changed. The grid stays one block per SM, so
 // its blocks are resident together as soon as the SMs are free; what the attribute no longer guarantees is
 // that they start together: a kernel of another stream that holds SMs delays our last blocks until it ends
