@@ -31,7 +31,7 @@ typedef enum epx_status {
   EPX_ERR_NOT_SUPPORTED = 6,    /* a mode this build or machine does not offer */
   EPX_ERR_FAILED_STATE = 7,     /* an earlier failure left the buffer unusable: destroy it */
   EPX_ERR_INTERNAL = 8,
-  EPX_ERR_REMOTE = 9            /* another rank reported an error for this collective call */
+  EPX_ERR_REMOTE = 9 /* another rank reported an error for this collective call */
 } epx_status;
 
 /* Regions of a buffer's memory on this rank (epx_buffer_region). */
@@ -53,12 +53,12 @@ typedef struct epx_bootstrap {
 } epx_bootstrap;
 
 typedef struct epx_buffer_options {
-  int64_t num_nvl_bytes;    /* high-throughput ring buffers (see epx_config_nvl_size_hint) */
-  int64_t num_rdma_bytes;   /* low-latency buffers (see epx_low_latency_size_hint) */
-  int low_latency_mode;     /* nonzero: the buffer serves low-latency dispatch/combine */
-  int num_nvl_ranks;        /* NVLink domain size G; 0 means every rank is in one domain */
-  double timeout_s;         /* wait budget of every device and host wait; <= 0 means the default, 100 s */
-  int device;               /* CUDA device; -1 means the current device */
+  int64_t num_nvl_bytes;  /* high-throughput ring buffers (see epx_config_nvl_size_hint) */
+  int64_t num_rdma_bytes; /* low-latency buffers (see epx_low_latency_size_hint) */
+  int low_latency_mode;   /* nonzero: the buffer serves low-latency dispatch/combine */
+  int num_nvl_ranks;      /* NVLink domain size G; 0 means every rank is in one domain */
+  double timeout_s;       /* wait budget of every device and host wait; <= 0 means the default, 100 s */
+  int device;             /* CUDA device; -1 means the current device */
 } epx_buffer_options;
 
 /* Limits of this library (its constants, for bindings and tools that must not repeat them). */
@@ -106,16 +106,16 @@ typedef struct epx_dispatch_args {
   int hidden;
   const float* x_scales; /* FP8 only: [num_tokens, num_scales] (32-bit words, copied verbatim) */
   int num_scales;
-  const int64_t* topk_idx;     /* [num_tokens, num_topk] when num_topk > 0 */
-  const float* topk_weights;   /* optional [num_tokens, num_topk] (zeros are sent without it) */
-  int num_topk;                /* 0: no top-k. Must be the same on every rank (it shapes the ring records);
-                                  a rank without tokens may pass null pointers */
-  int num_experts;             /* needed with topk_idx or num_tokens_per_expert */
-  const int* num_tokens_per_rank;     /* [R] from get_dispatch_layout (not needed for cached dispatch) */
-  const int* num_tokens_per_expert;   /* optional [E] */
-  const uint8_t* is_token_in_rank;    /* [num_tokens, R] */
-  int expert_alignment;               /* >= 1 (0 is taken as 1) */
-  int num_worst_tokens;               /* > 0: outputs sized to this many rows, no host wait */
+  const int64_t* topk_idx;          /* [num_tokens, num_topk] when num_topk > 0 */
+  const float* topk_weights;        /* optional [num_tokens, num_topk] (zeros are sent without it) */
+  int num_topk;                     /* 0: no top-k. Must be the same on every rank (it shapes the ring records);
+                                       a rank without tokens may pass null pointers */
+  int num_experts;                  /* needed with topk_idx or num_tokens_per_expert */
+  const int* num_tokens_per_rank;   /* [R] from get_dispatch_layout (not needed for cached dispatch) */
+  const int* num_tokens_per_expert; /* optional [E] */
+  const uint8_t* is_token_in_rank;  /* [num_tokens, R] */
+  int expert_alignment;             /* >= 1 (0 is taken as 1) */
+  int num_worst_tokens;             /* > 0: outputs sized to this many rows, no host wait */
 } epx_dispatch_args;
 
 /* What combine and cached dispatch need. Device arrays are allocated by the caller with the shapes below
@@ -134,21 +134,21 @@ typedef struct epx_dispatch_handle {
 } epx_dispatch_handle;
 
 typedef struct epx_dispatch_outputs {
-  void* recv_x;              /* [rows, hidden] of dtype */
-  float* recv_x_scales;      /* [rows, num_scales] when FP8 */
-  int64_t* recv_topk_idx;    /* optional [rows, num_topk] (num_topk > 0) */
-  float* recv_topk_weights;  /* optional [rows, num_topk] (num_topk > 0) */
-  int num_rows;              /* rows allocated: num_recv_tokens, or num_worst_tokens */
+  void* recv_x;             /* [rows, hidden] of dtype */
+  float* recv_x_scales;     /* [rows, num_scales] when FP8 */
+  int64_t* recv_topk_idx;   /* optional [rows, num_topk] (num_topk > 0) */
+  float* recv_topk_weights; /* optional [rows, num_topk] (num_topk > 0) */
+  int num_rows;             /* rows allocated: num_recv_tokens, or num_worst_tokens */
 } epx_dispatch_outputs;
 
 typedef struct epx_dispatch_counts {
-  int num_recv_tokens;                 /* -1 in worst-case mode */
+  int num_recv_tokens; /* -1 in worst-case mode */
   int num_local_experts;
   const int* num_recv_tokens_per_expert; /* [num_local_experts], aligned; valid until the next call */
 } epx_dispatch_counts;
 
 typedef struct epx_combine_args {
-  const void* x;             /* bf16 [num_rows, hidden], rows aligned with the dispatch's recv_x */
+  const void* x; /* bf16 [num_rows, hidden], rows aligned with the dispatch's recv_x */
   int num_rows;
   int hidden;
   const float* topk_weights; /* [num_rows, num_topk] when num_topk > 0 */
@@ -158,8 +158,8 @@ typedef struct epx_combine_args {
 } epx_combine_args;
 
 typedef struct epx_combine_outputs {
-  void* combined_x;              /* bf16 [num_tokens, hidden] */
-  float* combined_topk_weights;  /* [num_tokens, num_topk] when num_topk > 0 */
+  void* combined_x;             /* bf16 [num_tokens, hidden] */
+  float* combined_topk_weights; /* [num_tokens, num_topk] when num_topk > 0 */
 } epx_combine_outputs;
 
 /* ---- low-latency mode (SPEC sections 4 and 5) ---- */
@@ -168,7 +168,7 @@ typedef struct epx_combine_outputs {
 #define EPX_LL_BOTH 3
 
 typedef struct epx_ll_dispatch_args {
-  const void* x; /* bf16 [num_tokens, hidden] */
+  const void* x;  /* bf16 [num_tokens, hidden] */
   int num_tokens; /* <= num_max_dispatch_tokens_per_rank */
   int hidden;
   const int64_t* topk_idx; /* [num_tokens, num_topk], -1 = no expert */
@@ -176,8 +176,8 @@ typedef struct epx_ll_dispatch_args {
   int num_experts;
   int num_max_dispatch_tokens_per_rank; /* M: the same on every rank */
   int use_fp8;
-  int round_scale; /* scales rounded up to a power of two */
-  int use_ue8m0;   /* scales as packed 8-bit exponents (needs round_scale) */
+  int round_scale;                         /* scales rounded up to a power of two */
+  int use_ue8m0;                           /* scales as packed 8-bit exponents (needs round_scale) */
   int* cumulative_local_expert_recv_stats; /* optional [num_local_experts], added to */
 } epx_ll_dispatch_args;
 
@@ -226,15 +226,13 @@ typedef struct epx_buffer epx_buffer;
 
 const char* epx_last_error(void);
 const char* epx_status_string(epx_status status);
-int epx_version(void); /* major * 100 + minor */
+int epx_version(void);            /* major * 100 + minor */
 int epx_built_with_nvshmem(void); /* nonzero when this libepx has the NVSHMEM transport */
 
 /* Creation and destruction are collective over the bootstrap's ranks. */
-epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_options* options,
-                             epx_buffer** out);
+epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_options* options, epx_buffer** out);
 epx_status epx_buffer_destroy(epx_buffer* buffer);
-epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, int* device,
-                           int* num_nvl_ranks);
+epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, int* device, int* num_nvl_ranks);
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds);
 epx_status epx_buffer_ll_transport(const epx_buffer* buffer, epx_ll_transport_info* info);
 /* Waits for the stream, then reports any error a kernel of this buffer recorded (timeouts, bad input). */
@@ -253,11 +251,10 @@ epx_status epx_default_combine_config(int num_ranks, epx_config* out);
 /* Channels of the high-throughput kernels under a config (the per-channel handle arrays are [R, channels]). */
 epx_status epx_config_num_channels(const epx_config* config, int* out);
 /* Bytes of num_nvl_bytes that a config needs for rows of hidden_bytes (worst case of scales and top-k). */
-epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_bytes, int num_ranks,
-                                    int64_t* bytes);
+epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_bytes, int num_ranks, int64_t* bytes);
 
-epx_status epx_get_dispatch_layout(epx_buffer* buffer, const epx_layout_args* args,
-                                   const epx_layout_outputs* outputs, void* stream);
+epx_status epx_get_dispatch_layout(epx_buffer* buffer, const epx_layout_args* args, const epx_layout_outputs* outputs,
+                                   void* stream);
 
 /* Step 1 of dispatch: exchanges counts, fills the handle's prefix matrices and, unless num_worst_tokens > 0,
  * waits (bounded) for the counts and returns them. */
@@ -268,8 +265,7 @@ epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const
                         const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream);
 /* Repeats a dispatch's routing for new data: no layout, no count exchange, no host wait. */
 epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
-                               const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs,
-                               void* stream);
+                               const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream);
 epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
                        const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream);
 
@@ -280,8 +276,8 @@ epx_status epx_ll_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, in
 epx_status epx_ll_clean(epx_buffer* buffer, void* stream);
 /* phases EPX_LL_SEND or EPX_LL_BOTH: fills *handle; EPX_LL_RECV: completes the dispatch described by *handle
  * with the same args and outputs. No host synchronization; capturable in a CUDA graph. */
-epx_status epx_ll_dispatch(epx_buffer* buffer, const epx_ll_dispatch_args* args,
-                           const epx_ll_dispatch_outputs* outputs, int phases, epx_ll_handle* handle, void* stream);
+epx_status epx_ll_dispatch(epx_buffer* buffer, const epx_ll_dispatch_args* args, const epx_ll_dispatch_outputs* outputs,
+                           int phases, epx_ll_handle* handle, void* stream);
 /* *buffer_set: on EPX_LL_SEND / EPX_LL_BOTH it receives the set used; EPX_LL_RECV passes it back. */
 epx_status epx_ll_combine(epx_buffer* buffer, const epx_ll_combine_args* args, const epx_ll_handle* handle,
                           void* combined_x, int phases, int* buffer_set, void* stream);

@@ -16,7 +16,7 @@ namespace epx::ref {
 float bf16_to_float(uint16_t bits);
 uint16_t float_to_bf16(float value);  // round to nearest even (NaN -> canonical quiet NaN)
 float e4m3_to_float(uint8_t bits);
-uint8_t float_to_e4m3(float value);   // round to nearest even, saturating to +-448 (NaN -> 0x7f)
+uint8_t float_to_e4m3(float value);  // round to nearest even, saturating to +-448 (NaN -> 0x7f)
 
 // ---- SPEC section 1: layout -----------------------------------------------------------------------------------
 struct Layout {

@@ -1,12 +1,9 @@
 // launch_local: fork one child per rank; an anonymous shared mapping carries the all-gather.
-#include "epx/launcher.hpp"
-
+#include <cuda_runtime.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <cuda_runtime.h>
 
 #include <atomic>
 #include <chrono>
@@ -14,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "epx/launcher.hpp"
 #include "runtime/errors.hpp"
 
 namespace epx {
@@ -176,8 +174,9 @@ LaunchResult launch_local(int num_ranks, const std::function<int(Bootstrap&)>& b
     ++result.num_failed;
     const int code = result.exit_codes[r];
     result.summary += cat("rank ", r, ": ",
-                          code == -1 ? kill_reason
-                                     : code >= 128 ? cat("killed by signal ", code - 128) : cat("exit code ", code),
+                          code == -1    ? kill_reason
+                          : code >= 128 ? cat("killed by signal ", code - 128)
+                                        : cat("exit code ", code),
                           "\n");
   }
   munmap(mem, bytes);

@@ -112,8 +112,8 @@ __device__ __forceinline__ int32_t ld_cg(const int32_t* p) {
 }
 // Stores that nobody in this block reads back: do not allocate in L1.
 __device__ __forceinline__ void st_na(int4* p, const int4& v) {
-  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
                : "memory");
 }
 __device__ __forceinline__ void st_na(int32_t* p, int32_t v) {

@@ -5,7 +5,8 @@
 // Two ways to reach a rank's copy of a region:
 //  - peer pointer (RegionMap::peer[r] != nullptr): the copy mapped here through CUDA IPC or by nvshmem_ptr; the
 //    kernel's own stores and loads move the data over NVLink.
-//  - NVSHMEM (peer[r] == nullptr; kernels compiled with EPX_NVSHMEM_DEVICE only): puts and atomics on this rank's symmetric
+//  - NVSHMEM (peer[r] == nullptr; kernels compiled with EPX_NVSHMEM_DEVICE only): puts and atomics on this rank's
+//  symmetric
 //    address of the same offset; the NVSHMEM library moves the data (P2P stores inside a node, RDMA through its
 //    proxy or IBGDA between nodes). Sources of puts must then be symmetric memory (callers stage them there).
 // EPX_NVSHMEM_DEVICE is set for the kernels that are device-linked with NVSHMEM (CMakeLists.txt); elsewhere, and
@@ -122,8 +123,8 @@ __device__ __forceinline__ T* at_peer(const RegionMap& region, int peer, T* mine
 
 // Warp-collective (all 32 lanes, same arguments): n int4 from src to `dst` in peer's copy.
 template <int kUnroll, typename Load>
-__device__ __forceinline__ void put_warp(const RegionMap& region, int peer, int4* dst, const int4* src, int n,
-                                         int lane, Load load) {
+__device__ __forceinline__ void put_warp(const RegionMap& region, int peer, int4* dst, const int4* src, int n, int lane,
+                                         Load load) {
   if (has_peer_pointer(region, peer)) {
     write_rows<kUnroll>(at_peer(region, peer, dst), src, n, lane, load);
     return;

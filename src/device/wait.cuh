@@ -21,7 +21,7 @@ struct WaitSite {
 };
 
 static __device__ __noinline__ void fail_fatal(const FailState& env, int code, const WaitSite& site, int64_t seen,
-                                        int64_t awaited) {
+                                               int64_t awaited) {
   if (atomicCAS(&env.self->fatal_claimed, 0, 1) == 0) {
     volatile DeviceDiag* d = &env.host->fatal;
     d->channel = site.channel;
@@ -60,32 +60,36 @@ __device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awa
 // Waits until *p >= target (acquire). Returns the value seen.
 __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* p, uint64_t target, const FailState& env,
                                                   const WaitSite& site) {
-  return wait_until(p, [target](uint64_t v) { return v >= target; }, int64_t(target), env, site);
+  return wait_until(
+      p, [target](uint64_t v) { return v >= target; }, int64_t(target), env, site);
 }
 
 // Waits until *p >= target (acquire), for 32-bit counters.
 __device__ __forceinline__ int32_t wait_at_least_i32(const int32_t* p, int32_t target, const FailState& env,
                                                      const WaitSite& site) {
-  return wait_until(p, [target](int32_t v) { return v >= target; }, target, env, site);
+  return wait_until(
+      p, [target](int32_t v) { return v >= target; }, target, env, site);
 }
 
 // Waits until the monotonic 32-bit counter *p has reached target (acquire), comparing so that the counter may
 // wrap (the two are never 2^31 apart).
 __device__ __forceinline__ int32_t wait_epoch(const int32_t* p, int32_t target, const FailState& env,
                                               const WaitSite& site) {
-  return wait_until(p, [target](int32_t v) { return int32_t(uint32_t(v) - uint32_t(target)) >= 0; }, target, env,
-                    site);
+  return wait_until(
+      p, [target](int32_t v) { return int32_t(uint32_t(v) - uint32_t(target)) >= 0; }, target, env, site);
 }
 
 // Waits until *p == target (acquire), for epoch flags.
 __device__ __forceinline__ void wait_equal(const uint32_t* p, uint32_t target, const FailState& env,
                                            const WaitSite& site) {
-  wait_until(p, [target](uint32_t v) { return v == target; }, int64_t(target), env, site);
+  wait_until(
+      p, [target](uint32_t v) { return v == target; }, int64_t(target), env, site);
 }
 
 // Waits until *p != 0 (acquire) and returns it, for count messages that are nonzero once written.
 __device__ __forceinline__ int32_t wait_nonzero(const int32_t* p, const FailState& env, const WaitSite& site) {
-  return wait_until(p, [](int32_t v) { return v != 0; }, 1, env, site);
+  return wait_until(
+      p, [](int32_t v) { return v != 0; }, 1, env, site);
 }
 
 // A spin with no memory to watch (a coordinator waiting on its own block) still has a budget.

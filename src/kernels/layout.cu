@@ -13,9 +13,9 @@ constexpr int kLayoutThreads = 256;
 
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) {
   extern __shared__ int smem[];
-  int* s_expert = smem;                           // [E]
-  int* s_rank = s_expert + p.num_experts;         // [R]
-  int* s_rdma = s_rank + p.num_ranks;             // [R / G]
+  int* s_expert = smem;                    // [E]
+  int* s_rank = s_expert + p.num_experts;  // [R]
+  int* s_rdma = s_rank + p.num_ranks;      // [R / G]
   const int num_rdma = p.num_tokens_per_rdma_rank ? p.num_ranks / p.num_nvl_ranks : 0;
   const int bins = p.num_experts + p.num_ranks + num_rdma;
   for (int i = threadIdx.x; i < bins; i += blockDim.x) smem[i] = 0;

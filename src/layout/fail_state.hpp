@@ -11,12 +11,12 @@
 namespace epx {
 
 struct FailState {
-  HostShared* host;                      // this rank's host-mapped block (device view): diagnostics for the CPU
-  NvlControl* self;                      // this rank's control block: its abort word, the first-failure claim
-  int32_t* abort_words[kMaxNvlRanks];    // every rank's abort word as mapped here (abort_words[rank] is its own)
-  int num_ranks;                         // entries of abort_words
-  int rank;                              // this rank, as diagnostics name it
-  uint64_t budget_ns;                    // every wait's budget
+  HostShared* host;                    // this rank's host-mapped block (device view): diagnostics for the CPU
+  NvlControl* self;                    // this rank's control block: its abort word, the first-failure claim
+  int32_t* abort_words[kMaxNvlRanks];  // every rank's abort word as mapped here (abort_words[rank] is its own)
+  int num_ranks;                       // entries of abort_words
+  int rank;                            // this rank, as diagnostics name it
+  uint64_t budget_ns;                  // every wait's budget
 };
 
 }  // namespace epx

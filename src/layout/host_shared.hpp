@@ -12,13 +12,13 @@ namespace epx {
 // buffer stays usable); timeouts and aborts are fatal (the kernel traps, the buffer must be destroyed).
 enum DeviceError : int32_t {
   kErrNone = 0,
-  kErrTopkOutOfRange = 1,     // a = token, b = slot, c = value
-  kErrLayoutMismatch = 2,     // a = destination rank, b = num_tokens_per_rank[a], c = count in is_token_in_rank
-  kErrWorstTokensExceeded = 3,// a = receiving rank, b = rows it would receive, c = num_worst_tokens
-  kErrTimeout = 4,            // a = value seen, b = value awaited, c = role-specific (see the role)
-  kErrAbortedByPeer = 5,      // a = rank whose wait failed first
-  kErrShapeMismatch = 6,      // a = first rank whose operation signature differs, b = its signature, c = ours
-  kErrExpertRowsExceeded = 7, // a = expert, b = rows this rank sends it (at least), c = M (low-latency dispatch)
+  kErrTopkOutOfRange = 1,       // a = token, b = slot, c = value
+  kErrLayoutMismatch = 2,       // a = destination rank, b = num_tokens_per_rank[a], c = count in is_token_in_rank
+  kErrWorstTokensExceeded = 3,  // a = receiving rank, b = rows it would receive, c = num_worst_tokens
+  kErrTimeout = 4,              // a = value seen, b = value awaited, c = role-specific (see the role)
+  kErrAbortedByPeer = 5,        // a = rank whose wait failed first
+  kErrShapeMismatch = 6,        // a = first rank whose operation signature differs, b = its signature, c = ours
+  kErrExpertRowsExceeded = 7,   // a = expert, b = rows this rank sends it (at least), c = M (low-latency dispatch)
 };
 
 enum DeviceRole : int32_t {
@@ -52,11 +52,11 @@ struct HostShared {
   int32_t num_recv_tokens;  // counts of that notify
   int32_t op_error;         // collective input error of that notify (DeviceError), 0 if none
   int32_t op_error_rank;
-  int32_t fatal_claimed;    // 0 until a fatal diagnostic is written (first writer wins)
-  int32_t input_claimed;    // 0 until this rank's first input error since the last report
+  int32_t fatal_claimed;  // 0 until a fatal diagnostic is written (first writer wins)
+  int32_t input_claimed;  // 0 until this rank's first input error since the last report
   int32_t pad[2];
-  DeviceDiag fatal;         // timeout / abort
-  DeviceDiag input;         // this rank's input error (layout kernel)
+  DeviceDiag fatal;  // timeout / abort
+  DeviceDiag input;  // this rank's input error (layout kernel)
   int32_t num_recv_tokens_per_expert[kMaxLocalExperts];
 };
 

@@ -1,5 +1,6 @@
 // Parameters of the high-throughput kernels and their launch functions. Filled by the host runtime
-// (runtime/intranode_ops.cpp), read by the kernels (kernels/layout.cu, kernels/intranode/). Plain data: passed by value.
+// (runtime/intranode_ops.cpp), read by the kernels (kernels/layout.cu, kernels/intranode/). Plain data: passed by
+// value.
 #pragma once
 
 #include <vector_types.h>  // int4
@@ -51,15 +52,15 @@ struct NotifyParams {
   const int* num_tokens_per_expert;  // may be null
   const uint8_t* is_token_in_rank;
   int num_tokens;
-  int num_experts;                   // 0 when num_tokens_per_expert is null
+  int num_experts;  // 0 when num_tokens_per_expert is null
   int num_channels;
   int expert_alignment;
   int num_worst_tokens;
-  int* rank_prefix_matrix;           // [R, R]
-  int* channel_prefix_matrix;        // [R, C] inclusive over channels, of what this rank sends
-  int* recv_channel_prefix_matrix;   // [R, C] first recv row of (source, channel)
-  int host_seq;                      // > 0: publish counts to the host under this sequence number
-  int signature;                     // shape of the operation (op kind, record layout, channels, ring); all equal
+  int* rank_prefix_matrix;          // [R, R]
+  int* channel_prefix_matrix;       // [R, C] inclusive over channels, of what this rank sends
+  int* recv_channel_prefix_matrix;  // [R, C] first recv row of (source, channel)
+  int host_seq;                     // > 0: publish counts to the host under this sequence number
+  int signature;                    // shape of the operation (op kind, record layout, channels, ring); all equal
 };
 
 struct DispatchParams {
@@ -70,11 +71,11 @@ struct DispatchParams {
   int num_ranks;
   int num_channels;
   int num_tokens;
-  int num_send_chunk;      // tokens per tail update
-  int x_int4;              // row bytes / 16
+  int num_send_chunk;  // tokens per tail update
+  int x_int4;          // row bytes / 16
   int num_scales;
   int num_topk;
-  int experts_per_rank;    // L (0 without top-k)
+  int experts_per_rank;  // L (0 without top-k)
   const int4* x;
   const float* x_scales;
   const int64_t* topk_idx;
@@ -82,13 +83,13 @@ struct DispatchParams {
   const uint8_t* is_token_in_rank;
   const int* rank_prefix_matrix;
   const int* recv_channel_prefix_matrix;
-  int* send_head;          // [T, R]
+  int* send_head;  // [T, R]
   int4* recv_x;
   float* recv_x_scales;
   int64_t* recv_topk_idx;
   float* recv_topk_weights;
   int* recv_src_idx;
-  int num_worst_tokens;    // > 0: pad rows [num_recv_tokens, num_worst_tokens)
+  int num_worst_tokens;  // > 0: pad rows [num_recv_tokens, num_worst_tokens)
 };
 
 struct CombineParams {
@@ -98,11 +99,11 @@ struct CombineParams {
   CombineRecord record;
   int num_ranks;
   int num_channels;
-  int num_tokens;          // tokens this rank dispatched (outputs rows)
+  int num_tokens;  // tokens this rank dispatched (outputs rows)
   int num_send_chunk;
-  int x_int4;              // hidden * 2 / 16
-  int num_topk;            // 0 without weights
-  const int4* x;           // [rows, hidden] expert outputs in recv order
+  int x_int4;     // hidden * 2 / 16
+  int num_topk;   // 0 without weights
+  const int4* x;  // [rows, hidden] expert outputs in recv order
   const float* topk_weights;
   const int* rank_prefix_matrix;
   const int* channel_prefix_matrix;

@@ -110,7 +110,9 @@ struct LowLatencyLayout {
   EPX_HD bool fits() const { return kSignalsBytes + receive_bytes + combine_send_bytes <= set_bytes; }
 
   EPX_HD uint8_t* set_base(void* region, int set) const { return static_cast<uint8_t*>(region) + set * set_bytes; }
-  EPX_HD int32_t* dispatch_count(void* region, int set) const { return reinterpret_cast<int32_t*>(set_base(region, set)); }
+  EPX_HD int32_t* dispatch_count(void* region, int set) const {
+    return reinterpret_cast<int32_t*>(set_base(region, set));
+  }
   EPX_HD int32_t* combine_arrived(void* region, int set) const {
     return reinterpret_cast<int32_t*>(set_base(region, set) + kSignalBytes);
   }

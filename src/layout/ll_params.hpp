@@ -20,18 +20,18 @@ struct LowLatencyDispatchParams {
   FailState fail;
   PeerMap peers;  // the kernels reach the other ranks' low-latency regions through peers.ll
   LowLatencyLayout layout;
-  int set;                      // buffer set of this call
-  int phases;                   // kLowLatencySend | kLowLatencyRecv
+  int set;     // buffer set of this call
+  int phases;  // kLowLatencySend | kLowLatencyRecv
   int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
   int fp8, round_scale, ue8m0;
-  const int4* x;                // bf16 [T, H]
-  const int64_t* topk_idx;      // [T, K]
-  int* cumulative_stats;        // [L] or null
-  void* packed_recv_x;          // [L, R*M, H] bf16 or e4m3
-  void* packed_recv_scales;     // fp8: float [L, H/128, R*M] or (ue8m0) int32 [L, H/512, R*M]
-  int* packed_recv_count;       // [L]
-  int* recv_src_info;           // [L, R*M]
-  int64_t* recv_layout_range;   // [L, R]
+  const int4* x;               // bf16 [T, H]
+  const int64_t* topk_idx;     // [T, K]
+  int* cumulative_stats;       // [L] or null
+  void* packed_recv_x;         // [L, R*M, H] bf16 or e4m3
+  void* packed_recv_scales;    // fp8: float [L, H/128, R*M] or (ue8m0) int32 [L, H/512, R*M]
+  int* packed_recv_count;      // [L]
+  int* recv_src_info;          // [L, R*M]
+  int64_t* recv_layout_range;  // [L, R]
 };
 
 struct LowLatencyCombineParams {
@@ -41,13 +41,13 @@ struct LowLatencyCombineParams {
   int set;
   int phases;
   int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
-  const int4* x;                    // bf16 [L, R*M, H] expert outputs (a user tensor, or the zero-copy area)
-  int x_in_region;                  // x is this set's combine-send area (zero-copy): NVSHMEM can put from it
-  const int64_t* topk_idx;          // [T, K]
-  const float* topk_weights;        // [T, K]
-  const int* recv_src_info;         // [L, R*M]
-  const int64_t* recv_layout_range; // [L, R]
-  int4* out;                        // bf16 [T, H]
+  const int4* x;                     // bf16 [L, R*M, H] expert outputs (a user tensor, or the zero-copy area)
+  int x_in_region;                   // x is this set's combine-send area (zero-copy): NVSHMEM can put from it
+  const int64_t* topk_idx;           // [T, K]
+  const float* topk_weights;         // [T, K]
+  const int* recv_src_info;          // [L, R*M]
+  const int64_t* recv_layout_range;  // [L, R]
+  int4* out;                         // bf16 [T, H]
 };
 
 // Grid of every low-latency launch on a GPU with that many SMs; a Buffer takes the smallest over its ranks, since

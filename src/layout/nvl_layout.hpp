@@ -20,8 +20,8 @@ struct NotifyMsg {
   static constexpr int kNumTokens = 2;  // sender's token count (diagnostics)
   static constexpr int kSignature = 3;  // hash of the operation's shape: every rank must send the same
   static constexpr int kHeader = 4;
-  EPX_HD static constexpr int tokens_per_rank(int j) { return kHeader + j; }                  // sender's row
-  EPX_HD static constexpr int expert(int i) { return kHeader + kMaxNvlRanks + i; }            // receiver's expert i
+  EPX_HD static constexpr int tokens_per_rank(int j) { return kHeader + j; }        // sender's row
+  EPX_HD static constexpr int expert(int i) { return kHeader + kMaxNvlRanks + i; }  // receiver's expert i
   EPX_HD static constexpr int channel(int c) { return kHeader + kMaxNvlRanks + kMaxLocalExperts + c; }
   static constexpr int kInts = kHeader + kMaxNvlRanks + kMaxLocalExperts + kMaxChannels;
 };
@@ -29,10 +29,10 @@ struct NotifyMsg {
 // Control region at offset 0 of every NVLink buffer. Zeroed at creation; counters only grow afterwards.
 struct NvlControl {
   // Written by this rank only.
-  uint32_t epoch;        // operations (notify or barrier) this rank has started
-  int32_t local_error;   // input error found by this rank's layout kernel, reported at the next notify
-  int32_t op_error;      // collective error of the current operation (0: none), set by notify
-  int32_t op_error_rank; // rank that reported op_error
+  uint32_t epoch;         // operations (notify or barrier) this rank has started
+  int32_t local_error;    // input error found by this rank's layout kernel, reported at the next notify
+  int32_t op_error;       // collective error of the current operation (0: none), set by notify
+  int32_t op_error_rank;  // rank that reported op_error
   // Written by any rank: 1 + the rank that failed a wait; every wait of every rank checks it.
   int32_t abort;
   int32_t fatal_claimed;  // first failing thread of this rank claims the host diagnostic slot (atomicCAS)

@@ -1,8 +1,8 @@
 // The CPU reference model (SPEC sections 1-3). Plain loops, written to be obviously right.
 #include "epx/reference.hpp"
 
-#include <cfenv>
 #include <algorithm>
+#include <cfenv>
 #include <cmath>
 #include <cstring>
 #include <string>

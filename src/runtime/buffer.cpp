@@ -2,9 +2,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -126,8 +126,9 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   EPX_REQUIRE(num_nvl_ranks <= kMaxNvlRanks, "an NVLink domain holds at most ", kMaxNvlRanks, " ranks, got ",
               num_nvl_ranks);
   if (num_nvl_ranks != num_ranks)
-    raise(Status::kNotSupported, "ranks spanning several NVLink domains (internode mode) are not implemented yet: ",
-          num_ranks, " ranks with num_nvl_ranks = ", num_nvl_ranks);
+    raise(Status::kNotSupported,
+          "ranks spanning several NVLink domains (internode mode) are not implemented yet: ", num_ranks,
+          " ranks with num_nvl_ranks = ", num_nvl_ranks);
   EPX_REQUIRE(opts.num_nvl_bytes >= 0 && opts.num_rdma_bytes >= 0, "buffer sizes must be >= 0");
   nvl_rank = rank % num_nvl_ranks;
 
@@ -178,15 +179,14 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   std::vector<PeerInfo> all(num_ranks);
   bs.all_gather(&mine, all.data(), sizeof(PeerInfo));
 
-
   for (int i = 0; i < num_ranks; ++i) {
     const PeerInfo& p = all[i];
     EPX_REQUIRE(p.magic == kPeerInfoMagic && p.rank == i, "bootstrap all-gather returned garbage for rank ", i,
                 " (is every rank creating a Buffer at the same time, with the same library version?)");
-    EPX_REQUIRE(p.alloc_bytes == alloc_bytes && p.num_nvl_ranks == num_nvl_ranks &&
-                    p.low_latency_mode == mine.low_latency_mode,
-                "buffer options differ between ranks: rank ", i, " has ", p.alloc_bytes, " bytes / num_nvl_ranks ",
-                p.num_nvl_ranks, ", rank ", rank, " has ", alloc_bytes, " / ", num_nvl_ranks);
+    EPX_REQUIRE(
+        p.alloc_bytes == alloc_bytes && p.num_nvl_ranks == num_nvl_ranks && p.low_latency_mode == mine.low_latency_mode,
+        "buffer options differ between ranks: rank ", i, " has ", p.alloc_bytes, " bytes / num_nvl_ranks ",
+        p.num_nvl_ranks, ", rank ", rank, " has ", alloc_bytes, " / ", num_nvl_ranks);
     EPX_REQUIRE(p.ll_transport == mine.ll_transport && p.ll_force_nvshmem == mine.ll_force_nvshmem,
                 "ranks disagree on the low-latency transport: rank ", i, " chose ",
                 transport_name(LowLatencyTransport(p.ll_transport)), p.ll_force_nvshmem ? " (forced)" : "", ", rank ",
@@ -196,8 +196,8 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
     EPX_REQUIRE(p.ll_early_launch == mine.ll_early_launch, "EPX_LL_EARLY_LAUNCH differs between ranks: rank ", i,
                 " has ", p.ll_early_launch, ", rank ", rank, " has ", mine.ll_early_launch);
   }
-  // The low-latency kernels count completed blocks per op (kernels/low_latency/epochs.cuh): every rank launches the same
-  // grid, one block per SM of the smallest GPU (and at most kLowLatencyMaxBlocks).
+  // The low-latency kernels count completed blocks per op (kernels/low_latency/epochs.cuh): every rank launches the
+  // same grid, one block per SM of the smallest GPU (and at most kLowLatencyMaxBlocks).
   ll_launch.grid = kLowLatencyMaxBlocks;
   for (const PeerInfo& p : all) ll_launch.grid = std::min(ll_launch.grid, low_latency_grid(p.num_sms));
   EPX_REQUIRE(ll_launch.grid >= 1, "a rank reported no SMs");

@@ -29,7 +29,7 @@ struct PeerInfo {
   int32_t ll_transport;  // LowLatencyTransport: the same build and switches on every rank
   int32_t ll_force_nvshmem;
   int32_t ll_early_launch;
-  int32_t num_sms;       // the low-latency grid is the smallest over the ranks (the same everywhere)
+  int32_t num_sms;  // the low-latency grid is the smallest over the ranks (the same everywhere)
   int64_t alloc_bytes;
   char hostname[64];
   cudaIpcMemHandle_t handle;
@@ -41,12 +41,12 @@ struct Buffer::Impl {
   int rank = 0;
   int num_ranks = 0;
   int device = 0;
-  int num_nvl_ranks = 0;           // NVLink domain size
-  int nvl_rank = 0;                // index inside the domain
+  int num_nvl_ranks = 0;  // NVLink domain size
+  int nvl_rank = 0;       // index inside the domain
   int num_device_sms = 0;
   double timeout_s = kDefaultTimeoutSeconds;
 
-  void* local = nullptr;           // this rank's NVLink buffer: NvlControl, then ring data (then low-latency sets)
+  void* local = nullptr;  // this rank's NVLink buffer: NvlControl, then ring data (then low-latency sets)
   int64_t alloc_bytes = 0;
   // How kernels reach every rank's memory (layout/peer_map.hpp): the NVLink buffers of the domain through CUDA
   // IPC, the low-latency region through CUDA IPC or NVSHMEM. Built by map_peers.
@@ -59,8 +59,8 @@ struct Buffer::Impl {
   // (kCudaIpc) or in NVSHMEM symmetric memory (kNvshmem). See runtime/transport.hpp.
   int64_t ll_offset = 0;
   int64_t ll_set_bytes = 0;
-  int ll_next_set = 0;             // alternates on every low-latency call (dispatch or combine)
-  LowLatencyLaunch ll_launch{};    // the same grid on every rank (create)
+  int ll_next_set = 0;           // alternates on every low-latency call (dispatch or combine)
+  LowLatencyLaunch ll_launch{};  // the same grid on every rank (create)
   // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};

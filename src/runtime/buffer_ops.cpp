@@ -23,8 +23,8 @@ void Buffer::dispatch(const DispatchArgs& a, const Config& c, const DispatchHand
   intranode::dispatch(*impl_, a, c, h, o, stream, op);
 }
 
-void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const DispatchHandle& h,
-                             const DispatchOutputs& o, cudaStream_t stream) {
+void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const DispatchHandle& h, const DispatchOutputs& o,
+                             cudaStream_t stream) {
   const char* op = "dispatch (cached)";
   impl_->enter(op);
   intranode::dispatch_cached(*impl_, a, c, h, o, stream, op);
@@ -50,8 +50,8 @@ void Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a, const LowLate
   low_latency::dispatch(*impl_, a, o, phases, h, stream, op);
 }
 
-int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x,
-                                int phases, int buffer_set, cudaStream_t stream) {
+int Buffer::low_latency_combine(const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x, int phases,
+                                int buffer_set, cudaStream_t stream) {
   const char* op = "low_latency_combine";
   impl_->enter(op);
   return low_latency::combine(*impl_, a, h, combined_x, phases, buffer_set, stream, op);

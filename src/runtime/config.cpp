@@ -66,11 +66,10 @@ Config default_combine_config(int num_ranks) {
 void validate_config(const Config& c, int num_ranks) {
   num_channels(c);  // num_sms even and in range
   EPX_REQUIRE(c.num_max_send_tokens >= 1, "config.num_max_send_tokens must be >= 1, got ", c.num_max_send_tokens);
-  EPX_REQUIRE(c.num_max_recv_tokens >= c.num_max_send_tokens,
-              "config.num_max_recv_tokens (ring capacity, ", c.num_max_recv_tokens,
-              ") must be >= num_max_send_tokens (", c.num_max_send_tokens, ")");
-  EPX_REQUIRE(c.num_max_recv_tokens <= (1 << 20), "config.num_max_recv_tokens is unreasonably large: ",
-              c.num_max_recv_tokens);
+  EPX_REQUIRE(c.num_max_recv_tokens >= c.num_max_send_tokens, "config.num_max_recv_tokens (ring capacity, ",
+              c.num_max_recv_tokens, ") must be >= num_max_send_tokens (", c.num_max_send_tokens, ")");
+  EPX_REQUIRE(c.num_max_recv_tokens <= (1 << 20),
+              "config.num_max_recv_tokens is unreasonably large: ", c.num_max_recv_tokens);
   EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxNvlRanks, "high-throughput kernels run on 1..", kMaxNvlRanks,
               " ranks of one NVLink domain, got num_ranks = ", num_ranks);
 }

@@ -5,10 +5,10 @@
 
 #include "runtime/errors.hpp"
 
-#define EPX_CUDA_CHECK(call)                                                                          \
-  do {                                                                                                \
-    const cudaError_t epx_err_ = (call);                                                              \
-    if (epx_err_ != cudaSuccess)                                                                      \
-      ::epx::raise(::epx::Status::kCuda, #call, " failed: ", cudaGetErrorName(epx_err_), " (",         \
-                   cudaGetErrorString(epx_err_), ") at ", __FILE__, ":", __LINE__);                   \
+#define EPX_CUDA_CHECK(call)                                                                   \
+  do {                                                                                         \
+    const cudaError_t epx_err_ = (call);                                                       \
+    if (epx_err_ != cudaSuccess)                                                               \
+      ::epx::raise(::epx::Status::kCuda, #call, " failed: ", cudaGetErrorName(epx_err_), " (", \
+                   cudaGetErrorString(epx_err_), ") at ", __FILE__, ":", __LINE__);            \
   } while (0)

@@ -19,33 +19,54 @@ DeviceDiag read_diag(const volatile DeviceDiag* d) {
 
 const char* error_name(int code) {
   switch (code) {
-    case kErrNone: return "no error";
-    case kErrTopkOutOfRange: return "topk_idx out of range";
-    case kErrLayoutMismatch: return "num_tokens_per_rank does not match is_token_in_rank";
-    case kErrWorstTokensExceeded: return "num_worst_tokens too small";
-    case kErrTimeout: return "timeout";
-    case kErrAbortedByPeer: return "aborted by a peer";
-    case kErrShapeMismatch: return "ranks disagree on the operation";
-    case kErrExpertRowsExceeded: return "more rows for one expert than num_max_dispatch_tokens_per_rank";
+    case kErrNone:
+      return "no error";
+    case kErrTopkOutOfRange:
+      return "topk_idx out of range";
+    case kErrLayoutMismatch:
+      return "num_tokens_per_rank does not match is_token_in_rank";
+    case kErrWorstTokensExceeded:
+      return "num_worst_tokens too small";
+    case kErrTimeout:
+      return "timeout";
+    case kErrAbortedByPeer:
+      return "aborted by a peer";
+    case kErrShapeMismatch:
+      return "ranks disagree on the operation";
+    case kErrExpertRowsExceeded:
+      return "more rows for one expert than num_max_dispatch_tokens_per_rank";
   }
   return "unknown error";
 }
 
 const char* role_name(int role) {
   switch (role) {
-    case kRoleLayout: return "layout";
-    case kRoleNotify: return "notify (count exchange / barrier)";
-    case kRoleDispatchSender: return "dispatch sender";
-    case kRoleDispatchReceiver: return "dispatch receiver";
-    case kRoleCombineSender: return "combine sender";
-    case kRoleCombineReceiver: return "combine receiver";
-    case kRoleCombineCoordinator: return "combine coordinator";
-    case kRoleDispatchCoordinator: return "dispatch sender coordinator";
-    case kRoleCombineSenderCoordinator: return "combine sender coordinator";
-    case kRoleLowLatencySend: return "low-latency dispatch send";
-    case kRoleLowLatencyRecv: return "low-latency dispatch receive";
-    case kRoleLowLatencyCombineSend: return "low-latency combine send";
-    case kRoleLowLatencyCombineRecv: return "low-latency combine receive";
+    case kRoleLayout:
+      return "layout";
+    case kRoleNotify:
+      return "notify (count exchange / barrier)";
+    case kRoleDispatchSender:
+      return "dispatch sender";
+    case kRoleDispatchReceiver:
+      return "dispatch receiver";
+    case kRoleCombineSender:
+      return "combine sender";
+    case kRoleCombineReceiver:
+      return "combine receiver";
+    case kRoleCombineCoordinator:
+      return "combine coordinator";
+    case kRoleDispatchCoordinator:
+      return "dispatch sender coordinator";
+    case kRoleCombineSenderCoordinator:
+      return "combine sender coordinator";
+    case kRoleLowLatencySend:
+      return "low-latency dispatch send";
+    case kRoleLowLatencyRecv:
+      return "low-latency dispatch receive";
+    case kRoleLowLatencyCombineSend:
+      return "low-latency combine send";
+    case kRoleLowLatencyCombineRecv:
+      return "low-latency combine receive";
   }
   return "unknown role";
 }
@@ -81,8 +102,8 @@ std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
     default:
       what = cat("waiting on rank ", d.peer, ": seen ", d.a, ", awaited ", d.b, " (", d.c, ")");
   }
-  return cat("rank ", d.rank, " ", role_name(d.role), " timed out after ", timeout_s, " s on channel ", d.channel,
-             ", ", what);
+  return cat("rank ", d.rank, " ", role_name(d.role), " timed out after ", timeout_s, " s on channel ", d.channel, ", ",
+             what);
 }
 
 std::string describe_input(int code, const DeviceDiag& d, int reporting_rank) {
@@ -96,9 +117,10 @@ std::string describe_input(int code, const DeviceDiag& d, int reporting_rank) {
     case kErrWorstTokensExceeded:
       return cat("num_worst_tokens = ", d.c, " is too small: rank ", d.a, " would receive ", d.b, " rows");
     case kErrShapeMismatch:
-      return cat("ranks disagree on this operation: rank ", d.a, " called it with a different shape than rank ",
-                 d.rank, " (operation, hidden size, dtype, number of scales, num_topk, num_sms or ring size;"
-                 " signatures ", d.b, " vs ", d.c, "); every rank must pass the same");
+      return cat("ranks disagree on this operation: rank ", d.a, " called it with a different shape than rank ", d.rank,
+                 " (operation, hidden size, dtype, number of scales, num_topk, num_sms or ring size;"
+                 " signatures ",
+                 d.b, " vs ", d.c, "); every rank must pass the same");
     case kErrExpertRowsExceeded:
       return cat("rank ", reporting_rank, " sends at least ", d.b, " rows to expert ", d.a,
                  " but a low-latency dispatch holds num_max_dispatch_tokens_per_rank = ", d.c,

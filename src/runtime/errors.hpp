@@ -22,8 +22,8 @@ template <typename... Args>
 }
 
 // Argument check: throws kInvalidArgument with the message when cond is false.
-#define EPX_REQUIRE(cond, ...)                                        \
-  do {                                                                \
+#define EPX_REQUIRE(cond, ...)                                               \
+  do {                                                                       \
     if (!(cond)) ::epx::raise(::epx::Status::kInvalidArgument, __VA_ARGS__); \
   } while (0)
 

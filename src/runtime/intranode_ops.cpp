@@ -139,7 +139,8 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   const DispatchRecord record = dispatch_record(a);
   const RingLayout ring = ring_for(b, c, record.bytes, op);
   const int rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : h.num_recv_tokens;
-  EPX_REQUIRE(rows >= 0, op, ": the handle does not know how many tokens arrive (notify_dispatch not waited for);"
+  EPX_REQUIRE(rows >= 0, op,
+              ": the handle does not know how many tokens arrive (notify_dispatch not waited for);"
               " pass num_worst_tokens");
   EPX_REQUIRE(o.num_rows >= rows, op, ": outputs have ", o.num_rows, " rows, need ", rows);
   if (rows > 0) {

@@ -12,8 +12,8 @@ namespace epx {
 namespace {
 
 // The order of the calls on the two buffer sets, kept on the host (Buffer::Impl::ll_waiting). The kernels
-// count the ops of a set by the receives this rank completed there (kernels/low_latency/epochs.cuh), which is right only
-// if every earlier call on the set was received before the next is sent.
+// count the ops of a set by the receives this rank completed there (kernels/low_latency/epochs.cuh), which is right
+// only if every earlier call on the set was received before the next is sent.
 enum LowLatencyCall { kNoCall = 0, kDispatchCall = 1, kCombineCall = 2 };
 const char* call_name(int c) { return c == kDispatchCall ? "dispatch" : "combine"; }
 
@@ -22,8 +22,8 @@ int choose_set(const Buffer::Impl& b, LowLatencyCall call, int phases, int recei
                const void* id1, const char* op) {
   if (phases & kLowLatencySendPhase) {
     const int set = b.ll_next_set;
-    EPX_REQUIRE(b.ll_waiting[set] == kNoCall, op, ": buffer set ", set, " still holds a ",
-                call_name(b.ll_waiting[set]), " that this rank has not received; call its receive (the hook) before "
+    EPX_REQUIRE(b.ll_waiting[set] == kNoCall, op, ": buffer set ", set, " still holds a ", call_name(b.ll_waiting[set]),
+                " that this rank has not received; call its receive (the hook) before "
                 "sending the call after next");
     return set;
   }
@@ -66,7 +66,8 @@ void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_t
   EPX_REQUIRE(num_experts > 0 && num_experts % b.num_ranks == 0 && num_experts <= kLowLatencyMaxExperts, op,
               ": num_experts (", num_experts, ") must be a multiple of the number of ranks (", b.num_ranks,
               ") and <= ", kLowLatencyMaxExperts);
-  EPX_REQUIRE(b.ll_set_bytes > 0, op, ": the buffer has no low-latency region: create it with num_rdma_bytes from "
+  EPX_REQUIRE(b.ll_set_bytes > 0, op,
+              ": the buffer has no low-latency region: create it with num_rdma_bytes from "
               "low_latency_size_hint");
   const LowLatencyLayout layout = LowLatencyLayout::make(b.ll_set_bytes, max_tokens, hidden, num_experts);
   if (!layout.fits())
@@ -137,11 +138,12 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
   validate_shape(b, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
                  a.use_fp8 != 0, a.use_ue8m0 != 0, op);
   EPX_REQUIRE(!a.use_ue8m0 || (a.use_fp8 && a.round_scale), op, ": use_ue8m0 needs use_fp8 and round_scale");
-  EPX_REQUIRE(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x)), op, ": x must be a 16-byte aligned device pointer");
+  EPX_REQUIRE(a.num_tokens == 0 || (a.x != nullptr && aligned16(a.x)), op,
+              ": x must be a 16-byte aligned device pointer");
   EPX_REQUIRE(a.num_tokens == 0 || a.topk_idx != nullptr, op, ": topk_idx is null");
-  EPX_REQUIRE(o.packed_recv_x && aligned16(o.packed_recv_x) && o.packed_recv_count && o.recv_src_info &&
-                  o.recv_layout_range,
-              op, ": packed_recv_x (16-byte aligned), packed_recv_count, recv_src_info and recv_layout_range are needed");
+  EPX_REQUIRE(
+      o.packed_recv_x && aligned16(o.packed_recv_x) && o.packed_recv_count && o.recv_src_info && o.recv_layout_range,
+      op, ": packed_recv_x (16-byte aligned), packed_recv_count, recv_src_info and recv_layout_range are needed");
   EPX_REQUIRE(!a.use_fp8 || o.packed_recv_x_scales != nullptr, op, ": FP8 dispatch needs packed_recv_x_scales");
   constexpr int64_t kMaxSharedBytes = 227 * 1024;  // per block on Hopper: the staged token and topk as int16
   EPX_REQUIRE(LowLatencyRecord::make(a.hidden, a.use_fp8 != 0).bytes + int64_t(a.num_tokens) * a.num_topk * 2 <=
@@ -160,15 +162,19 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
   const int format = (a.use_fp8 ? 1 : 0) | (a.use_ue8m0 ? 2 : 0);
   if (phases == kLowLatencyRecvPhase)
     EPX_REQUIRE(b.ll_waiting_format[set] == format, op, ": the receive call must repeat the send call's use_fp8 (",
-                b.ll_waiting_format[set] & 1, ") and use_ue8m0 (", b.ll_waiting_format[set] >> 1, "), got ",
-                format & 1, " and ", format >> 1);
+                b.ll_waiting_format[set] & 1, ") and use_ue8m0 (", b.ll_waiting_format[set] >> 1, "), got ", format & 1,
+                " and ", format >> 1);
   // The handle holds this call's shape: filled here (send; the caller's handle only once every check passed)
   // or checked against it above (receive; num_topk aside, which the send call's handle carries).
-  const LowLatencyHandle shape =
-      (phases & kLowLatencySendPhase)
-          ? LowLatencyHandle{set, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
-                             o.recv_src_info, o.recv_layout_range}
-          : h;
+  const LowLatencyHandle shape = (phases & kLowLatencySendPhase) ? LowLatencyHandle{set,
+                                                                                    a.num_tokens,
+                                                                                    a.hidden,
+                                                                                    a.num_topk,
+                                                                                    a.num_experts,
+                                                                                    a.num_max_dispatch_tokens_per_rank,
+                                                                                    o.recv_src_info,
+                                                                                    o.recv_layout_range}
+                                                                 : h;
   auto p = low_latency_params<LowLatencyDispatchParams>(b, shape, set, phases);
   p.num_topk = a.num_topk;
   check_staging(b, p.layout, a.num_max_dispatch_tokens_per_rank, a.hidden, a.use_fp8 != 0, op);
@@ -193,8 +199,8 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
 int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x, int phases,
             int buffer_set, cudaStream_t stream, const char* op) {
   require_phases(phases, op);
-  validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false,
-                 false, op);
+  validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false, false,
+                 op);
   EPX_REQUIRE(h.recv_src_info != nullptr && h.recv_layout_range != nullptr, op, ": the handle is incomplete");
   EPX_REQUIRE(h.num_tokens == 0 || (a.topk_idx != nullptr && a.topk_weights != nullptr), op,
               ": topk_idx and topk_weights of the dispatch are needed");
@@ -205,7 +211,8 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
 
   const int set = choose_set(b, kCombineCall, phases, buffer_set, h.recv_src_info, combined_x, op);
   auto p = low_latency_params<LowLatencyCombineParams>(b, h, set, phases);
-  p.x = static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.peer_map.ll.local, set)) : a.x);
+  p.x =
+      static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.peer_map.ll.local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;
@@ -219,8 +226,8 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
 }
 
 void* next_combine_buffer(Buffer::Impl& b, const LowLatencyHandle& h, const char* op) {
-  validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false,
-                 false, op);
+  validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false, false,
+                 op);
   const LowLatencyLayout layout =
       LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
   return layout.combine_send(b.peer_map.ll.local, b.ll_next_set);

@@ -4,9 +4,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "layout/ll_layout.hpp"
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
-#include "layout/ll_layout.hpp"
 #if EPX_HAVE_NVSHMEM
 #include "runtime/symmetric_memory.hpp"
 #endif
@@ -84,8 +84,8 @@ void Buffer::Impl::attach_low_latency_region() {
 #endif
   }
   for (int set = 0; set < 2; ++set)
-    EPX_CUDA_CHECK(cudaMemset(ll.local + set * ll_set_bytes, 0,
-                              std::min<int64_t>(LowLatencyLayout::kSignalsBytes, ll_set_bytes)));
+    EPX_CUDA_CHECK(
+        cudaMemset(ll.local + set * ll_set_bytes, 0, std::min<int64_t>(LowLatencyLayout::kSignalsBytes, ll_set_bytes)));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

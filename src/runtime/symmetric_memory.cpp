@@ -64,8 +64,8 @@ void initialise(Bootstrap& bs, int64_t first_region_bytes) {
     const nvshmemi_version_t version{NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
                                      NVSHMEM_VENDOR_PATCH_VERSION};
     int provided = 0;
-    result.status = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr,
-                                         version);
+    result.status =
+        nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version);
   }
   if (result.status == 0) {
     result.pe = nvshmem_my_pe();
@@ -99,8 +99,8 @@ void* symmetric_alloc(Bootstrap& bs, int64_t bytes) {
   if (g_regions == 0) {
     initialise(bs, bytes);
   } else if (g_pe != bs.rank() || g_num_pes != bs.size()) {
-    raise(Status::kNotSupported, "NVSHMEM is in use by another buffer of this process as PE ", g_pe, " of ",
-          g_num_pes, "; a buffer over rank ", bs.rank(), " of ", bs.size(), " cannot share it", kHint);
+    raise(Status::kNotSupported, "NVSHMEM is in use by another buffer of this process as PE ", g_pe, " of ", g_num_pes,
+          "; a buffer over rank ", bs.rank(), " of ", bs.size(), " cannot share it", kHint);
   }
   void* region = nvshmem_malloc(size_t(bytes));  // collective
   std::vector<RankResult> all;

@@ -20,8 +20,7 @@ bool parse_env_switch(const char* name, const char* value) {
 }
 
 LowLatencyTransportChoice choose_low_latency_transport(bool has_low_latency_region, bool built_with_nvshmem,
-                                                       const char* disable_nvshmem_env,
-                                                       const char* force_nvshmem_env) {
+                                                       const char* disable_nvshmem_env, const char* force_nvshmem_env) {
   const bool disable = parse_env_switch("EPX_DISABLE_NVSHMEM", disable_nvshmem_env);
   const bool force = parse_env_switch("EPX_LL_FORCE_NVSHMEM", force_nvshmem_env);
   if (disable && force)
@@ -29,7 +28,8 @@ LowLatencyTransportChoice choose_low_latency_transport(bool has_low_latency_regi
   LowLatencyTransportChoice c;
   if (!has_low_latency_region) return c;  // nothing to carry; the switches are still checked above
   if (force && !built_with_nvshmem)
-    raise(Status::kNotSupported, "EPX_LL_FORCE_NVSHMEM=1 but this libepx was built without NVSHMEM "
+    raise(Status::kNotSupported,
+          "EPX_LL_FORCE_NVSHMEM=1 but this libepx was built without NVSHMEM "
           "(configure with -DEPX_NVSHMEM=ON -DEPX_NVSHMEM_DIR=...)");
   if (!built_with_nvshmem || disable) {
     c.transport = LowLatencyTransport::kCudaIpc;
@@ -56,7 +56,8 @@ LowLatencyTransportChoice choose_low_latency_transport_from_env(bool has_low_lat
 std::string describe_low_latency_transport(const LowLatencyTransportInfo& info) {
   const auto ranks = [](int n) { return cat(n, n == 1 ? " rank" : " ranks"); };
   switch (info.transport) {
-    case EPX_LL_TRANSPORT_NONE: return "none (no low-latency region)";
+    case EPX_LL_TRANSPORT_NONE:
+      return "none (no low-latency region)";
     case EPX_LL_TRANSPORT_CUDA_IPC:
       return cat("cuda-ipc: ", ranks(info.num_peer_pointer_ranks), " through peer pointers");
     case EPX_LL_TRANSPORT_NVSHMEM:
@@ -76,9 +77,12 @@ int64_t nvshmem_heap_bytes(int64_t region_bytes) {
 
 const char* transport_name(LowLatencyTransport t) {
   switch (t) {
-    case LowLatencyTransport::kNone: return "none";
-    case LowLatencyTransport::kCudaIpc: return "cuda-ipc";
-    case LowLatencyTransport::kNvshmem: return "nvshmem";
+    case LowLatencyTransport::kNone:
+      return "none";
+    case LowLatencyTransport::kCudaIpc:
+      return "cuda-ipc";
+    case LowLatencyTransport::kNvshmem:
+      return "nvshmem";
   }
   return "?";
 }

@@ -20,8 +20,9 @@ void validate_dispatch_args(const DispatchArgs& a, int num_ranks, bool cached, c
   EPX_REQUIRE(!has_tokens || a.x != nullptr, op, ": x is null");
   EPX_REQUIRE(aligned16(a.x), op, ": x must be 16-byte aligned");
   if (a.dtype == EPX_FP8_E4M3) {
-    EPX_REQUIRE(a.num_scales >= 1, op, ": FP8 dispatch needs x_scales with num_scales >= 1 (hidden / 128 = ",
-                a.hidden / kFp8GroupSize, " for per-128 scales)");
+    EPX_REQUIRE(a.num_scales >= 1, op,
+                ": FP8 dispatch needs x_scales with num_scales >= 1 (hidden / 128 = ", a.hidden / kFp8GroupSize,
+                " for per-128 scales)");
     EPX_REQUIRE(!has_tokens || a.x_scales != nullptr, op, ": FP8 dispatch needs x_scales");
   } else {
     EPX_REQUIRE(a.x_scales == nullptr && a.num_scales == 0, op, ": x_scales are only for FP8 x");
@@ -55,15 +56,17 @@ DispatchRecord dispatch_record(const DispatchArgs& a) {
 void validate_combine_args(const CombineArgs& a, const CombineOutputs& o, int num_tokens, int num_recv_tokens,
                            const char* op) {
   EPX_REQUIRE(a.hidden > 0 && a.hidden <= kMaxHidden && a.hidden % 8 == 0, op,
-              ": hidden must be a multiple of 8 in [8, ", kMaxHidden, "] (bf16 rows of 16-byte vectors), got ", a.hidden);
+              ": hidden must be a multiple of 8 in [8, ", kMaxHidden, "] (bf16 rows of 16-byte vectors), got ",
+              a.hidden);
   EPX_REQUIRE(a.num_rows >= 0, op, ": num_rows must be >= 0");
   EPX_REQUIRE(num_recv_tokens < 0 || a.num_rows >= num_recv_tokens, op, ": x has ", a.num_rows,
               " rows but the dispatch delivered ", num_recv_tokens);
-  EPX_REQUIRE(a.num_rows == 0 || (a.x != nullptr && aligned16(a.x)), op, ": x must be a 16-byte aligned device pointer");
+  EPX_REQUIRE(a.num_rows == 0 || (a.x != nullptr && aligned16(a.x)), op,
+              ": x must be a 16-byte aligned device pointer");
   // As in dispatch, num_topk > 0 (on every rank) says that weights are combined.
   if (a.num_topk != 0) {
-    EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be 0 (no weights) or in [1, ",
-                kMaxTopk, "], got ", a.num_topk);
+    EPX_REQUIRE(a.num_topk >= 1 && a.num_topk <= kMaxTopk, op, ": num_topk must be 0 (no weights) or in [1, ", kMaxTopk,
+                "], got ", a.num_topk);
     EPX_REQUIRE(a.num_rows == 0 || a.topk_weights != nullptr, op, ": num_topk = ", a.num_topk,
                 " but topk_weights is null");
     EPX_REQUIRE(num_tokens == 0 || o.combined_topk_weights != nullptr, op, ": num_topk = ", a.num_topk,

@@ -3,7 +3,6 @@
 // through its exit code and the parent asserts on LaunchResult. Nothing here touches CUDA.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -62,15 +61,18 @@ TEST(LaunchLocal, RejectsBadRankCount) {
 
 TEST_P(Launch, RanksAndSizeAreDistinctAndRight) {
   const int R = GetParam();
-  const epx::LaunchResult res = epx::launch_local(R, [R](epx::Bootstrap& bs) {
-    if (bs.size() != R) return 2;
-    std::vector<int> ranks(size_t(R), -1);
-    const int mine = bs.rank();
-    bs.all_gather(&mine, ranks.data(), sizeof mine);
-    for (int r = 0; r < R; ++r)
-      if (ranks[r] != r) return 3;
-    return 0;
-  }, 60, 10);
+  const epx::LaunchResult res = epx::launch_local(
+      R,
+      [R](epx::Bootstrap& bs) {
+        if (bs.size() != R) return 2;
+        std::vector<int> ranks(size_t(R), -1);
+        const int mine = bs.rank();
+        bs.all_gather(&mine, ranks.data(), sizeof mine);
+        for (int r = 0; r < R; ++r)
+          if (ranks[r] != r) return 3;
+        return 0;
+      },
+      60, 10);
   EXPECT_EQ(res.num_failed, 0) << res.summary;
   EXPECT_EQ(res.exit_codes, std::vector<int>(size_t(R), 0));
 }
@@ -79,31 +81,37 @@ TEST_P(Launch, AllGatherMovesEveryRanksBytes) {
   const int R = GetParam();
   // 0 bytes; small; exactly one 64 KiB slot; one byte more (two rounds); several rounds with a partial last.
   static const size_t kSizes[] = {0, 1, 13, 4096, 65536, 65537, 150000};
-  const epx::LaunchResult res = epx::launch_local(R, [](epx::Bootstrap& bs) {
-    int salt = 0;
-    for (size_t bytes : kSizes) {
-      if (!gather_is_right(bs, bytes, salt)) return 10 + salt;  // the exit code says which size failed
-      ++salt;
-    }
-    return 0;
-  }, 60, 10);
+  const epx::LaunchResult res = epx::launch_local(
+      R,
+      [](epx::Bootstrap& bs) {
+        int salt = 0;
+        for (size_t bytes : kSizes) {
+          if (!gather_is_right(bs, bytes, salt)) return 10 + salt;  // the exit code says which size failed
+          ++salt;
+        }
+        return 0;
+      },
+      60, 10);
   EXPECT_EQ(res.num_failed, 0) << res.summary << "(exit code 10 + i: size index i was wrong)";
 }
 
 TEST_P(Launch, BarrierHoldsEveryRankUntilAllArrive) {
   const int R = GetParam();
   auto* arrived = shared_object<std::atomic<int>>();
-  const epx::LaunchResult res = epx::launch_local(R, [R, arrived](epx::Bootstrap& bs) {
-    for (int round = 0; round < 8; ++round) {
-      // One rank per round is late: a barrier that lets anyone through early sees a short count.
-      if (bs.rank() == round % R) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      arrived->fetch_add(1);
-      bs.barrier();
-      if (arrived->load() != (round + 1) * R) return 20 + round;
-      bs.barrier();  // nobody starts the next round before everyone checked this one
-    }
-    return 0;
-  }, 60, 10);
+  const epx::LaunchResult res = epx::launch_local(
+      R,
+      [R, arrived](epx::Bootstrap& bs) {
+        for (int round = 0; round < 8; ++round) {
+          // One rank per round is late: a barrier that lets anyone through early sees a short count.
+          if (bs.rank() == round % R) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          arrived->fetch_add(1);
+          bs.barrier();
+          if (arrived->load() != (round + 1) * R) return 20 + round;
+          bs.barrier();  // nobody starts the next round before everyone checked this one
+        }
+        return 0;
+      },
+      60, 10);
   EXPECT_EQ(res.num_failed, 0) << res.summary;
   EXPECT_EQ(arrived->load(), 8 * R);
   munmap(arrived, 4096);
@@ -111,8 +119,8 @@ TEST_P(Launch, BarrierHoldsEveryRankUntilAllArrive) {
 
 TEST_P(Launch, ExitCodesArePerRank) {
   const int R = GetParam();
-  const epx::LaunchResult res =
-      epx::launch_local(R, [R](epx::Bootstrap& bs) { return bs.size() == R ? bs.rank() : 99; }, 60, 10);
+  const epx::LaunchResult res = epx::launch_local(
+      R, [R](epx::Bootstrap& bs) { return bs.size() == R ? bs.rank() : 99; }, 60, 10);
   std::vector<int> want(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r) want[r] = r;
   EXPECT_EQ(res.exit_codes, want);
@@ -122,10 +130,13 @@ TEST_P(Launch, ExitCodesArePerRank) {
 
 TEST_P(Launch, OneRankReturnsThree) {
   const int R = GetParam();
-  const epx::LaunchResult res = epx::launch_local(R, [R](epx::Bootstrap& bs) {
-    bs.barrier();  // everyone is past its last bootstrap call before the failure
-    return bs.rank() == R - 1 ? 3 : 0;
-  }, 60, 10);
+  const epx::LaunchResult res = epx::launch_local(
+      R,
+      [R](epx::Bootstrap& bs) {
+        bs.barrier();  // everyone is past its last bootstrap call before the failure
+        return bs.rank() == R - 1 ? 3 : 0;
+      },
+      60, 10);
   EXPECT_EQ(res.num_failed, 1) << res.summary;
   EXPECT_EQ(res.exit_codes[R - 1], 3);
   EXPECT_THAT(res.summary, HasSubstr("rank " + std::to_string(R - 1) + ": exit code 3"));
@@ -133,12 +144,15 @@ TEST_P(Launch, OneRankReturnsThree) {
 
 TEST_P(Launch, AThrowingRankExitsWithOne) {
   const int R = GetParam();
-  const epx::LaunchResult res = epx::launch_local(R, [R](epx::Bootstrap& bs) -> int {
-    bs.barrier();
-    if (bs.rank() == R - 1) throw std::runtime_error("deliberate failure of the last rank");
-    if (R > 1 && bs.rank() == 0) throw epx::Error(epx::Status::kInternal, "deliberate epx::Error");
-    return 0;
-  }, 60, 10);
+  const epx::LaunchResult res = epx::launch_local(
+      R,
+      [R](epx::Bootstrap& bs) -> int {
+        bs.barrier();
+        if (bs.rank() == R - 1) throw std::runtime_error("deliberate failure of the last rank");
+        if (R > 1 && bs.rank() == 0) throw epx::Error(epx::Status::kInternal, "deliberate epx::Error");
+        return 0;
+      },
+      60, 10);
   EXPECT_EQ(res.exit_codes[R - 1], 1);
   EXPECT_EQ(res.exit_codes[0], 1);
   EXPECT_EQ(res.num_failed, R > 1 ? 2 : 1) << res.summary;
@@ -149,14 +163,17 @@ TEST_P(LaunchSeveral, AnEarlyFailureAbortsTheOthersBootstrapCalls) {
   const auto start = Clock::now();
   // Rank 0 fails before its first all-gather; the others would wait for it forever. A generous grace and
   // timeout show that they leave because their bootstrap calls throw, not because they are killed.
-  const epx::LaunchResult res = epx::launch_local(R, [](epx::Bootstrap& bs) -> int {
-    if (bs.rank() == 0) return 5;
-    try {
-      for (;;) bs.barrier();
-    } catch (const epx::Error& e) {
-      return e.status() == epx::Status::kBootstrap ? 42 : 43;
-    }
-  }, 20, 10);
+  const epx::LaunchResult res = epx::launch_local(
+      R,
+      [](epx::Bootstrap& bs) -> int {
+        if (bs.rank() == 0) return 5;
+        try {
+          for (;;) bs.barrier();
+        } catch (const epx::Error& e) {
+          return e.status() == epx::Status::kBootstrap ? 42 : 43;
+        }
+      },
+      20, 10);
   EXPECT_LT(seconds_since(start), 5.0);
   EXPECT_EQ(res.exit_codes[0], 5);
   for (int r = 1; r < R; ++r) EXPECT_EQ(res.exit_codes[r], 42) << "rank " << r << "\n" << res.summary;
@@ -166,10 +183,13 @@ TEST_P(LaunchSeveral, AnEarlyFailureAbortsTheOthersBootstrapCalls) {
 TEST_P(Launch, AHangingRankIsKilledAfterTheTimeout) {
   const int R = GetParam();
   const auto start = Clock::now();
-  const epx::LaunchResult res = epx::launch_local(R, [R](epx::Bootstrap& bs) {
-    if (bs.rank() == R - 1) std::this_thread::sleep_for(std::chrono::seconds(60));
-    return 0;
-  }, 2, 1);
+  const epx::LaunchResult res = epx::launch_local(
+      R,
+      [R](epx::Bootstrap& bs) {
+        if (bs.rank() == R - 1) std::this_thread::sleep_for(std::chrono::seconds(60));
+        return 0;
+      },
+      2, 1);
   const double elapsed = seconds_since(start);
   EXPECT_GE(elapsed, 2.0);
   EXPECT_LT(elapsed, 5.0);
@@ -186,11 +206,14 @@ INSTANTIATE_TEST_SUITE_P(Ranks, LaunchSeveral, ::testing::Values(2, 4, 8), rank_
 // before the launch timeout.
 TEST(LaunchLocal, ARankIgnoringTheAbortIsKilledAfterGrace) {
   const auto start = Clock::now();
-  const epx::LaunchResult res = epx::launch_local(2, [](epx::Bootstrap& bs) {
-    if (bs.rank() == 0) return 7;
-    std::this_thread::sleep_for(std::chrono::seconds(60));
-    return 0;
-  }, 30, 1);
+  const epx::LaunchResult res = epx::launch_local(
+      2,
+      [](epx::Bootstrap& bs) {
+        if (bs.rank() == 0) return 7;
+        std::this_thread::sleep_for(std::chrono::seconds(60));
+        return 0;
+      },
+      30, 1);
   EXPECT_LT(seconds_since(start), 4.0);
   EXPECT_EQ(res.exit_codes, (std::vector<int>{7, -1}));
   EXPECT_THAT(res.summary, HasSubstr("rank 1: killed 1 s after another rank failed"));
@@ -199,22 +222,28 @@ TEST(LaunchLocal, ARankIgnoringTheAbortIsKilledAfterGrace) {
 // Ranks blocked in a barrier on a rank that hangs: nobody is left running past the timeout.
 TEST(LaunchLocal, WaitersOfAHangingRankDoNotOutliveTheTimeout) {
   const auto start = Clock::now();
-  const epx::LaunchResult res = epx::launch_local(4, [](epx::Bootstrap& bs) {
-    if (bs.rank() == 2) std::this_thread::sleep_for(std::chrono::seconds(60));
-    bs.barrier();
-    return 0;
-  }, 2, 1);
+  const epx::LaunchResult res = epx::launch_local(
+      4,
+      [](epx::Bootstrap& bs) {
+        if (bs.rank() == 2) std::this_thread::sleep_for(std::chrono::seconds(60));
+        bs.barrier();
+        return 0;
+      },
+      2, 1);
   EXPECT_LT(seconds_since(start), 5.0);
   EXPECT_EQ(res.num_failed, 4) << res.summary;
   for (int code : res.exit_codes) EXPECT_NE(code, 0);
 }
 
 TEST(LaunchLocal, ASignalIsReportedAs128PlusSignal) {
-  const epx::LaunchResult res = epx::launch_local(2, [](epx::Bootstrap& bs) {
-    bs.barrier();
-    if (bs.rank() == 1) kill(getpid(), SIGTERM);
-    return 0;
-  }, 30, 5);
+  const epx::LaunchResult res = epx::launch_local(
+      2,
+      [](epx::Bootstrap& bs) {
+        bs.barrier();
+        if (bs.rank() == 1) kill(getpid(), SIGTERM);
+        return 0;
+      },
+      30, 5);
   EXPECT_EQ(res.exit_codes, (std::vector<int>{0, 128 + SIGTERM}));
   EXPECT_THAT(res.summary, HasSubstr("rank 1: killed by signal 15"));
 }

@@ -40,14 +40,19 @@ epx_buffer* const kGarbage = reinterpret_cast<epx_buffer*>(0x10);
 
 }  // namespace
 
-TEST(CApi, Version) {
-  EXPECT_EQ(epx_version(), EPX_VERSION_MAJOR * 100 + EPX_VERSION_MINOR);
-}
+TEST(CApi, Version) { EXPECT_EQ(epx_version(), EPX_VERSION_MAJOR * 100 + EPX_VERSION_MINOR); }
 
 TEST(CApi, EveryStatusHasItsOwnString) {
-  const epx_status all[] = {EPX_OK,           EPX_ERR_INVALID_ARGUMENT, EPX_ERR_BUFFER_TOO_SMALL, EPX_ERR_CUDA,
-                            EPX_ERR_TIMEOUT,  EPX_ERR_BOOTSTRAP,        EPX_ERR_NOT_SUPPORTED,    EPX_ERR_FAILED_STATE,
-                            EPX_ERR_INTERNAL, EPX_ERR_REMOTE};
+  const epx_status all[] = {EPX_OK,
+                            EPX_ERR_INVALID_ARGUMENT,
+                            EPX_ERR_BUFFER_TOO_SMALL,
+                            EPX_ERR_CUDA,
+                            EPX_ERR_TIMEOUT,
+                            EPX_ERR_BOOTSTRAP,
+                            EPX_ERR_NOT_SUPPORTED,
+                            EPX_ERR_FAILED_STATE,
+                            EPX_ERR_INTERNAL,
+                            EPX_ERR_REMOTE};
   std::set<std::string> seen;
   for (epx_status s : all) {
     const char* text = epx_status_string(s);
@@ -149,7 +154,8 @@ TEST(CApi, EveryOperationRejectsANullBuffer) {
       {"dispatch", epx_dispatch(nullptr, &dargs, &config, &handle, &dout, nullptr)},
       {"dispatch_cached", epx_dispatch_cached(nullptr, &dargs, &config, &handle, &dout, nullptr)},
       {"combine", epx_combine(nullptr, &cargs, &config, &handle, &combine_out, nullptr)},
-      {"region", [] {
+      {"region",
+       [] {
          void* p = nullptr;
          int64_t n = 0;
          return epx_buffer_region(nullptr, EPX_REGION_NVL, &p, &n);

@@ -80,8 +80,7 @@ TEST(Config, RejectsBadChunkAndRing) {
 
 TEST(Config, RejectsRankCountsOutsideOneDomain) {
   for (int r : {0, -1, epx::kMaxNvlRanks + 1, 64})
-    EXPECT_THAT(invalid_argument_message([&] { epx::validate_config(valid_config(), r); }), HasSubstr("ranks"))
-        << r;
+    EXPECT_THAT(invalid_argument_message([&] { epx::validate_config(valid_config(), r); }), HasSubstr("ranks")) << r;
 }
 
 // The ring of one (channel, peer) holds num_max_recv_tokens records; the biggest record any call can need with
@@ -90,10 +89,9 @@ TEST(Config, RejectsRankCountsOutsideOneDomain) {
 int64_t largest_ring_bytes(const epx::Config& c, int64_t hidden_bytes, int num_ranks) {
   const int hidden = int(hidden_bytes / 2);
   const int fp8_scales = (hidden + epx::kFp8GroupSize - 1) / epx::kFp8GroupSize;
-  const int64_t record =
-      std::max({epx::DispatchRecord::make(hidden_bytes, 0, epx::kMaxTopk).bytes,
-                epx::DispatchRecord::make(hidden, fp8_scales, epx::kMaxTopk).bytes,
-                epx::CombineRecord::make(hidden, epx::kMaxTopk).bytes});
+  const int64_t record = std::max({epx::DispatchRecord::make(hidden_bytes, 0, epx::kMaxTopk).bytes,
+                                   epx::DispatchRecord::make(hidden, fp8_scales, epx::kMaxTopk).bytes,
+                                   epx::CombineRecord::make(hidden, epx::kMaxTopk).bytes});
   return int64_t(c.num_sms / 2) * num_ranks * c.num_max_recv_tokens * epx::align_up(record, epx::kAlign);
 }
 

@@ -1,6 +1,8 @@
 // The payload functions shared by the harness's host and device generators (tools/harness/gen_rows.hpp): the
 // checks regenerate expected rows on the host with them while the timed loops write inputs on the GPU with the
 // same code, so their values are pinned here.
+#include "gen_rows.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,7 +10,6 @@
 
 #include "epx/reference.hpp"
 #include "gen.hpp"
-#include "gen_rows.hpp"
 
 namespace {
 

@@ -1,5 +1,7 @@
 // The CPU reference model is the oracle of every GPU test, so it is checked here against values worked out
 // by hand (never against itself): numeric conversions, layout, dispatch routing and the combine reduction.
+#include "epx/reference.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,8 +12,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include "epx/reference.hpp"
 
 namespace ref = epx::ref;
 
@@ -94,10 +94,10 @@ TEST(Bf16, EveryFiniteCodeRoundTrips) {
 
 TEST(E4m3, ToFloatHandTable) {
   const std::pair<uint8_t, float> table[] = {
-      {0x00, 0.0f},        {0x01, 1.0f / 512},   {0x07, 7.0f / 512},  // subnormals: m * 2^-9
-      {0x08, 1.0f / 64},   {0x38, 1.0f},         {0x3c, 1.5f},        {0x40, 2.0f},
-      {0x77, 240.0f},      {0x78, 256.0f},       {0x7e, 448.0f},      // 1.75 * 2^8 is the largest finite
-      {0xb8, -1.0f},       {0xfe, -448.0f},      {0x81, -1.0f / 512},
+      {0x00, 0.0f},      {0x01, 1.0f / 512}, {0x07, 7.0f / 512},  // subnormals: m * 2^-9
+      {0x08, 1.0f / 64}, {0x38, 1.0f},       {0x3c, 1.5f},        {0x40, 2.0f},
+      {0x77, 240.0f},    {0x78, 256.0f},     {0x7e, 448.0f},  // 1.75 * 2^8 is the largest finite
+      {0xb8, -1.0f},     {0xfe, -448.0f},    {0x81, -1.0f / 512},
   };
   for (const auto& [bits, want] : table) EXPECT_EQ(ref::e4m3_to_float(bits), want) << int(bits);
   EXPECT_TRUE(std::isnan(ref::e4m3_to_float(0x7f)));
@@ -109,22 +109,22 @@ TEST(E4m3, FromFloatRoundsToNearestEvenAndSaturates) {
   const std::pair<float, uint8_t> table[] = {
       {1.0f, 0x38},
       {448.0f, 0x7e},
-      {449.0f, 0x7e},                      // saturation, never NaN
-      {464.0f, 0x7e},                      // the midpoint to the (non-existent) 480
+      {449.0f, 0x7e},  // saturation, never NaN
+      {464.0f, 0x7e},  // the midpoint to the (non-existent) 480
       {1e9f, 0x7e},
       {std::numeric_limits<float>::infinity(), 0x7e},
       {-std::numeric_limits<float>::infinity(), 0xfe},
       {-1000.0f, 0xfe},
-      {1.0625f, 0x38},                     // tie between 1.0 (0x38, even) and 1.125 (0x39)
-      {1.0625f + 1.0f / 1024, 0x39},       // just above the tie
-      {1.1875f, 0x3a},                     // tie between 1.125 (0x39, odd) and 1.25 (0x3a)
-      {248.0f, 0x78},                      // tie between 240 (0x77) and 256 (0x78, even) crosses a binade
-      {1.0f / 64, 0x08},                   // smallest normal
-      {1.0f / 1024, 0x00},                 // subnormal tie between 0 and 2^-9: to 0
-      {3.0f / 1024, 0x02},                 // subnormal tie between 0x01 and 0x02: to 0x02
-      {15.0f / 1024, 0x08},                // tie between 0x07 and 0x08 (2^-6): to the even 0x08
-      {1.0f / 4096, 0x00},                 // underflow
-      {-1.0f / 1024, 0x80},                // underflow keeps the sign
+      {1.0625f, 0x38},                // tie between 1.0 (0x38, even) and 1.125 (0x39)
+      {1.0625f + 1.0f / 1024, 0x39},  // just above the tie
+      {1.1875f, 0x3a},                // tie between 1.125 (0x39, odd) and 1.25 (0x3a)
+      {248.0f, 0x78},                 // tie between 240 (0x77) and 256 (0x78, even) crosses a binade
+      {1.0f / 64, 0x08},              // smallest normal
+      {1.0f / 1024, 0x00},            // subnormal tie between 0 and 2^-9: to 0
+      {3.0f / 1024, 0x02},            // subnormal tie between 0x01 and 0x02: to 0x02
+      {15.0f / 1024, 0x08},           // tie between 0x07 and 0x08 (2^-6): to the even 0x08
+      {1.0f / 4096, 0x00},            // underflow
+      {-1.0f / 1024, 0x80},           // underflow keeps the sign
       {-1.5f, 0xbc},
   };
   for (const auto& [value, want] : table) EXPECT_EQ(ref::float_to_e4m3(value), want) << value;
@@ -279,8 +279,10 @@ TEST(Dispatch, MetaRebasesIdsAndZeroesForeignWeights) {
 TEST(Dispatch, MetaCountsRoundUpToAlignment) {
   const ThreeRanks d;
   const auto s = d.sources(true, true);
-  EXPECT_EQ(ref::dispatch_meta(s, 1, 2, 6, 2, true, true).num_recv_tokens_per_expert, (std::vector<int>{2, 2}));  // 1, 2
-  EXPECT_EQ(ref::dispatch_meta(s, 2, 2, 6, 3, true, true).num_recv_tokens_per_expert, (std::vector<int>{3, 3}));  // 2, 1
+  EXPECT_EQ(ref::dispatch_meta(s, 1, 2, 6, 2, true, true).num_recv_tokens_per_expert,
+            (std::vector<int>{2, 2}));  // 1, 2
+  EXPECT_EQ(ref::dispatch_meta(s, 2, 2, 6, 3, true, true).num_recv_tokens_per_expert,
+            (std::vector<int>{3, 3}));  // 2, 1
   EXPECT_EQ(ref::dispatch_meta(s, 0, 2, 6, 128, true, true).num_recv_tokens_per_expert, (std::vector<int>{128, 128}));
 }
 
@@ -323,7 +325,7 @@ struct CombineData {
       {{1, 2}, {0.3f, 0.7f}},
   };
   std::vector<uint8_t> in_rank = {1, 1, 1, 0, 0, 0, 0, 1, 0};
-  std::vector<uint16_t> bias0 = {kOne, 0x0000, 0x4040, 0xbf00, 0x3f00, 0x0000};  // t1: 3.0, -0.5; t2: 0.5, 0
+  std::vector<uint16_t> bias0 = {kOne, 0x0000, 0x4040, 0xbf00, 0x3f00, 0x0000};    // t1: 3.0, -0.5; t2: 0.5, 0
   std::vector<uint16_t> bias1 = {0x3f00, 0x0000, 0x3e80, 0x0000, 0x0000, 0x0000};  // t0: 0.5; t1: 0.25
   ref::Source own() const { return {3, in_rank.data(), nullptr, nullptr}; }
   ref::ContributionRow row_fn() const {
@@ -362,8 +364,7 @@ TEST(Combine, HandConstantsAreWhatTheCommentsSay) {
 
 TEST(Combine, FixedOrderRankThenBiasesOneRounding) {
   const CombineData d;
-  const ref::Combined c =
-      ref::combine(d.own(), 3, 2, 2, d.row_fn(), d.weight_fn(), d.bias0.data(), d.bias1.data());
+  const ref::Combined c = ref::combine(d.own(), 3, 2, 2, d.row_fn(), d.weight_fn(), d.bias0.data(), d.bias1.data());
   EXPECT_EQ(c.x, (std::vector<uint16_t>{
                      0x3fc0, 0x3f81,  // t0: 1.5 (SPEC order), 1 + 2^-7 (one rounding)
                      0x4050, 0xbf00,  // t1, routed nowhere: bias only, 3.0 + 0.25 = 3.25, -0.5

@@ -1,5 +1,7 @@
 // The choice of the low-latency transport (runtime/transport.hpp) and what it relies on, without a GPU: the
 // environment switches, the NVSHMEM heap size epx asks for, the staging room of the NVSHMEM path, the C ABI.
+#include "runtime/transport.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -9,10 +11,9 @@
 #include "epx/epx.h"
 #include "epx/epx.hpp"
 #include "layout/ll_layout.hpp"
-#include "runtime/transport.hpp"
 
-using ::testing::HasSubstr;
 using epx::LowLatencyTransport;
+using ::testing::HasSubstr;
 
 namespace {
 
@@ -93,8 +94,8 @@ TEST(Transport, NoRegionNoTransport) {
 
 TEST(Transport, NvshmemHeapHoldsTheRegionWithRoomToSpare) {
   int64_t previous = 0;
-  for (int64_t region : {int64_t(0), int64_t(1), int64_t(4096), int64_t(1) << 30, int64_t(2437) << 20,
-                         (int64_t(5) << 30) + 12345}) {
+  for (int64_t region :
+       {int64_t(0), int64_t(1), int64_t(4096), int64_t(1) << 30, int64_t(2437) << 20, (int64_t(5) << 30) + 12345}) {
     const int64_t heap = epx::nvshmem_heap_bytes(region);
     EXPECT_GE(heap, region + (int64_t(512) << 20)) << region;
     EXPECT_EQ(heap % (int64_t(1) << 20), 0) << region;
@@ -129,11 +130,11 @@ TEST(Transport, DispatchStagingFitsTheCombineSendArea) {
   EXPECT_FALSE(one.dispatch_stage_fits(4, epx::LowLatencyRecord::make(2048, false).bytes));
 }
 
-// Every signal array and epoch counter of a low-latency set lies inside the signals area (which clean zeroes and the receive area
-// follows), and no two overlap: a flag added later cannot silently share bytes with another.
+// Every signal array and epoch counter of a low-latency set lies inside the signals area (which clean zeroes and the
+// receive area follows), and no two overlap: a flag added later cannot silently share bytes with another.
 TEST(Transport, LowLatencySignalsAreDisjointInsideTheSignalsArea) {
-  const auto layout = epx::LowLatencyLayout::make(epx::LowLatencyLayout::required_set_bytes(128, 7168, 288), 128,
-                                                  7168, 288);
+  const auto layout =
+      epx::LowLatencyLayout::make(epx::LowLatencyLayout::required_set_bytes(128, 7168, 288), 128, 7168, 288);
   for (int set : {0, 1}) {
     uint8_t* const region = reinterpret_cast<uint8_t*>(uintptr_t(1) << 20);  // never dereferenced
     const uint8_t* base = layout.set_base(region, set);

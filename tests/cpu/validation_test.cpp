@@ -237,7 +237,9 @@ struct CombineCase {
     o.combined_topk_weights = fake<float>(0x6000);
   }
   void validate() const { epx::validate_combine_args(a, o, num_tokens, num_recv_tokens, kOp); }
-  std::string error() const { return invalid_argument_message([&] { validate(); }); }
+  std::string error() const {
+    return invalid_argument_message([&] { validate(); });
+  }
 };
 
 }  // namespace

@@ -79,9 +79,8 @@ std::vector<Case> intranode_cases() {
     c.expert_alignment = 128;
     return c;
   }));
-  cases.push_back(scenario("rank 0 sends nothing", [](Context& ctx) {
-    return base_case(per_rank(ctx.num_ranks, {0}, 300), 2048, 17);
-  }));
+  cases.push_back(scenario("rank 0 sends nothing",
+                           [](Context& ctx) { return base_case(per_rank(ctx.num_ranks, {0}, 300), 2048, 17); }));
   cases.push_back(scenario("last rank receives nothing", [](Context&) {
     auto c = base_case({400}, 2048, 18);
     c.routing.kind = Routing::kLastIdle;
@@ -138,32 +137,32 @@ std::vector<Case> intranode_cases() {
   }));
 
   cases.push_back(Case{"cached dispatch with new data, then combine", [](Context& ctx) {
-    auto c = base_case({700}, 4096, 29);
-    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-    s.layout();
-    s.dispatch();
-    std::string err = s.check_dispatch();
-    for (int i = 0; i < 3; ++i) {
-      s.set_x(1000 + i);
-      s.dispatch_cached();
-      err += s.check_dispatch();
-    }
-    s.set_combine_inputs(99);
-    s.combine();
-    err += s.check_combine();
-    return err;
-  }});
+                         auto c = base_case({700}, 4096, 29);
+                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         s.layout();
+                         s.dispatch();
+                         std::string err = s.check_dispatch();
+                         for (int i = 0; i < 3; ++i) {
+                           s.set_x(1000 + i);
+                           s.dispatch_cached();
+                           err += s.check_dispatch();
+                         }
+                         s.set_combine_inputs(99);
+                         s.combine();
+                         err += s.check_combine();
+                         return err;
+                       }});
 
   cases.push_back(Case{"legacy default stream", [](Context& ctx) {
-    auto c = base_case({256}, 2048, 30);
-    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, nullptr);
-    s.layout();
-    s.dispatch();
-    std::string err = s.check_dispatch();
-    s.set_combine_inputs(5);
-    s.combine();
-    return err + s.check_combine();
-  }});
+                         auto c = base_case({256}, 2048, 30);
+                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, nullptr);
+                         s.layout();
+                         s.dispatch();
+                         std::string err = s.check_dispatch();
+                         s.set_combine_inputs(5);
+                         s.combine();
+                         return err + s.check_combine();
+                       }});
 
   // 300 tokens through one channel with a tiny ring, dispatch and combine on the same config.
   const auto small_config_case = [](std::string name, Config config, uint64_t seed, uint64_t combine_seed) {
@@ -184,126 +183,130 @@ std::vector<Case> intranode_cases() {
   cases.push_back(small_config_case("small configs: 2 SMs, chunk 2, ring 2 (chunk = ring)", Config{2, 2, 2}, 38, 7));
 
   cases.push_back(Case{"out-of-range topk_idx fails every rank, buffer stays usable", [](Context& ctx) {
-    auto c = base_case({64}, 2048, 32);
-    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-    const int culprit = ctx.num_ranks > 1 ? 1 : 0;
-    if (ctx.rank == culprit) {  // a layout of a corrupted topk_idx: slot [3][2] = E + 5
-      std::vector<int64_t> idx;
-      std::vector<float> w;
-      harness::make_topk(c.routing, ctx.rank, ctx.num_ranks, 64, idx, w);
-      idx[3 * c.routing.num_topk + 2] = c.routing.num_experts + 5;
-      harness::DeviceArray<int64_t> bad;
-      bad.upload(idx, ctx.stream);
-      harness::DeviceArray<int> per_rank(ctx.num_ranks), per_expert(c.routing.num_experts);
-      harness::DeviceArray<uint8_t> in_rank(size_t(64) * ctx.num_ranks);
-      ctx.buffer.get_dispatch_layout(LayoutArgs{bad.get(), 64, c.routing.num_topk, c.routing.num_experts},
-                                     LayoutOutputs{per_rank.get(), nullptr, per_expert.get(), in_rank.get()},
-                                     ctx.stream);
-      cudaStreamSynchronize(ctx.stream);
-    }
-    s.layout();
-    std::string err;
-    try {
-      s.dispatch();
-      err = "expected an error, dispatch succeeded\n";
-    } catch (const Error& e) {
-      const Status want = ctx.rank == culprit ? Status::kInvalidArgument : Status::kRemote;
-      if (e.status() != want) err = std::string("wrong status ") + status_string(e.status()) + ": " + e.what() + "\n";
-      if (ctx.rank == culprit && std::string(e.what()).find("topk_idx[3][2]") == std::string::npos)
-        err += std::string("message does not name the slot: ") + e.what() + "\n";
-    }
-    s.layout();  // the next operation works
-    s.dispatch();
-    err += s.check_dispatch();
-    s.set_combine_inputs(8);
-    s.combine();
-    return err + s.check_combine();
-  }});
+                         auto c = base_case({64}, 2048, 32);
+                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         const int culprit = ctx.num_ranks > 1 ? 1 : 0;
+                         if (ctx.rank == culprit) {  // a layout of a corrupted topk_idx: slot [3][2] = E + 5
+                           std::vector<int64_t> idx;
+                           std::vector<float> w;
+                           harness::make_topk(c.routing, ctx.rank, ctx.num_ranks, 64, idx, w);
+                           idx[3 * c.routing.num_topk + 2] = c.routing.num_experts + 5;
+                           harness::DeviceArray<int64_t> bad;
+                           bad.upload(idx, ctx.stream);
+                           harness::DeviceArray<int> per_rank(ctx.num_ranks), per_expert(c.routing.num_experts);
+                           harness::DeviceArray<uint8_t> in_rank(size_t(64) * ctx.num_ranks);
+                           ctx.buffer.get_dispatch_layout(
+                               LayoutArgs{bad.get(), 64, c.routing.num_topk, c.routing.num_experts},
+                               LayoutOutputs{per_rank.get(), nullptr, per_expert.get(), in_rank.get()}, ctx.stream);
+                           cudaStreamSynchronize(ctx.stream);
+                         }
+                         s.layout();
+                         std::string err;
+                         try {
+                           s.dispatch();
+                           err = "expected an error, dispatch succeeded\n";
+                         } catch (const Error& e) {
+                           const Status want = ctx.rank == culprit ? Status::kInvalidArgument : Status::kRemote;
+                           if (e.status() != want)
+                             err = std::string("wrong status ") + status_string(e.status()) + ": " + e.what() + "\n";
+                           if (ctx.rank == culprit && std::string(e.what()).find("topk_idx[3][2]") == std::string::npos)
+                             err += std::string("message does not name the slot: ") + e.what() + "\n";
+                         }
+                         s.layout();  // the next operation works
+                         s.dispatch();
+                         err += s.check_dispatch();
+                         s.set_combine_inputs(8);
+                         s.combine();
+                         return err + s.check_combine();
+                       }});
 
   cases.push_back(Case{"num_worst_tokens too small: check() fails every rank, buffer stays usable", [](Context& ctx) {
-    auto c = base_case({200}, 2048, 33);
-    c.worst_case = true;
-    c.worst_tokens_override = 1;
-    std::string err;
-    {
-      IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-      s.layout();
-      s.dispatch();  // no host wait in worst-case mode; the data kernels skip on every rank
-      try {
-        ctx.buffer.check(ctx.stream);
-        err = "expected check() to report num_worst_tokens\n";
-      } catch (const Error& e) {
-        if (e.status() != Status::kInvalidArgument || std::string(e.what()).find("num_worst_tokens") == std::string::npos)
-          err = std::string("wrong error: ") + e.what() + "\n";
-      }
-    }
-    c.worst_tokens_override = 0;
-    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-    s.layout();
-    s.dispatch();
-    err += s.check_dispatch();
-    s.set_combine_inputs(3);
-    s.combine();
-    return err + s.check_combine();
-  }});
+                         auto c = base_case({200}, 2048, 33);
+                         c.worst_case = true;
+                         c.worst_tokens_override = 1;
+                         std::string err;
+                         {
+                           IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                           s.layout();
+                           s.dispatch();  // no host wait in worst-case mode; the data kernels skip on every rank
+                           try {
+                             ctx.buffer.check(ctx.stream);
+                             err = "expected check() to report num_worst_tokens\n";
+                           } catch (const Error& e) {
+                             if (e.status() != Status::kInvalidArgument ||
+                                 std::string(e.what()).find("num_worst_tokens") == std::string::npos)
+                               err = std::string("wrong error: ") + e.what() + "\n";
+                           }
+                         }
+                         c.worst_tokens_override = 0;
+                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         s.layout();
+                         s.dispatch();
+                         err += s.check_dispatch();
+                         s.set_combine_inputs(3);
+                         s.combine();
+                         return err + s.check_combine();
+                       }});
 
   cases.push_back(Case{"ranks that disagree on hidden fail together, buffer stays usable", [](Context& ctx) {
-    auto c = base_case({64}, ctx.rank == ctx.num_ranks - 1 ? 4096 : 2048, 36);
-    std::string err;
-    {
-      IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-      s.layout();
-      try {
-        s.dispatch();
-        err = ctx.num_ranks > 1 ? "expected an error, dispatch succeeded\n" : "";
-      } catch (const Error& e) {
-        if (e.status() != Status::kInvalidArgument || std::string(e.what()).find("disagree") == std::string::npos)
-          err = std::string("wrong error: ") + e.what() + "\n";
-      }
-    }
-    c.hidden = 2048;
-    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-    s.layout();
-    s.dispatch();
-    err += s.check_dispatch();
-    s.set_combine_inputs(4);
-    s.combine();
-    return err + s.check_combine();
-  }});
+                         auto c = base_case({64}, ctx.rank == ctx.num_ranks - 1 ? 4096 : 2048, 36);
+                         std::string err;
+                         {
+                           IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                           s.layout();
+                           try {
+                             s.dispatch();
+                             err = ctx.num_ranks > 1 ? "expected an error, dispatch succeeded\n" : "";
+                           } catch (const Error& e) {
+                             if (e.status() != Status::kInvalidArgument ||
+                                 std::string(e.what()).find("disagree") == std::string::npos)
+                               err = std::string("wrong error: ") + e.what() + "\n";
+                           }
+                         }
+                         c.hidden = 2048;
+                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         s.layout();
+                         s.dispatch();
+                         err += s.check_dispatch();
+                         s.set_combine_inputs(4);
+                         s.combine();
+                         return err + s.check_combine();
+                       }});
 
   cases.push_back(Case{"buffer too small is reported before any launch", [](Context& ctx) {
-    auto c = base_case({64}, 7168, 34);
-    Config big{ctx.dispatch_config.num_sms, ctx.dispatch_config.num_max_send_tokens, 1 << 20};
-    IntranodeSession s(ctx.buffer, c, big, big, ctx.stream);
-    s.layout();
-    try {
-      s.dispatch();
-    } catch (const Error& e) {
-      if (e.status() != Status::kBufferTooSmall) return std::string("wrong status: ") + e.what() + "\n";
-      if (std::string(e.what()).find("needs") == std::string::npos)
-        return std::string("message does not say the size needed: ") + e.what() + "\n";
-      return std::string();
-    }
-    return std::string("expected kBufferTooSmall\n");
-  }});
+                         auto c = base_case({64}, 7168, 34);
+                         Config big{ctx.dispatch_config.num_sms, ctx.dispatch_config.num_max_send_tokens, 1 << 20};
+                         IntranodeSession s(ctx.buffer, c, big, big, ctx.stream);
+                         s.layout();
+                         try {
+                           s.dispatch();
+                         } catch (const Error& e) {
+                           if (e.status() != Status::kBufferTooSmall)
+                             return std::string("wrong status: ") + e.what() + "\n";
+                           if (std::string(e.what()).find("needs") == std::string::npos)
+                             return std::string("message does not say the size needed: ") + e.what() + "\n";
+                           return std::string();
+                         }
+                         return std::string("expected kBufferTooSmall\n");
+                       }});
 
   cases.push_back(Case{"1000 back-to-back dispatch + combine iterations", [](Context& ctx) {
-    auto c = base_case({96}, 1024, 35);
-    c.num_biases = 1;
-    IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-    s.layout();
-    std::string err;
-    for (int i = 0; i < 1000 && err.empty(); ++i) {
-      s.set_x(5000 + i);
-      s.dispatch();
-      s.set_combine_inputs(9000 + i);
-      s.combine();
-      err += s.check_dispatch();
-      err += s.check_combine();
-      if (!err.empty()) err = "iteration " + std::to_string(i) + ":\n" + err;
-    }
-    return err;
-  }});
+                         auto c = base_case({96}, 1024, 35);
+                         c.num_biases = 1;
+                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         s.layout();
+                         std::string err;
+                         for (int i = 0; i < 1000 && err.empty(); ++i) {
+                           s.set_x(5000 + i);
+                           s.dispatch();
+                           s.set_combine_inputs(9000 + i);
+                           s.combine();
+                           err += s.check_dispatch();
+                           err += s.check_combine();
+                           if (!err.empty()) err = "iteration " + std::to_string(i) + ":\n" + err;
+                         }
+                         return err;
+                       }});
   return cases;
 }
 

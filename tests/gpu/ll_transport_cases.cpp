@@ -75,21 +75,21 @@ std::string transport_mismatch(const LowLatencyTransportInfo& info, int num_rank
 std::vector<Case> low_latency_transport_cases(const LowLatencyTransportInfo& info, const std::string& expected) {
   std::vector<Case> cases;
   const std::string want = expected.empty() ? "" : " (expected " + expected + ")";
-  cases.push_back(Case{"ll: transport " + describe_low_latency_transport(info) + want,
-                       [expected](Context& ctx) {
+  cases.push_back(Case{"ll: transport " + describe_low_latency_transport(info) + want, [expected](Context& ctx) {
                          return transport_mismatch(ctx.buffer.low_latency_transport(), ctx.num_ranks, expected);
                        }});
   cases.push_back(Case{"ll: a second low-latency buffer beside the first (same transport), one step", [](Context& ctx) {
-    Buffer second(ctx.bootstrap, small_options(ctx.num_ranks));
-    std::string err;
-    if (!same(second.low_latency_transport(), ctx.buffer.low_latency_transport()))
-      err = "second buffer: " + describe_low_latency_transport(second.low_latency_transport()) + ", first: " +
-            describe_low_latency_transport(ctx.buffer.low_latency_transport()) + "\n";
-    second.set_timeout(ctx.buffer.timeout());
-    err += run_small_step(second, ctx.stream, 90);
-    second.destroy();
-    return err;
-  }});
+                         Buffer second(ctx.bootstrap, small_options(ctx.num_ranks));
+                         std::string err;
+                         if (!same(second.low_latency_transport(), ctx.buffer.low_latency_transport()))
+                           err = "second buffer: " + describe_low_latency_transport(second.low_latency_transport()) +
+                                 ", first: " + describe_low_latency_transport(ctx.buffer.low_latency_transport()) +
+                                 "\n";
+                         second.set_timeout(ctx.buffer.timeout());
+                         err += run_small_step(second, ctx.stream, 90);
+                         second.destroy();
+                         return err;
+                       }});
   return cases;
 }
 
@@ -98,27 +98,30 @@ int run_low_latency_process_suites(int num_ranks, const std::string& expected) {
   // Create / destroy cycles: with NVSHMEM every destroy of the last region finalises it and the next create
   // initialises it again.
   constexpr int kCycles = 3;
-  LaunchResult r = launch_local(num_ranks, [&](Bootstrap& bs) -> int {
-    cudaSetDevice(bs.rank());
-    cudaStream_t stream;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    std::string problem;
-    LowLatencyTransportInfo first{};
-    for (int cycle = 0; cycle < kCycles && problem.empty(); ++cycle) {
-      Buffer buffer(bs, small_options(num_ranks));
-      buffer.set_timeout(20);
-      const LowLatencyTransportInfo info = buffer.low_latency_transport();
-      if (cycle == 0) first = info;
-      if (!same(info, first)) problem += "cycle " + std::to_string(cycle) + ": transport changed\n";
-      problem += transport_mismatch(info, num_ranks, expected);
-      problem += run_small_step(buffer, stream, 100 + cycle);
-      buffer.destroy();
-      if (bs.rank() == 0 && cycle == 0)
-        std::printf("  (transport: %s)\n", describe_low_latency_transport(info).c_str());
-    }
-    if (!problem.empty()) std::printf("[rank %d] FAIL:\n%s", bs.rank(), problem.c_str());
-    return problem.empty() ? 0 : 1;
-  }, 300, 60);
+  LaunchResult r = launch_local(
+      num_ranks,
+      [&](Bootstrap& bs) -> int {
+        cudaSetDevice(bs.rank());
+        cudaStream_t stream;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        std::string problem;
+        LowLatencyTransportInfo first{};
+        for (int cycle = 0; cycle < kCycles && problem.empty(); ++cycle) {
+          Buffer buffer(bs, small_options(num_ranks));
+          buffer.set_timeout(20);
+          const LowLatencyTransportInfo info = buffer.low_latency_transport();
+          if (cycle == 0) first = info;
+          if (!same(info, first)) problem += "cycle " + std::to_string(cycle) + ": transport changed\n";
+          problem += transport_mismatch(info, num_ranks, expected);
+          problem += run_small_step(buffer, stream, 100 + cycle);
+          buffer.destroy();
+          if (bs.rank() == 0 && cycle == 0)
+            std::printf("  (transport: %s)\n", describe_low_latency_transport(info).c_str());
+        }
+        if (!problem.empty()) std::printf("[rank %d] FAIL:\n%s", bs.rank(), problem.c_str());
+        return problem.empty() ? 0 : 1;
+      },
+      300, 60);
   std::printf("[%s] ll: %d create / step / destroy cycles of a low-latency buffer in one process (%d ranks)\n",
               r.num_failed == 0 ? "PASS" : "FAIL", kCycles, num_ranks);
   if (r.num_failed) std::printf("%s", r.summary.c_str());
@@ -128,40 +131,43 @@ int run_low_latency_process_suites(int num_ranks, const std::string& expected) {
   // must return on every rank although rank 0's context is lost (NVSHMEM is left alone then: its collective
   // free would wait for rank 0 forever).
   constexpr double kBudget = 2.0;
-  r = launch_local(num_ranks, [&](Bootstrap& bs) -> int {
-    cudaSetDevice(bs.rank());
-    cudaStream_t stream;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    Buffer buffer(bs, small_options(num_ranks));
-    buffer.set_timeout(kBudget);
-    LowLatencySession s(buffer, small_case(num_ranks, 7), stream);
-    bs.barrier();
-    std::string problem;
-    if (bs.rank() == 0) {
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        s.dispatch(kLowLatencyBothPhases);
-        buffer.check(stream);
-        problem = "no error";
-      } catch (const Error& e) {
-        const std::string what = e.what();
-        const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        std::printf("[rank 0] failed after %.1f s as expected: %s\n", took, what.c_str());
-        if (e.status() != Status::kTimeout) problem = "want kTimeout";
-        if (what.find("timed out") == std::string::npos) problem += " the message does not say it timed out";
-        if (took > kBudget + 10) problem += " took too long";
-      }
-    } else {
-      std::this_thread::sleep_for(std::chrono::duration<double>(2 * kBudget));
-    }
-    const auto destroy_start = std::chrono::steady_clock::now();
-    buffer.destroy();
-    const double destroy_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - destroy_start).count();
-    if (destroy_s > 30) problem += " destroy took " + std::to_string(destroy_s) + " s";
-    if (!problem.empty()) std::printf("[rank %d] FAIL: %s\n", bs.rank(), problem.c_str());
-    return problem.empty() ? 0 : 1;
-  }, 120, 60);
+  r = launch_local(
+      num_ranks,
+      [&](Bootstrap& bs) -> int {
+        cudaSetDevice(bs.rank());
+        cudaStream_t stream;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        Buffer buffer(bs, small_options(num_ranks));
+        buffer.set_timeout(kBudget);
+        LowLatencySession s(buffer, small_case(num_ranks, 7), stream);
+        bs.barrier();
+        std::string problem;
+        if (bs.rank() == 0) {
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            s.dispatch(kLowLatencyBothPhases);
+            buffer.check(stream);
+            problem = "no error";
+          } catch (const Error& e) {
+            const std::string what = e.what();
+            const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            std::printf("[rank 0] failed after %.1f s as expected: %s\n", took, what.c_str());
+            if (e.status() != Status::kTimeout) problem = "want kTimeout";
+            if (what.find("timed out") == std::string::npos) problem += " the message does not say it timed out";
+            if (took > kBudget + 10) problem += " took too long";
+          }
+        } else {
+          std::this_thread::sleep_for(std::chrono::duration<double>(2 * kBudget));
+        }
+        const auto destroy_start = std::chrono::steady_clock::now();
+        buffer.destroy();
+        const double destroy_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - destroy_start).count();
+        if (destroy_s > 30) problem += " destroy took " + std::to_string(destroy_s) + " s";
+        if (!problem.empty()) std::printf("[rank %d] FAIL: %s\n", bs.rank(), problem.c_str());
+        return problem.empty() ? 0 : 1;
+      },
+      120, 60);
   std::printf("[%s] ll: missing ranks time out a low-latency receive, and destroy still returns (%d ranks)\n",
               r.num_failed == 0 ? "PASS" : "FAIL", num_ranks);
   if (r.num_failed) std::printf("%s", r.summary.c_str());

@@ -73,7 +73,8 @@ std::vector<Case> low_latency_cases() {
     c.seed = 44;
     cases.push_back(step_case("ll: fp8 ue8m0 (packed exponents)", c));
   }
-  for (int h : {2048, 4096, 5120, 8192}) cases.push_back(step_case("ll: fp8 h" + std::to_string(h), ll_case(96, h, true, 45 + h)));
+  for (int h : {2048, 4096, 5120, 8192})
+    cases.push_back(step_case("ll: fp8 h" + std::to_string(h), ll_case(96, h, true, 45 + h)));
   cases.push_back(step_case("ll: bf16 h2048, 1 token", ll_case(1, 2048, false, 46)));
   cases.push_back(step_case("ll: fp8 h4096, 64 tokens", ll_case(64, 4096, true, 47)));
   {
@@ -104,62 +105,65 @@ std::vector<Case> low_latency_cases() {
   }
   // An expert listed twice in each of M tokens gets 2 * M rows from every rank, more than the M a source may
   // send it: every rank reports the input error (the rows beyond M are dropped, nothing is written out of place).
-  cases.push_back(Case{"ll: an expert listed twice in every token (2M rows for M slots) is an input error",
-                       [](Context& ctx) {
-    auto c = ll_case(64, 2048, true, 88);
-    c.max_tokens = 64;
-    c.routing = harness::Routing::kZeroTwice;
-    LowLatencySession s(ctx.buffer, c, ctx.stream);
-    s.dispatch(kLowLatencyBothPhases);
-    try {
-      ctx.buffer.check(ctx.stream);
-    } catch (const Error& e) {
-      const std::string what = e.what();
-      if (e.status() != Status::kInvalidArgument || what.find("to expert 0") == std::string::npos)
-        return "wrong error: " + what;
-      return std::string();
-    }
-    return std::string("no error reported");
-  }});
+  cases.push_back(
+      Case{"ll: an expert listed twice in every token (2M rows for M slots) is an input error", [](Context& ctx) {
+             auto c = ll_case(64, 2048, true, 88);
+             c.max_tokens = 64;
+             c.routing = harness::Routing::kZeroTwice;
+             LowLatencySession s(ctx.buffer, c, ctx.stream);
+             s.dispatch(kLowLatencyBothPhases);
+             try {
+               ctx.buffer.check(ctx.stream);
+             } catch (const Error& e) {
+               const std::string what = e.what();
+               if (e.status() != Status::kInvalidArgument || what.find("to expert 0") == std::string::npos)
+                 return "wrong error: " + what;
+               return std::string();
+             }
+             return std::string("no error reported");
+           }});
   cases.push_back(step_case("ll: receive hook, bf16", ll_case(128, 7168, false, 51), true));
-  cases.push_back(step_case("ll: receive hook, fp8 round_scale", [] {
-    auto c = ll_case(128, 7168, true, 52);
-    c.round_scale = true;
-    return c;
-  }(), true));
+  cases.push_back(step_case(
+      "ll: receive hook, fp8 round_scale",
+      [] {
+        auto c = ll_case(128, 7168, true, 52);
+        c.round_scale = true;
+        return c;
+      }(),
+      true));
   {
     auto c = ll_case(128, 7168, true, 53);
     c.zero_copy = true;
     cases.push_back(step_case("ll: zero-copy combine", c));
   }
 
-  cases.push_back(Case{"ll: 1000 steps, double-buffered (dispatch of step i+1 sent before combine i received)",
-                       [](Context& ctx) {
-    auto c = ll_case(48, 2048, true, 60);
-    c.num_experts = 32 / ctx.num_ranks * ctx.num_ranks;
-    c.num_topk = 4;
-    LowLatencySession a(ctx.buffer, c, ctx.stream);
-    c.seed = 61;
-    LowLatencySession b(ctx.buffer, c, ctx.stream);
-    LowLatencySession* cur = &a;
-    LowLatencySession* next = &b;
-    cur->dispatch(kLowLatencyBothPhases);
-    std::string err = cur->check_dispatch();
-    for (int i = 0; i < 1000 && err.empty(); ++i) {
-      cur->set_combine_inputs(7000 + i);
-      cur->combine(kLowLatencySendPhase);
-      next->set_step(9000 + i);
-      next->dispatch(kLowLatencySendPhase);  // overlaps the combine still in flight
-      cur->combine(kLowLatencyRecvPhase);
-      next->dispatch(kLowLatencyRecvPhase);
-      err += cur->check_combine();
-      err += next->check_dispatch();
-      if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
-      std::swap(cur, next);
-    }
-    ctx.buffer.check(ctx.stream);
-    return err;
-  }});
+  cases.push_back(
+      Case{"ll: 1000 steps, double-buffered (dispatch of step i+1 sent before combine i received)", [](Context& ctx) {
+             auto c = ll_case(48, 2048, true, 60);
+             c.num_experts = 32 / ctx.num_ranks * ctx.num_ranks;
+             c.num_topk = 4;
+             LowLatencySession a(ctx.buffer, c, ctx.stream);
+             c.seed = 61;
+             LowLatencySession b(ctx.buffer, c, ctx.stream);
+             LowLatencySession* cur = &a;
+             LowLatencySession* next = &b;
+             cur->dispatch(kLowLatencyBothPhases);
+             std::string err = cur->check_dispatch();
+             for (int i = 0; i < 1000 && err.empty(); ++i) {
+               cur->set_combine_inputs(7000 + i);
+               cur->combine(kLowLatencySendPhase);
+               next->set_step(9000 + i);
+               next->dispatch(kLowLatencySendPhase);  // overlaps the combine still in flight
+               cur->combine(kLowLatencyRecvPhase);
+               next->dispatch(kLowLatencyRecvPhase);
+               err += cur->check_combine();
+               err += next->check_dispatch();
+               if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
+               std::swap(cur, next);
+             }
+             ctx.buffer.check(ctx.stream);
+             return err;
+           }});
 
   // Two micro-batches in flight (the overlap frameworks use): the combine of A lands on A's dispatch set. The
   // last rank starts receiving dispatch A late, so the other ranks' combine A must wait for it instead of
@@ -167,114 +171,117 @@ std::vector<Case> low_latency_cases() {
   // host work (inputs, checks) is done before the sends or after the receives, so that the other ranks reach
   // combine A well within the late rank's delay. Without the wait this fails (or, with garbage source indices,
   // faults); it cannot pass.
-  cases.push_back(Case{"ll: two micro-batches (dispatch A, dispatch B, combine A, combine B), one rank late",
-                       [](Context& ctx) {
-    auto c = ll_case(64, 4096, true, 80);
-    c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
-    LowLatencySession a(ctx.buffer, c, ctx.stream);
-    c.seed = 81;
-    LowLatencySession b(ctx.buffer, c, ctx.stream);
-    std::string err;
-    for (int i = 0; i < 5 && err.empty(); ++i) {
-      a.set_step(800 + i);
-      b.set_step(900 + i);
-      a.set_combine_inputs(8000 + i);  // host state of set_step only: may come before the dispatch
-      b.set_combine_inputs(9000 + i);
-      a.dispatch(kLowLatencySendPhase);
-      b.dispatch(kLowLatencySendPhase);
-      if (ctx.rank == ctx.num_ranks - 1) {  // the late rank: the others run ahead into combine A meanwhile
-        cudaStreamSynchronize(ctx.stream);
-        std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      }
-      a.dispatch(kLowLatencyRecvPhase);
-      b.dispatch(kLowLatencyRecvPhase);
-      a.combine(kLowLatencySendPhase);
-      b.combine(kLowLatencySendPhase);
-      a.combine(kLowLatencyRecvPhase);
-      b.combine(kLowLatencyRecvPhase);
-      err += a.check_dispatch() + b.check_dispatch() + a.check_combine() + b.check_combine();
-      if (!err.empty()) err = "round " + std::to_string(i) + ":\n" + err;
-    }
-    ctx.buffer.check(ctx.stream);
-    return err;
-  }});
+  cases.push_back(
+      Case{"ll: two micro-batches (dispatch A, dispatch B, combine A, combine B), one rank late", [](Context& ctx) {
+             auto c = ll_case(64, 4096, true, 80);
+             c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+             LowLatencySession a(ctx.buffer, c, ctx.stream);
+             c.seed = 81;
+             LowLatencySession b(ctx.buffer, c, ctx.stream);
+             std::string err;
+             for (int i = 0; i < 5 && err.empty(); ++i) {
+               a.set_step(800 + i);
+               b.set_step(900 + i);
+               a.set_combine_inputs(8000 + i);  // host state of set_step only: may come before the dispatch
+               b.set_combine_inputs(9000 + i);
+               a.dispatch(kLowLatencySendPhase);
+               b.dispatch(kLowLatencySendPhase);
+               if (ctx.rank == ctx.num_ranks - 1) {  // the late rank: the others run ahead into combine A meanwhile
+                 cudaStreamSynchronize(ctx.stream);
+                 std::this_thread::sleep_for(std::chrono::milliseconds(300));
+               }
+               a.dispatch(kLowLatencyRecvPhase);
+               b.dispatch(kLowLatencyRecvPhase);
+               a.combine(kLowLatencySendPhase);
+               b.combine(kLowLatencySendPhase);
+               a.combine(kLowLatencyRecvPhase);
+               b.combine(kLowLatencyRecvPhase);
+               err += a.check_dispatch() + b.check_dispatch() + a.check_combine() + b.check_combine();
+               if (!err.empty()) err = "round " + std::to_string(i) + ":\n" + err;
+             }
+             ctx.buffer.check(ctx.stream);
+             return err;
+           }});
 
   // The host keeps the order the kernels' epochs rely on (docs/semantics.md): a send into a set whose call this
   // rank has not received yet, and a receive with no call of its kind waiting, are input errors that launch
   // nothing; the calls around them still give exact results.
-  cases.push_back(Case{"ll: call order on a buffer set is checked (send over an unreceived call, receive twice)",
-                       [](Context& ctx) {
-    auto c = ll_case(32, 2048, true, 85);
-    LowLatencySession a(ctx.buffer, c, ctx.stream);
-    c.seed = 86;
-    LowLatencySession b(ctx.buffer, c, ctx.stream);
-    c.seed = 87;
-    LowLatencySession extra(ctx.buffer, c, ctx.stream);
-    std::string err;
-    const auto expect_rejected = [&](const char* what, const char* says, auto&& call) {
-      try {
-        call();
-        err += std::string(what) + ": not rejected\n";
-      } catch (const Error& e) {
-        if (e.status() != Status::kInvalidArgument || std::string(e.what()).find(says) == std::string::npos)
-          err += std::string(what) + ": wrong error: " + e.what() + "\n";
-      }
-    };
-    a.dispatch(kLowLatencySendPhase);  // set 0
-    b.dispatch(kLowLatencySendPhase);  // set 1
-    expect_rejected("a third send onto set 0 before dispatch A is received", "has not received",
-                    [&] { extra.dispatch(kLowLatencySendPhase); });
-    // Dispatch A's receive with BF16 named: the records on its set are FP8.
-    expect_rejected("dispatch A received as BF16", "use_fp8", [&] { a.receive_with_fp8(false); });
-    a.dispatch(kLowLatencyRecvPhase);
-    expect_rejected("dispatch A received twice", "waiting to be received", [&] { a.dispatch(kLowLatencyRecvPhase); });
-    b.dispatch(kLowLatencyRecvPhase);
-    a.set_combine_inputs(8500);
-    a.combine(kLowLatencySendPhase);  // set 0 again: dispatch A was received
-    a.combine(kLowLatencyRecvPhase);
-    expect_rejected("combine A received twice", "waiting to be received", [&] { a.combine(kLowLatencyRecvPhase); });
-    err += a.check_dispatch() + b.check_dispatch() + a.check_combine();
-    // A stale hook while a newer dispatch waits on its set: B's receive again, with another dispatch on set 1.
-    extra.dispatch(kLowLatencySendPhase);  // set 1
-    expect_rejected("dispatch B received again while another dispatch waits on its set", "names other tensors",
-                    [&] { b.dispatch(kLowLatencyRecvPhase); });
-    extra.dispatch(kLowLatencyRecvPhase);
-    err += extra.check_dispatch();
-    ctx.buffer.check(ctx.stream);
-    return err;
-  }});
+  cases.push_back(Case{
+      "ll: call order on a buffer set is checked (send over an unreceived call, receive twice)", [](Context& ctx) {
+        auto c = ll_case(32, 2048, true, 85);
+        LowLatencySession a(ctx.buffer, c, ctx.stream);
+        c.seed = 86;
+        LowLatencySession b(ctx.buffer, c, ctx.stream);
+        c.seed = 87;
+        LowLatencySession extra(ctx.buffer, c, ctx.stream);
+        std::string err;
+        const auto expect_rejected = [&](const char* what, const char* says, auto&& call) {
+          try {
+            call();
+            err += std::string(what) + ": not rejected\n";
+          } catch (const Error& e) {
+            if (e.status() != Status::kInvalidArgument || std::string(e.what()).find(says) == std::string::npos)
+              err += std::string(what) + ": wrong error: " + e.what() + "\n";
+          }
+        };
+        a.dispatch(kLowLatencySendPhase);  // set 0
+        b.dispatch(kLowLatencySendPhase);  // set 1
+        expect_rejected("a third send onto set 0 before dispatch A is received", "has not received",
+                        [&] { extra.dispatch(kLowLatencySendPhase); });
+        // Dispatch A's receive with BF16 named: the records on its set are FP8.
+        expect_rejected("dispatch A received as BF16", "use_fp8", [&] { a.receive_with_fp8(false); });
+        a.dispatch(kLowLatencyRecvPhase);
+        expect_rejected("dispatch A received twice", "waiting to be received",
+                        [&] { a.dispatch(kLowLatencyRecvPhase); });
+        b.dispatch(kLowLatencyRecvPhase);
+        a.set_combine_inputs(8500);
+        a.combine(kLowLatencySendPhase);  // set 0 again: dispatch A was received
+        a.combine(kLowLatencyRecvPhase);
+        expect_rejected("combine A received twice", "waiting to be received", [&] { a.combine(kLowLatencyRecvPhase); });
+        err += a.check_dispatch() + b.check_dispatch() + a.check_combine();
+        // A stale hook while a newer dispatch waits on its set: B's receive again, with another dispatch on set 1.
+        extra.dispatch(kLowLatencySendPhase);  // set 1
+        expect_rejected("dispatch B received again while another dispatch waits on its set", "names other tensors",
+                        [&] { b.dispatch(kLowLatencyRecvPhase); });
+        extra.dispatch(kLowLatencyRecvPhase);
+        err += extra.check_dispatch();
+        ctx.buffer.check(ctx.stream);
+        return err;
+      }});
 
-  cases.push_back(Case{"ll: CUDA graph of dispatch + combine, 100 replays with new data", [](Context& ctx) {
-    auto c = ll_case(64, 4096, false, 70);
-    c.expert_identity = true;  // combine reads packed_recv_x: no host work between the two calls
-    c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
-    LowLatencySession s(ctx.buffer, c, ctx.stream);
-    s.dispatch(kLowLatencyBothPhases);  // warm-up outside the graph (and keeps sets in step on every rank)
-    s.set_combine_inputs(0);
-    s.combine(kLowLatencyBothPhases);
-    std::string err = s.check_dispatch() + s.check_combine();
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess) return std::string("capture failed to begin\n");
-    s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
-    s.combine(kLowLatencyBothPhases);
-    cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
-    if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
-    e = cudaGraphInstantiate(&exec, graph, 0);
-    if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
-    for (int i = 0; i < 100 && err.empty(); ++i) {
-      s.set_step(100 + i);  // new routing, x and weights in the same device arrays
-      e = cudaGraphLaunch(exec, ctx.stream);
-      if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
-      s.note_replayed_dispatch();
-      err += s.check_dispatch() + s.check_combine();
-      if (!err.empty()) err = "replay " + std::to_string(i) + ":\n" + err;
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    ctx.buffer.check(ctx.stream);
-    return err;
-  }});
+  cases.push_back(
+      Case{"ll: CUDA graph of dispatch + combine, 100 replays with new data", [](Context& ctx) {
+             auto c = ll_case(64, 4096, false, 70);
+             c.expert_identity = true;  // combine reads packed_recv_x: no host work between the two calls
+             c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+             LowLatencySession s(ctx.buffer, c, ctx.stream);
+             s.dispatch(kLowLatencyBothPhases);  // warm-up outside the graph (and keeps sets in step on every rank)
+             s.set_combine_inputs(0);
+             s.combine(kLowLatencyBothPhases);
+             std::string err = s.check_dispatch() + s.check_combine();
+             cudaGraph_t graph = nullptr;
+             cudaGraphExec_t exec = nullptr;
+             if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess)
+               return std::string("capture failed to begin\n");
+             s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
+             s.combine(kLowLatencyBothPhases);
+             cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
+             if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
+             e = cudaGraphInstantiate(&exec, graph, 0);
+             if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
+             for (int i = 0; i < 100 && err.empty(); ++i) {
+               s.set_step(100 + i);  // new routing, x and weights in the same device arrays
+               e = cudaGraphLaunch(exec, ctx.stream);
+               if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
+               s.note_replayed_dispatch();
+               err += s.check_dispatch() + s.check_combine();
+               if (!err.empty()) err = "replay " + std::to_string(i) + ":\n" + err;
+             }
+             cudaGraphExecDestroy(exec);
+             cudaGraphDestroy(graph);
+             ctx.buffer.check(ctx.stream);
+             return err;
+           }});
   return cases;
 }
 

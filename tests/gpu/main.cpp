@@ -5,10 +5,10 @@
 // the suite prints it, and --expect-transport makes a different one a failure.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -140,7 +140,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "epx_gpu_tests: --gpus %d but only %d GPUs are visible\n", R, available);
     return 2;
   }
-  const LaunchResult res = launch_local(R, [&](Bootstrap& bs) { return gpu_test::suite(bs, opt); }, 3600, 60);
+  const LaunchResult res = launch_local(
+      R, [&](Bootstrap& bs) { return gpu_test::suite(bs, opt); }, 3600, 60);
   int rc = res.num_failed == 0 ? 0 : 1;
   if (res.num_failed) std::printf("%s", res.summary.c_str());
   if (opt.timeout_suite && opt.filter.empty() && R >= 2) rc |= gpu_test::run_timeout_suite(R);

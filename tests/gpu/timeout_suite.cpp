@@ -14,47 +14,50 @@ namespace epx::gpu_test {
 
 int run_timeout_suite(int num_ranks) {
   constexpr double kBudget = 2.0;
-  const LaunchResult r = launch_local(num_ranks, [&](Bootstrap& bs) -> int {
-    cudaSetDevice(bs.rank());
-    BufferOptions o = default_buffer_options();
-    o.num_nvl_bytes = nvl_size_hint(default_dispatch_config(num_ranks), 2048 * 2, num_ranks);
-    Buffer buffer(bs, o);
-    buffer.set_timeout(kBudget);
-    cudaStream_t stream;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    harness::IntranodeCase c;
-    c.tokens = {128};
-    c.hidden = 2048;
-    c.routing.num_experts = 32;
-    harness::IntranodeSession s(buffer, c, default_dispatch_config(num_ranks), default_combine_config(num_ranks),
-                                stream);
-    s.layout();
-    cudaStreamSynchronize(stream);
-    bs.barrier();
-    std::string problem;
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      if (bs.rank() != 0) std::this_thread::sleep_for(std::chrono::duration<double>(2 * kBudget));
-      s.dispatch();
-      buffer.check(stream);
-      problem = "no error";
-    } catch (const Error& e) {
-      const std::string what = e.what();
-      const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::printf("[rank %d] failed after %.1f s as expected: %s\n", bs.rank(), took, what.c_str());
-      if (bs.rank() == 0) {
-        if (e.status() != Status::kTimeout) problem = "rank 0: want kTimeout";
-        if (what.find("timed out") == std::string::npos || what.find("rank 0") == std::string::npos)
-          problem += " rank 0: the message does not say who timed out";
-        if (took > kBudget + 10) problem += " rank 0: took too long";
-      } else if (e.status() != Status::kRemote && e.status() != Status::kTimeout) {
-        problem = "want kRemote or kTimeout";
-      }
-    }
-    buffer.destroy();
-    if (!problem.empty()) std::printf("[rank %d] FAIL: %s\n", bs.rank(), problem.c_str());
-    return problem.empty() ? 0 : 1;
-  }, 120, 60);
+  const LaunchResult r = launch_local(
+      num_ranks,
+      [&](Bootstrap& bs) -> int {
+        cudaSetDevice(bs.rank());
+        BufferOptions o = default_buffer_options();
+        o.num_nvl_bytes = nvl_size_hint(default_dispatch_config(num_ranks), 2048 * 2, num_ranks);
+        Buffer buffer(bs, o);
+        buffer.set_timeout(kBudget);
+        cudaStream_t stream;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        harness::IntranodeCase c;
+        c.tokens = {128};
+        c.hidden = 2048;
+        c.routing.num_experts = 32;
+        harness::IntranodeSession s(buffer, c, default_dispatch_config(num_ranks), default_combine_config(num_ranks),
+                                    stream);
+        s.layout();
+        cudaStreamSynchronize(stream);
+        bs.barrier();
+        std::string problem;
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          if (bs.rank() != 0) std::this_thread::sleep_for(std::chrono::duration<double>(2 * kBudget));
+          s.dispatch();
+          buffer.check(stream);
+          problem = "no error";
+        } catch (const Error& e) {
+          const std::string what = e.what();
+          const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          std::printf("[rank %d] failed after %.1f s as expected: %s\n", bs.rank(), took, what.c_str());
+          if (bs.rank() == 0) {
+            if (e.status() != Status::kTimeout) problem = "rank 0: want kTimeout";
+            if (what.find("timed out") == std::string::npos || what.find("rank 0") == std::string::npos)
+              problem += " rank 0: the message does not say who timed out";
+            if (took > kBudget + 10) problem += " rank 0: took too long";
+          } else if (e.status() != Status::kRemote && e.status() != Status::kTimeout) {
+            problem = "want kRemote or kTimeout";
+          }
+        }
+        buffer.destroy();
+        if (!problem.empty()) std::printf("[rank %d] FAIL: %s\n", bs.rank(), problem.c_str());
+        return problem.empty() ? 0 : 1;
+      },
+      120, 60);
   std::printf("[%s] timeout: a missing rank fails every rank's call with a diagnostic (%d ranks)\n",
               r.num_failed == 0 ? "PASS" : "FAIL", num_ranks);
   if (r.num_failed) std::printf("%s", r.summary.c_str());

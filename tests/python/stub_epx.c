@@ -18,18 +18,27 @@ epx_status epx_buffer_create(const epx_bootstrap* b, const epx_buffer_options* o
   *out = (epx_buffer*)0x1000;
   return EPX_OK;
 }
-epx_status epx_buffer_destroy(epx_buffer* buffer) { (void)buffer; return EPX_OK; }
+epx_status epx_buffer_destroy(epx_buffer* buffer) {
+  (void)buffer;
+  return EPX_OK;
+}
 epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, int* device, int* num_nvl_ranks) {
   (void)buffer, (void)rank, (void)num_ranks, (void)device, (void)num_nvl_ranks;
   return EPX_OK;
 }
-epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) { (void)buffer, (void)seconds; return EPX_OK; }
+epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) {
+  (void)buffer, (void)seconds;
+  return EPX_OK;
+}
 epx_status epx_buffer_ll_transport(const epx_buffer* buffer, epx_ll_transport_info* info) {
   (void)buffer;
   if (info) info->transport = EPX_LL_TRANSPORT_CUDA_IPC, info->num_peer_pointer_ranks = 0, info->num_nvshmem_ranks = 0;
   return EPX_OK;
 }
-epx_status epx_buffer_check(epx_buffer* buffer, void* stream) { (void)buffer, (void)stream; return EPX_OK; }
+epx_status epx_buffer_check(epx_buffer* buffer, void* stream) {
+  (void)buffer, (void)stream;
+  return EPX_OK;
+}
 epx_status epx_buffer_region(epx_buffer* buffer, int which, void** ptr, int64_t* bytes) {
   (void)buffer, (void)which;
   *ptr = 0, *bytes = 0;
@@ -51,7 +60,9 @@ epx_status epx_default_dispatch_config(int num_ranks, epx_config* out) {
   out->num_sms = 24, out->num_max_send_tokens = 6, out->num_max_recv_tokens = 256;
   return EPX_OK;
 }
-epx_status epx_default_combine_config(int num_ranks, epx_config* out) { return epx_default_dispatch_config(num_ranks, out); }
+epx_status epx_default_combine_config(int num_ranks, epx_config* out) {
+  return epx_default_dispatch_config(num_ranks, out);
+}
 epx_status epx_config_nvl_size_hint(const epx_config* c, int64_t hidden_bytes, int num_ranks, int64_t* bytes) {
   (void)c, (void)hidden_bytes, (void)num_ranks;
   *bytes = 1 << 20;
@@ -92,11 +103,14 @@ epx_status epx_ll_size_hint(int m, int hidden, int num_ranks, int num_experts, i
   *bytes = 1 << 30;
   return EPX_OK;
 }
-epx_status epx_ll_clean(epx_buffer* buffer, void* stream) { (void)buffer, (void)stream; return EPX_OK; }
+epx_status epx_ll_clean(epx_buffer* buffer, void* stream) {
+  (void)buffer, (void)stream;
+  return EPX_OK;
+}
 epx_status epx_ll_dispatch(epx_buffer* buffer, const epx_ll_dispatch_args* args, const epx_ll_dispatch_outputs* outputs,
                            int phases, epx_ll_handle* handle, void* stream) {
   (void)buffer, (void)stream;
-  if (phases != EPX_LL_RECV) {  /* what combine checks its arguments against */
+  if (phases != EPX_LL_RECV) { /* what combine checks its arguments against */
     handle->buffer_set = 0;
     handle->num_tokens = args->num_tokens;
     handle->hidden = args->hidden;

@@ -1,8 +1,8 @@
-#include "gate.hpp"
-
 #include <sys/mman.h>
 
 #include <cstdint>
+
+#include "gate.hpp"
 
 namespace epx::bench {
 namespace {

@@ -20,8 +20,8 @@ struct ReleaseLine {
   const uint32_t* word_dev = nullptr;  // the same word, for this rank's GPU
   uint32_t* expired = nullptr;         // this rank's gates that ran out of time before a release (host-mapped)
   uint32_t* expired_dev = nullptr;
-  bool leader = false;                 // rank 0: the one that writes `word`
-  uint32_t seq = 0;                    // the last value this rank waited for; the same on every rank
+  bool leader = false;  // rank 0: the one that writes `word`
+  uint32_t seq = 0;     // the last value this rank waited for; the same on every rank
 };
 
 // In the parent, before the ranks fork: one page every child shares (nullptr if mmap fails).

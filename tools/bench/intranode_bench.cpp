@@ -327,11 +327,13 @@ int run_rank(Bench& b, const std::vector<Config>& sweep) {
   IntranodeSession fp8(b.buffer, make_case(o, EPX_FP8_E4M3), dcfg, ccfg, b.stream);
   std::string failures;
   const bool ok = all_passed(b.bs, guarded([&] {
-    std::string msg = check_session(bf16, o.seed);  // in sequence: each runs collective operations
-    msg += check_session(fp8, o.seed);
-    b.buffer.check(b.stream);
-    return msg;
-  }), &failures);
+                               std::string msg =
+                                   check_session(bf16, o.seed);  // in sequence: each runs collective operations
+                               msg += check_session(fp8, o.seed);
+                               b.buffer.check(b.stream);
+                               return msg;
+                             }),
+                             &failures);
   info.check = ok ? "PASS" : "FAIL";
   if (lead) say(std::string("check vs reference model: ") + (ok ? "PASS\n" : "FAIL\n" + failures));
   if (!ok) return 1;
@@ -435,8 +437,8 @@ int run_intranode(int argc, char** argv) {
     std::fprintf(stderr, "epx-bench intranode: no valid config in the sweep\n");
     return 2;
   }
-  const LaunchResult res = launch_local(R, [&](Bootstrap& bs) { return rank_main(bs, opt, sweep); }, kLaunchTimeoutS,
-                                        kLaunchGraceS);
+  const LaunchResult res = launch_local(
+      R, [&](Bootstrap& bs) { return rank_main(bs, opt, sweep); }, kLaunchTimeoutS, kLaunchGraceS);
   if (res.num_failed == 0) return 0;
   std::fprintf(stderr, "%s", res.summary.c_str());
   return 1;

@@ -58,20 +58,34 @@ LowLatencyOptions parse(int argc, char** argv, bool* help) {
       if (i + 1 >= argc) throw UsageError{a + " needs a value"};
       return argv[++i];
     };
-    if (a == "--help" || a == "-h") *help = true;
-    else if (a == "--gpus") o.gpus = parse_int(a, value(), 1, 8);
-    else if (a == "--tokens") o.tokens = parse_int(a, value(), 1, 4096);
-    else if (a == "--hidden") o.hidden = parse_int(a, value(), epx::limits().fp8_group_size, epx::limits().max_hidden);
-    else if (a == "--topk") o.topk = parse_int(a, value(), 1, 32);
-    else if (a == "--experts") o.experts = parse_int(a, value(), 1, 1024);
-    else if (a == "--bf16") o.fp8 = false;
-    else if (a == "--iters") o.iters = parse_int(a, value(), 1, 100000);
-    else if (a == "--warmup") o.warmup = parse_int(a, value(), 0, 100000);
-    else if (a == "--no-nccl") o.nccl = false;
-    else if (a == "--fixed-gate") o.fixed_gate = true;
-    else if (a == "--seed") o.seed = parse_u64(a, value());
-    else if (a == "--json") o.json = value();
-    else throw UsageError{"unknown option " + a};
+    if (a == "--help" || a == "-h")
+      *help = true;
+    else if (a == "--gpus")
+      o.gpus = parse_int(a, value(), 1, 8);
+    else if (a == "--tokens")
+      o.tokens = parse_int(a, value(), 1, 4096);
+    else if (a == "--hidden")
+      o.hidden = parse_int(a, value(), epx::limits().fp8_group_size, epx::limits().max_hidden);
+    else if (a == "--topk")
+      o.topk = parse_int(a, value(), 1, 32);
+    else if (a == "--experts")
+      o.experts = parse_int(a, value(), 1, 1024);
+    else if (a == "--bf16")
+      o.fp8 = false;
+    else if (a == "--iters")
+      o.iters = parse_int(a, value(), 1, 100000);
+    else if (a == "--warmup")
+      o.warmup = parse_int(a, value(), 0, 100000);
+    else if (a == "--no-nccl")
+      o.nccl = false;
+    else if (a == "--fixed-gate")
+      o.fixed_gate = true;
+    else if (a == "--seed")
+      o.seed = parse_u64(a, value());
+    else if (a == "--json")
+      o.json = value();
+    else
+      throw UsageError{"unknown option " + a};
   }
   return o;
 }
@@ -97,9 +111,11 @@ constexpr int kInARow = 10;
 
 Row measure_in_a_row(Bootstrap& bs, cudaStream_t stream, const std::string& what, const TimingPlan& plan,
                      const std::function<void()>& op) {
-  Row r = measure(bs, stream, what + ", " + std::to_string(kInARow) + " in a row", plan, [](int) {}, [&] {
-    for (int i = 0; i < kInARow; ++i) op();
-  });
+  Row r = measure(
+      bs, stream, what + ", " + std::to_string(kInARow) + " in a row", plan, [](int) {},
+      [&] {
+        for (int i = 0; i < kInARow; ++i) op();
+      });
   for (double& v : r.median_us) v /= kInARow;
   return r;
 }
@@ -109,8 +125,9 @@ Row measure_in_a_row(Bootstrap& bs, cudaStream_t stream, const std::string& what
 // durations read by a profiler. The single-call rows above carry the host's launch latency as well.
 constexpr int kGateUs = 200;
 
-Row measure_queued(Bootstrap& bs, cudaStream_t stream, const std::string& what, const TimingPlan& plan,
-                   const std::function<void()>& op, const std::function<void(int)>& prepare = [](int) {}) {
+Row measure_queued(
+    Bootstrap& bs, cudaStream_t stream, const std::string& what, const TimingPlan& plan,
+    const std::function<void()>& op, const std::function<void(int)>& prepare = [](int) {}) {
   int overruns = 0;
   TimingPlan queued = plan;
   queued.gate_us = kGateUs;
@@ -175,9 +192,10 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   if (rank == 0) {
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
-    std::printf("epx-bench low-latency: %d ranks x %s, %d tokens/rank, hidden %d, top-%d of %d experts, %s dispatch, "
-                "median of %d iterations after %d warm-up\n",
-                R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.iters, o.warmup);
+    std::printf(
+        "epx-bench low-latency: %d ranks x %s, %d tokens/rank, hidden %d, top-%d of %d experts, %s dispatch, "
+        "median of %d iterations after %d warm-up\n",
+        R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.iters, o.warmup);
     std::printf("low-latency transport: %s\n", describe_low_latency_transport(buffer.low_latency_transport()).c_str());
     std::printf("check vs reference model: %s\n", ok ? "PASS" : "FAIL");
     if (have_line)
@@ -195,8 +213,9 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   auto none = [](int) {};
   std::vector<Row> rows;
   // Each timed op is balanced by its partner (untimed) so that buffer sets keep alternating on every rank.
-  rows.push_back(measure(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan,
-                         [&](int) {}, [&] { s.dispatch(kLowLatencyBothPhases); }));
+  rows.push_back(measure(
+      bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan, [&](int) {},
+      [&] { s.dispatch(kLowLatencyBothPhases); }));
   rows.push_back(measure(bs, stream, "combine bf16", plan, none, [&] { s.combine(kLowLatencyBothPhases); }));
   rows.push_back(measure(bs, stream, "dispatch + combine", plan, none, [&] {
     s.dispatch(kLowLatencyBothPhases);
@@ -210,33 +229,37 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     s.combine(kLowLatencyBothPhases);
   }));
   s.dispatch(kLowLatencySendPhase);  // each prepare() receives the previous send
-  rows.push_back(measure(bs, stream, "dispatch send phase (hook)", plan,
-                         [&](int) {
-                           s.dispatch(kLowLatencyRecvPhase);  // completes the previous iteration's dispatch
-                         },
-                         [&] { s.dispatch(kLowLatencySendPhase); }));
+  rows.push_back(measure(
+      bs, stream, "dispatch send phase (hook)", plan,
+      [&](int) {
+        s.dispatch(kLowLatencyRecvPhase);  // completes the previous iteration's dispatch
+      },
+      [&] { s.dispatch(kLowLatencySendPhase); }));
   s.dispatch(kLowLatencyRecvPhase);
-  rows.push_back(measure(bs, stream, "dispatch recv phase (hook)", plan,
-                         [&](int) {
-                           s.dispatch(kLowLatencySendPhase);
-                           cudaStreamSynchronize(stream);
-                         },
-                         [&] { s.dispatch(kLowLatencyRecvPhase); }));
+  rows.push_back(measure(
+      bs, stream, "dispatch recv phase (hook)", plan,
+      [&](int) {
+        s.dispatch(kLowLatencySendPhase);
+        cudaStreamSynchronize(stream);
+      },
+      [&] { s.dispatch(kLowLatencyRecvPhase); }));
   s.combine(kLowLatencySendPhase);
-  rows.push_back(measure(bs, stream, "combine send phase (hook)", plan, [&](int) { s.combine(kLowLatencyRecvPhase); },
-                         [&] { s.combine(kLowLatencySendPhase); }));
+  rows.push_back(measure(
+      bs, stream, "combine send phase (hook)", plan, [&](int) { s.combine(kLowLatencyRecvPhase); },
+      [&] { s.combine(kLowLatencySendPhase); }));
   // The send phase alone on the GPU (no host launch latency): how far the rows' transfer is from the links'
   // rate (tools/probes/link_rate.cu).
-  rows.push_back(measure_queued(bs, stream, "combine send phase (hook, queued)", plan,
-                                [&] { s.combine(kLowLatencySendPhase); },
-                                [&](int) { s.combine(kLowLatencyRecvPhase); }));
+  rows.push_back(measure_queued(
+      bs, stream, "combine send phase (hook, queued)", plan, [&] { s.combine(kLowLatencySendPhase); },
+      [&](int) { s.combine(kLowLatencyRecvPhase); }));
   s.combine(kLowLatencyRecvPhase);
-  rows.push_back(measure(bs, stream, "combine recv phase (hook)", plan,
-                         [&](int) {
-                           s.combine(kLowLatencySendPhase);
-                           cudaStreamSynchronize(stream);
-                         },
-                         [&] { s.combine(kLowLatencyRecvPhase); }));
+  rows.push_back(measure(
+      bs, stream, "combine recv phase (hook)", plan,
+      [&](int) {
+        s.combine(kLowLatencySendPhase);
+        cudaStreamSynchronize(stream);
+      },
+      [&] { s.combine(kLowLatencyRecvPhase); }));
 
   rows.push_back(measure_queued(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16") + " (queued)", plan,
                                 [&] { s.dispatch(kLowLatencyBothPhases); }));
@@ -250,8 +273,8 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
     s.combine(kLowLatencyBothPhases);
     if (cudaStreamEndCapture(stream, &graph) == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
-      rows.push_back(measure(bs, stream, "dispatch + combine (graph)", plan, none,
-                             [&] { cudaGraphLaunch(exec, stream); }));
+      rows.push_back(
+          measure(bs, stream, "dispatch + combine (graph)", plan, none, [&] { cudaGraphLaunch(exec, stream); }));
       rows.push_back(measure_queued(bs, stream, "dispatch + combine (graph, queued)", plan,
                                     [&] { cudaGraphLaunch(exec, stream); }));
     }
@@ -332,19 +355,24 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     }
     for (const Row& row : rows)
       if (row.overruns > 0)
-        std::printf("warning: %s: in %d timed iterations (all ranks) the host took more than half of the %d us "
-                    "gate to queue the call; those may include launch latency\n",
-                    row.what.c_str(), row.overruns, kGateUs);
+        std::printf(
+            "warning: %s: in %d timed iterations (all ranks) the host took more than half of the %d us "
+            "gate to queue the call; those may include launch latency\n",
+            row.what.c_str(), row.overruns, kGateUs);
     if (total_expired > 0)
-      std::printf("warning: %u queued iterations (all ranks) left their gate by its time bound, not at rank 0's "
-                  "release: those ranks did not start together\n", total_expired);
+      std::printf(
+          "warning: %u queued iterations (all ranks) left their gate by its time bound, not at rank 0's "
+          "release: those ranks did not start together\n",
+          total_expired);
   }
   if (rank == 0 && !o.json.empty()) {
     if (std::FILE* f = std::fopen(o.json.c_str(), "w")) {
-      std::fprintf(f, "{\"mode\": \"low-latency\", \"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, "
+      std::fprintf(f,
+                   "{\"mode\": \"low-latency\", \"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, "
                    "\"experts\": %d, \"fp8\": %s, \"transport\": \"%s\", \"queued_start\": \"%s\", "
-                   "\"gate_expired\": %u, \"rows\": [", R, o.tokens, o.hidden, o.topk, experts,
-                   o.fp8 ? "true" : "false", describe_low_latency_transport(buffer.low_latency_transport()).c_str(),
+                   "\"gate_expired\": %u, \"rows\": [",
+                   R, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "true" : "false",
+                   describe_low_latency_transport(buffer.low_latency_transport()).c_str(),
                    have_line ? "released together" : "fixed gate", total_expired);
       for (size_t i = 0; i < rows.size(); ++i) {
         std::fprintf(f, "%s{\"op\": \"%s\", \"median_us\": [", i ? ", " : "", rows[i].what.c_str());
@@ -388,7 +416,8 @@ int run_low_latency(int argc, char** argv) {
   }
   // Shared by the ranks' processes: made here, before launch_local forks them (gate.hpp).
   void* release_page = create_release_page();
-  const LaunchResult res = launch_local(R, [&](Bootstrap& bs) { return rank_main(bs, o, release_page); }, 1200, 60);
+  const LaunchResult res = launch_local(
+      R, [&](Bootstrap& bs) { return rank_main(bs, o, release_page); }, 1200, 60);
   free_release_page(release_page);
   if (res.num_failed) std::fprintf(stderr, "%s", res.summary.c_str());
   return res.num_failed ? 1 : 0;

@@ -132,8 +132,8 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
     throw UsageError{"--hidden must be a multiple of " + std::to_string(fp8_group) +
                      " (FP8 rows carry one scale per 128 values), got " + std::to_string(o.hidden)};
   if (o.topk > o.experts)
-    throw UsageError{"--topk (" + std::to_string(o.topk) + ") must not exceed --experts (" +
-                     std::to_string(o.experts) + "): a token's experts are distinct"};
+    throw UsageError{"--topk (" + std::to_string(o.topk) + ") must not exceed --experts (" + std::to_string(o.experts) +
+                     "): a token's experts are distinct"};
   return o;
 }
 

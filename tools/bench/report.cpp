@@ -50,9 +50,9 @@ void print_best(std::FILE* out, const std::vector<Row>& rows) {
     for (const Row& r : rows)
       if (r.impl == Impl::kEpx && r.op == op && (best == nullptr || r.min_gbps() > best->min_gbps())) best = &r;
     if (best == nullptr) continue;
-    std::fprintf(out, "  %-13s sms %2d chunk %3d ring %4d: %7.1f GB/s, %6.0f us (slowest rank's median)",
-                 op_name(op), best->config.num_sms, best->config.num_max_send_tokens,
-                 best->config.num_max_recv_tokens, best->min_gbps(), best->max_median_us());
+    std::fprintf(out, "  %-13s sms %2d chunk %3d ring %4d: %7.1f GB/s, %6.0f us (slowest rank's median)", op_name(op),
+                 best->config.num_sms, best->config.num_max_send_tokens, best->config.num_max_recv_tokens,
+                 best->min_gbps(), best->max_median_us());
     if (const Row* nccl = find_nccl(rows, op))
       std::fprintf(out, "; NCCL %.1f GB/s, %s", nccl->min_gbps(), speedup(*best, rows).c_str());
     std::fprintf(out, "\n");
@@ -115,10 +115,14 @@ std::string json_row(const Row& row, const std::vector<Row>& rows) {
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::kDispatchBf16: return "dispatch bf16";
-    case Op::kDispatchFp8: return "dispatch fp8";
-    case Op::kCachedBf16: return "cached bf16";
-    case Op::kCombineBf16: return "combine bf16";
+    case Op::kDispatchBf16:
+      return "dispatch bf16";
+    case Op::kDispatchFp8:
+      return "dispatch fp8";
+    case Op::kCachedBf16:
+      return "cached bf16";
+    case Op::kCombineBf16:
+      return "combine bf16";
   }
   return "?";
 }

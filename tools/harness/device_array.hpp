@@ -42,7 +42,8 @@ class DeviceArray {
   size_t size() const { return n_; }
   void upload(const std::vector<T>& v, cudaStream_t s) {
     resize(v.size());
-    if (!v.empty()) cuda_check(cudaMemcpyAsync(ptr_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s), "upload");
+    if (!v.empty())
+      cuda_check(cudaMemcpyAsync(ptr_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s), "upload");
   }
   std::vector<T> download(size_t n, cudaStream_t s) const {
     std::vector<T> v(n);

@@ -1,9 +1,9 @@
 #include "gen.hpp"
-#include "gen_rows.hpp"
 
 #include <cmath>
 
 #include "epx/reference.hpp"
+#include "gen_rows.hpp"
 
 namespace epx::harness {
 

@@ -28,7 +28,8 @@ __global__ void fp8_rows_kernel(uint64_t seed, int rank, int hidden, uint8_t* ou
 __global__ void scales_kernel(uint64_t seed, int rank, int num_scales, float* out) {
   const int t = blockIdx.x;
   const uint64_t base = rows::scale_row_base(seed, rank, t);
-  for (int i = threadIdx.x; i < num_scales; i += blockDim.x) out[int64_t(t) * num_scales + i] = rows::scale_element(base, i);
+  for (int i = threadIdx.x; i < num_scales; i += blockDim.x)
+    out[int64_t(t) * num_scales + i] = rows::scale_element(base, i);
 }
 
 void check_launch(const char* what) {

@@ -29,7 +29,9 @@ EPX_GEN_HD uint64_t mix(uint64_t a, uint64_t b = 0, uint64_t c = 0, uint64_t d =
 // Uniform in [0, 1).
 EPX_GEN_HD double unit(uint64_t h) { return double(h >> 11) * (1.0 / 9007199254740992.0); }
 
-EPX_GEN_HD uint64_t bf16_row_base(uint64_t seed, int rank, int token) { return mix(seed, uint64_t(rank), uint64_t(token)); }
+EPX_GEN_HD uint64_t bf16_row_base(uint64_t seed, int rank, int token) {
+  return mix(seed, uint64_t(rank), uint64_t(token));
+}
 EPX_GEN_HD uint64_t fp8_row_base(uint64_t seed, int rank, int token) {
   return mix(seed, uint64_t(rank), uint64_t(token), 0xf8);
 }

@@ -235,11 +235,13 @@ std::string IntranodeSession::check_layout() const {
   const auto per_rank = num_tokens_per_rank_.download(num_ranks_, stream_);
   const auto per_expert = num_tokens_per_expert_.download(c_.routing.num_experts, stream_);
   const auto in_rank = is_token_in_rank_.download(size_t(num_tokens_) * num_ranks_, stream_);
-  for (int r = 0; r < num_ranks_; ++r) m.expect_eq(per_rank[r], want.num_tokens_per_rank[r], "num_tokens_per_rank" + at(r));
+  for (int r = 0; r < num_ranks_; ++r)
+    m.expect_eq(per_rank[r], want.num_tokens_per_rank[r], "num_tokens_per_rank" + at(r));
   for (int e = 0; e < c_.routing.num_experts; ++e)
     m.expect_eq(per_expert[e], want.num_tokens_per_expert[e], "num_tokens_per_expert" + at(e));
   for (size_t i = 0; i < in_rank.size(); ++i)
-    m.expect_eq(int(in_rank[i] != 0), int(want.is_token_in_rank[i]), "is_token_in_rank" + at(int(i / num_ranks_), int(i % num_ranks_)));
+    m.expect_eq(int(in_rank[i] != 0), int(want.is_token_in_rank[i]),
+                "is_token_in_rank" + at(int(i / num_ranks_), int(i % num_ranks_)));
   return m.str();
 }
 
@@ -249,7 +251,8 @@ std::string IntranodeSession::check_dispatch() const {
   Mismatches m("dispatch");
   if (!c_.worst_case) {
     m.expect_eq(counts_.num_recv_tokens, N, "num_recv_tokens");
-    const ref::RecvMeta full = ref::dispatch_meta(routing_, rank_, K, c_.routing.num_experts, c_.expert_alignment, true, true);
+    const ref::RecvMeta full =
+        ref::dispatch_meta(routing_, rank_, K, c_.routing.num_experts, c_.expert_alignment, true, true);
     m.expect_eq(counts_.num_recv_tokens_per_expert.size(), full.num_recv_tokens_per_expert.size(), "experts");
     for (size_t i = 0; i < counts_.num_recv_tokens_per_expert.size() && i < full.num_recv_tokens_per_expert.size(); ++i)
       m.expect_eq(counts_.num_recv_tokens_per_expert[i], full.num_recv_tokens_per_expert[i],
@@ -262,8 +265,8 @@ std::string IntranodeSession::check_dispatch() const {
   const int rows = c_.worst_case ? worst_tokens() : N;
   const auto recv_x = recv_x_.download(size_t(rows) * row_bytes(), stream_);
   const auto src_idx = recv_src_idx_.download(rows, stream_);
-  const ref::RecvMeta meta = ref::dispatch_meta(sources_, rank_, K, c_.routing.num_experts, c_.expert_alignment, c_.with_topk,
-                                              c_.with_topk && c_.with_weights);
+  const ref::RecvMeta meta = ref::dispatch_meta(sources_, rank_, K, c_.routing.num_experts, c_.expert_alignment,
+                                                c_.with_topk, c_.with_topk && c_.with_weights);
   std::vector<uint8_t> want_row;
   for (int n = 0; n < N; ++n) {
     const ref::RecvRow& r = expected_rows_[n];
@@ -272,8 +275,8 @@ std::string IntranodeSession::check_dispatch() const {
     if (std::memcmp(got, want_row.data(), want_row.size()) != 0) {
       size_t b = 0;
       while (got[b] == want_row[b]) ++b;
-      m.fail("recv_x" + at(n) + " (from rank " + std::to_string(r.src_rank) + " token " +
-             std::to_string(r.src_token) + ") differs at byte " + std::to_string(b));
+      m.fail("recv_x" + at(n) + " (from rank " + std::to_string(r.src_rank) + " token " + std::to_string(r.src_token) +
+             ") differs at byte " + std::to_string(b));
     }
     m.expect_eq(src_idx[n], meta.recv_src_idx[n], "recv_src_idx" + at(n));
   }
@@ -282,7 +285,8 @@ std::string IntranodeSession::check_dispatch() const {
     std::vector<float> want(S);
     for (int n = 0; n < N; ++n) {
       fill_scales(x_seed_, expected_rows_[n].src_rank, expected_rows_[n].src_token, S, want.data());
-      for (int i = 0; i < S; ++i) m.expect_eq(bits(scales[size_t(n) * S + i]), bits(want[i]), "recv_x_scales" + at(n, i));
+      for (int i = 0; i < S; ++i)
+        m.expect_eq(bits(scales[size_t(n) * S + i]), bits(want[i]), "recv_x_scales" + at(n, i));
     }
   }
   if (c_.with_topk) {
@@ -293,7 +297,8 @@ std::string IntranodeSession::check_dispatch() const {
       const auto w = recv_topk_weights_.download(size_t(rows) * K, stream_);
       for (int i = 0; i < N * K; ++i)
         m.expect_eq(bits(w[i]), bits(meta.recv_topk_weights[i]), "recv_topk_weights" + at(i / K, i % K));
-      for (int i = N * K; i < rows * K; ++i) m.expect_eq(bits(w[i]), bits(0.f), "padding recv_topk_weights" + at(i / K, i % K));
+      for (int i = N * K; i < rows * K; ++i)
+        m.expect_eq(bits(w[i]), bits(0.f), "padding recv_topk_weights" + at(i / K, i % K));
     }
   }
   for (int n = N; n < rows; ++n) m.expect_eq(src_idx[n], -1, "padding recv_src_idx" + at(n));
@@ -317,13 +322,12 @@ std::string IntranodeSession::check_combine() const {
   std::vector<uint16_t> b0, b1;
   if (c_.num_biases >= 1) b0 = bias0_.download(size_t(T) * H, stream_);
   if (c_.num_biases >= 2) b1 = bias1_.download(size_t(T) * H, stream_);
-  const ref::Combined want =
-      ref::combine(sources_[me], num_ranks_, H, K, row, c_.combine_weights ? ref::ContributionWeights(weights) : nullptr,
-                   b0.empty() ? nullptr : b0.data(), b1.empty() ? nullptr : b1.data());
+  const ref::Combined want = ref::combine(sources_[me], num_ranks_, H, K, row,
+                                          c_.combine_weights ? ref::ContributionWeights(weights) : nullptr,
+                                          b0.empty() ? nullptr : b0.data(), b1.empty() ? nullptr : b1.data());
   Mismatches m("combine");
   const auto got = combined_x_.download(size_t(T) * H, stream_);
-  for (size_t i = 0; i < got.size(); ++i)
-    m.expect_eq(got[i], want.x[i], "combined_x" + at(int(i / H), int(i % H)));
+  for (size_t i = 0; i < got.size(); ++i) m.expect_eq(got[i], want.x[i], "combined_x" + at(int(i / H), int(i % H)));
   if (c_.combine_weights) {
     const auto w = combined_weights_.download(size_t(T) * K, stream_);
     for (size_t i = 0; i < w.size(); ++i)

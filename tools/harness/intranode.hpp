@@ -23,9 +23,9 @@ struct IntranodeCase {
   bool with_weights = true;  // pass topk_weights to dispatch
   RoutingSpec routing;
   int expert_alignment = 1;
-  bool worst_case = false;   // num_worst_tokens = the sum of all ranks' tokens (no host wait)
+  bool worst_case = false;        // num_worst_tokens = the sum of all ranks' tokens (no host wait)
   int worst_tokens_override = 0;  // > 0: use this num_worst_tokens instead (to provoke the overflow error)
-  int num_biases = 0;        // 0, 1 or 2 bias tensors in combine
+  int num_biases = 0;             // 0, 1 or 2 bias tensors in combine
   bool combine_weights = true;
   uint64_t seed = 1;
   int tokens_of(int rank) const { return tokens.size() == 1 ? tokens[0] : tokens.at(rank); }
@@ -33,12 +33,12 @@ struct IntranodeCase {
 
 class IntranodeSession {
  public:
-  IntranodeSession(Buffer& buffer, const IntranodeCase& c, const Config& dispatch_config,
-                   const Config& combine_config, cudaStream_t stream);
+  IntranodeSession(Buffer& buffer, const IntranodeCase& c, const Config& dispatch_config, const Config& combine_config,
+                   cudaStream_t stream);
 
   void layout();
-  void dispatch();                         // notify (+ bounded host wait unless worst-case) + data
-  void dispatch_cached();                  // same routing, current x, no count exchange
+  void dispatch();         // notify (+ bounded host wait unless worst-case) + data
+  void dispatch_cached();  // same routing, current x, no count exchange
   void combine();
   void set_x(uint64_t seed);               // regenerates and uploads this rank's x (and scales)
   void set_combine_inputs(uint64_t seed);  // expert outputs, weights and biases for the next combine
@@ -77,8 +77,8 @@ class IntranodeSession {
   std::vector<std::vector<int64_t>> topk_;
   std::vector<std::vector<float>> weights_;
   std::vector<ref::Layout> layouts_;
-  std::vector<ref::Source> sources_;     // as dispatch sees them (top-k only if passed)
-  std::vector<ref::Source> routing_;     // always with top-k (per-expert counts)
+  std::vector<ref::Source> sources_;  // as dispatch sees them (top-k only if passed)
+  std::vector<ref::Source> routing_;  // always with top-k (per-expert counts)
   std::vector<ref::RecvRow> expected_rows_;
 
   // Device data of this rank.

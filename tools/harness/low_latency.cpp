@@ -88,9 +88,9 @@ void LowLatencySession::set_step(uint64_t seed) {
   for (int t = 0; t < num_tokens_; ++t) fill_bf16_row(seed, rank_, t, H, x.data() + size_t(t) * H);
   // Same device arrays every step (graph replays read them): copy, never reallocate.
   cuda_check(cudaMemcpyAsync(x_.get(), x.data(), x.size() * 2, cudaMemcpyHostToDevice, stream_), "x");
-  cuda_check(cudaMemcpyAsync(topk_idx_.get(), topk_[rank_].data(), topk_[rank_].size() * 8, cudaMemcpyHostToDevice,
-                             stream_),
-             "topk");
+  cuda_check(
+      cudaMemcpyAsync(topk_idx_.get(), topk_[rank_].data(), topk_[rank_].size() * 8, cudaMemcpyHostToDevice, stream_),
+      "topk");
   cuda_check(cudaMemcpyAsync(topk_weights_.get(), weights_[rank_].data(), weights_[rank_].size() * 4,
                              cudaMemcpyHostToDevice, stream_),
              "weights");
@@ -156,7 +156,8 @@ void LowLatencySession::combine(int phases) {
 }
 
 std::string LowLatencySession::check_dispatch() const {
-  const int R = num_ranks_, M = c_.max_tokens, H = c_.hidden, L = num_local_experts(), G = H / epx::limits().fp8_group_size;
+  const int R = num_ranks_, M = c_.max_tokens, H = c_.hidden, L = num_local_experts(),
+            G = H / epx::limits().fp8_group_size;
   const size_t rows_per_expert = size_t(R) * M;
   Report r;
   const auto count = packed_count_.download(L, stream_);
@@ -171,8 +172,10 @@ std::string LowLatencySession::check_dispatch() const {
   for (int i = 0; i < L; ++i) {
     const auto& want = rows_[i];
     const std::string at = "expert " + std::to_string(i);
-    if (count[i] != int(want.size())) r.fail(at + ": count " + std::to_string(count[i]) + ", want " + std::to_string(want.size()));
-    if (stats[i] != expected_stats_[i]) r.fail(at + ": cumulative stats " + std::to_string(stats[i]) + ", want " + std::to_string(expected_stats_[i]));
+    if (count[i] != int(want.size()))
+      r.fail(at + ": count " + std::to_string(count[i]) + ", want " + std::to_string(want.size()));
+    if (stats[i] != expected_stats_[i])
+      r.fail(at + ": cumulative stats " + std::to_string(stats[i]) + ", want " + std::to_string(expected_stats_[i]));
     int begin = 0;
     for (int s = 0; s < R; ++s) {
       int n = 0;
@@ -238,8 +241,8 @@ std::string LowLatencySession::check_combine() const {
     if (std::memcmp(got.data() + size_t(t) * H, want.data(), size_t(H) * 2) != 0) {
       int h = 0;
       while (got[size_t(t) * H + h] == want[h]) ++h;
-      r.fail("combined_x[" + std::to_string(t) + "][" + std::to_string(h) + "] = " +
-             std::to_string(got[size_t(t) * H + h]) + ", want " + std::to_string(want[h]));
+      r.fail("combined_x[" + std::to_string(t) + "][" + std::to_string(h) +
+             "] = " + std::to_string(got[size_t(t) * H + h]) + ", want " + std::to_string(want[h]));
     }
   }
   (void)L;

@@ -122,13 +122,20 @@ __global__ void shape_kernel(Peers p, int self, int ngpus, int rows, int row_int
       if (lane != 0 || item_of[j] < 0) continue;
       int old;
       if (release == 1)
-        asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counters + item_of[j]) : "memory");
+        asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;"
+                     : "=r"(old)
+                     : "l"(counters + item_of[j])
+                     : "memory");
       else
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counters + item_of[j]) : "memory");
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                     : "=r"(old)
+                     : "l"(counters + item_of[j])
+                     : "memory");
       if (release == 3 && (old + 1) % parts == 0) {  // counters accumulate over the timed iterations
         const int pi = peer_major ? item_of[j] / rows : item_of[j] % npeers;
         const int peer = with_self ? pi : (pi >= self ? pi + 1 : pi);
-        int* flag = reinterpret_cast<int*>(p.flag[peer]) + self * rows + (peer_major ? item_of[j] % rows : item_of[j] / npeers);
+        int* flag =
+            reinterpret_cast<int*>(p.flag[peer]) + self * rows + (peer_major ? item_of[j] % rows : item_of[j] / npeers);
         asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(flag), "r"(old + 1) : "memory");
       }
     }
@@ -166,10 +173,10 @@ __device__ __forceinline__ void bulk_push_row(unsigned char* buf, uint64_t* bar,
   asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the previous store has read buf
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(row_bytes)
                : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(buf)),
-               "l"(s), "r"(row_bytes), "r"(smem_u32(bar))
-               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(buf)),
+      "l"(s), "r"(row_bytes), "r"(smem_u32(bar))
+      : "memory");
   uint32_t done = 0;
   while (!done)
     asm volatile(
@@ -209,7 +216,8 @@ __global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row
 // 2-4); the block's last warp (modes 1, 3, 4), until every data warp is done, times `st.release.sys` (a fence then
 // a store to a word of its own GPU) and naps 500 ns. Mode 4: bulk copies plus an 80-byte plain store to the peer
 // per row, as a record's metadata would be. stats: releases, their total and their maximum ns.
-__global__ void fence_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int mode, unsigned long long* stats) {
+__global__ void fence_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int mode,
+                             unsigned long long* stats) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t bars[32];
   __shared__ int s_done;
@@ -322,7 +330,8 @@ int main(int argc, char** argv) {
     CHECK(cudaMemset(p.src[g], 0x3c + g, bytes));  // not zeros
     CHECK(cudaMalloc(&p.flag[g], size_t(kMaxGpus) * max_rows * sizeof(int)));
     CHECK(cudaMemset(p.flag[g], 0, size_t(kMaxGpus) * max_rows * sizeof(int)));
-    for (int s = 0; s < kMaxGpus; ++s) CHECK(cudaStreamCreateWithFlags(&streams[g * kMaxGpus + s], cudaStreamNonBlocking));
+    for (int s = 0; s < kMaxGpus; ++s)
+      CHECK(cudaStreamCreateWithFlags(&streams[g * kMaxGpus + s], cudaStreamNonBlocking));
     CHECK(cudaEventCreate(&ev0[g]));
     CHECK(cudaEventCreate(&ev1[g]));
   }
@@ -373,8 +382,10 @@ int main(int argc, char** argv) {
       for (int s = 0; s < ngpus; ++s) {
         if (s == g) continue;
         CHECK(cudaSetDevice(g));
-        CHECK(cudaMemcpy(h.data(), p.dst[g] + (size_t(s) * window + (window == rows ? rows - 1 : size_t(rows - 1) * 97 % window)) * row_int4,
-                         row_bytes, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(
+            h.data(),
+            p.dst[g] + (size_t(s) * window + (window == rows ? rows - 1 : size_t(rows - 1) * 97 % window)) * row_int4,
+            row_bytes, cudaMemcpyDeviceToHost));
         for (int i = 0; i < row_bytes; ++i)
           if (h[i] != 0x3c + s) {
             std::printf("MISMATCH mode %s gpu %d from %d byte %d: %d\n", mode, g, s, i, h[i]);
@@ -418,10 +429,13 @@ int main(int argc, char** argv) {
       });
       check_dst(rows, "push");
       std::printf("%-12s %6d %6d %7d | %8.1f %8.1f\n", "push-U8", rows, sms / 2, 512, us, bytes / us * 1e-3);
-      struct Variant { const char* name; int release, with_self, src_window, peer_major; };
-      const Variant variants[] = {{"shape", 0, 0, rows, 0},           {"shape+flag", 3, 0, rows, 0},
-                                  {"flag+self", 3, 1, rows, 0},       {"flag+self+spread", 3, 1, kWindow / 4, 0},
-                                  {"flag+peermajor", 3, 0, rows, 1},  {"flag+self+spread+pm", 3, 1, kWindow / 4, 1}};
+      struct Variant {
+        const char* name;
+        int release, with_self, src_window, peer_major;
+      };
+      const Variant variants[] = {{"shape", 0, 0, rows, 0},          {"shape+flag", 3, 0, rows, 0},
+                                  {"flag+self", 3, 1, rows, 0},      {"flag+self+spread", 3, 1, kWindow / 4, 0},
+                                  {"flag+peermajor", 3, 0, rows, 1}, {"flag+self+spread+pm", 3, 1, kWindow / 4, 1}};
       for (const Variant& v : variants) {
         clear_dst();
         us = time_all([&](int g, cudaStream_t s) {
@@ -444,8 +458,8 @@ int main(int argc, char** argv) {
       CHECK(cudaMalloc(&stats[g], 3 * sizeof(unsigned long long)));
     }
     const char* names[] = {"push", "push+fence", "bulk", "bulk+fence", "bulk+meta+fence"};
-    std::printf("%-16s %6s %6s %7s | %8s %8s | %8s %9s %9s\n", "fence mode", "rows", "blocks", "threads", "us",
-                "GB/s", "releases", "mean ns", "max ns");
+    std::printf("%-16s %6s %6s %7s | %8s %8s | %8s %9s %9s\n", "fence mode", "rows", "blocks", "threads", "us", "GB/s",
+                "releases", "mean ns", "max ns");
     for (int rep = 0; rep < 2; ++rep)
       for (int blocks : {12, 24})
         for (int mode = 0; mode < 5; ++mode)
@@ -514,7 +528,8 @@ int main(int argc, char** argv) {
             CHECK(cudaGetLastError());
           });
           check_dst(rows, "push");
-          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "push", rows, blocks, threads, us_[k], us, bytes / us * 1e-3);
+          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "push", rows, blocks, threads, us_[k], us,
+                      bytes / us * 1e-3);
         }
     for (int blocks : {6, 12, 16, 24, 33})
       for (int threads : {128, 256, 384}) run_bulk(rows, blocks, threads);
@@ -531,8 +546,8 @@ int main(int argc, char** argv) {
           if (h == g) continue;
           cudaStream_t t = streams[g * kMaxGpus + i++];
           CHECK(cudaStreamWaitEvent(t, fork, 0));
-          CHECK(cudaMemcpyPeerAsync(p.dst[h] + size_t(g) * rows * row_int4, h, p.src[g] + size_t(h) * rows * row_int4, g,
-                                    size_t(rows) * row_bytes, t));
+          CHECK(cudaMemcpyPeerAsync(p.dst[h] + size_t(g) * rows * row_int4, h, p.src[g] + size_t(h) * rows * row_int4,
+                                    g, size_t(rows) * row_bytes, t));
           cudaEvent_t done;
           CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
           CHECK(cudaEventRecord(done, t));

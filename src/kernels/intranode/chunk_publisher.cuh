@@ -19,7 +19,7 @@ namespace epx {
 
 // Shared memory of a sender block's groups, one entry per destination.
 struct ChunkGrants {
-  int32_t granted[kMaxNvlRanks];    // chunks the group may write; chunk 0 always fits the idle ring
+  int32_t granted[kMaxNvlRanks];     // chunks the group may write; chunk 0 always fits the idle ring
   uint64_t head_seen[kMaxNvlRanks];  // the receiver's head as last read (publishers' lane 0 only)
 
   __device__ __forceinline__ void init() {

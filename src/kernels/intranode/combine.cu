@@ -161,7 +161,7 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
     if (lane < R) {
       pos = p.send_head[int64_t(t) * R + lane];
       need_slot[lane] = pos >= 0 ? pos : -pos - 1;  // positions below this are no longer needed by this warp
-      if (pos >= 0)  // pairs with the sender's release of tail
+      if (pos >= 0)                                 // pairs with the sender's release of tail
         wait_at_least(&self->combine_tail[channel][lane], base + pos + 1, p.fail,
                       WaitSite{kRoleCombineReceiver, channel, lane, t});
     }
@@ -225,10 +225,9 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(const __grid_c
   if (blockIdx.x % 2 == 0) {
     // At most 2 ranks the coordinated sender, at more the chunked one: each is the faster there
     // (docs/bench-notes.md).
-    run_sender_block<kRanks <= 2>(
-        [&](int32_t* progress) { combine_sender_coordinated<kUnroll>(p, channel, progress); },
-        [&](const int32_t* progress) { combine_sender_coordinator(p, channel, progress); },
-        [&](ChunkGrants& grants) { combine_sender<kUnroll>(p, channel, grants); });
+    run_sender_block<kRanks <= 2>([&](int32_t* progress) { combine_sender_coordinated<kUnroll>(p, channel, progress); },
+                                  [&](const int32_t* progress) { combine_sender_coordinator(p, channel, progress); },
+                                  [&](ChunkGrants& grants) { combine_sender<kUnroll>(p, channel, grants); });
     return;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

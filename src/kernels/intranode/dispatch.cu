@@ -71,8 +71,7 @@ __device__ __forceinline__ void store_scales(const DispatchParams& p, int32_t* d
 template <typename Load>
 __device__ __forceinline__ void store_row_fields(const DispatchParams& p, int row, const SmallFields& f,
                                                  const int32_t* src_scales, int lane, Load load) {
-  store_scales(p, reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales, f, src_scales, lane,
-               load);
+  store_scales(p, reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales, f, src_scales, lane, load);
   if (lane == 0) p.recv_src_idx[row] = f.src_idx;
   if (lane < p.num_topk) {
     if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = f.topk;
@@ -121,8 +120,7 @@ __device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, i
   const SmallFields f = token_fields(p, t, p.peers.rank, lane);
   warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{},
                      StoreNa{});
-  store_row_fields(p, row, f, reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales, lane,
-                   LoadNc{});
+  store_row_fields(p, row, f, reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales, lane, LoadNc{});
 }
 
 // Chunked sender (3 or more ranks, see launch_dispatch), the group for one peer (PeerGroup::of_peers): scans the
@@ -215,7 +213,7 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
       write_record<kUnroll>(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, base + i), lane);
     }
     routed += __popc(mask);
-    __syncwarp();  // every lane's stores of this window come before lane 0's release
+    __syncwarp();                                     // every lane's stores of this window come before lane 0's release
     if (lane == 0) st_release_cta(progress, routed);  // pairs with the coordinator's acquire
   }
   __syncwarp();

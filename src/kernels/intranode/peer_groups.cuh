@@ -9,12 +9,12 @@
 namespace epx {
 
 struct PeerGroup {
-  int peer;           // the rank this group sends to or receives from
-  int warp;           // warp index inside the group
-  int warps;          // warps in the group
-  int threads;        // warps * 32, for the named barrier
-  int barrier_id;     // 1 + peer (0 is __syncthreads)
-  bool leader;        // lane 0 of warp 0: polls and publishes ring indices
+  int peer;        // the rank this group sends to or receives from
+  int warp;        // warp index inside the group
+  int warps;       // warps in the group
+  int threads;     // warps * 32, for the named barrier
+  int barrier_id;  // 1 + peer (0 is __syncthreads)
+  bool leader;     // lane 0 of warp 0: polls and publishes ring indices
 
   __device__ __forceinline__ static bool of(int num_ranks, PeerGroup& g) {
     const int warp = threadIdx.x / 32;

@@ -50,9 +50,9 @@ struct SenderGroups {
 // skipping this rank, kDataWarps / (R - 1) warps each; the leftover warps (when R - 1 does not divide kDataWarps)
 // are idle (active false). Host and device (unit-tested on the CPU). R >= 2.
 struct PeerSlot {
-  int peer;    // the rank this warp's group sends to
-  int index;   // the warp's index in the group
-  int warps;   // warps per group
+  int peer;   // the rank this warp's group sends to
+  int index;  // the warp's index in the group
+  int warps;  // warps per group
   bool active;
 };
 EPX_HD PeerSlot chunked_peer_slot(int warp, int num_ranks, int self) {

@@ -2,21 +2,19 @@
 //
 // Send phase: rows are cut into work items of kChunk int4, one per warp at a time over the whole grid; a row
 // goes back into its source rank's receive area at [global expert][source token] once every rank has received
-// every earlier op on this buffer set (their epochs, kernels/low_latency/epochs.cuh; polls of local memory, once per rank
-// and block). Before its rows, the sender posts every (expert, source) pair's target at the source: the value
-// the source's arrival counter for that expert reaches once this op's items of the pair are written (a running
-// total over the set's combines, tagged with the op's number; relaxed, it orders nothing). Each block counts
-// its items per pair in shared memory and, after its last one, adds the counts to the sources' arrival counters
-// behind one system-scope fence: no completion step per warp, and the adds land right behind the data. Writes
-// into other ranks go through device/transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that
-// is not already in the symmetric region (zero-copy) is first copied to its place in this set's combine-send
-// area. A row for this rank itself is copied only when the receive runs in a later launch (hook); with both
-// phases in one launch it stays in x and its receive slot holds its row index instead (a copy less on the
-// critical path; docs/bench-notes.md).
-// Receive phase: block b reduces tokens b, b+G, ..., each once the arrival counters of its experts have reached
-// their targets:
-// out[t] = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding;
-// then the block adds its completion to every rank's epoch counter (kernels/low_latency/epochs.cuh): no last block.
+// every earlier op on this buffer set (their epochs, kernels/low_latency/epochs.cuh; polls of local memory, once per
+// rank and block). Before its rows, the sender posts every (expert, source) pair's target at the source: the value the
+// source's arrival counter for that expert reaches once this op's items of the pair are written (a running total over
+// the set's combines, tagged with the op's number; relaxed, it orders nothing). Each block counts its items per pair in
+// shared memory and, after its last one, adds the counts to the sources' arrival counters behind one system-scope
+// fence: no completion step per warp, and the adds land right behind the data. Writes into other ranks go through
+// device/transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is not already in the symmetric region
+// (zero-copy) is first copied to its place in this set's combine-send area. A row for this rank itself is copied only
+// when the receive runs in a later launch (hook); with both phases in one launch it stays in x and its receive slot
+// holds its row index instead (a copy less on the critical path; docs/bench-notes.md). Receive phase: block b reduces
+// tokens b, b+G, ..., each once the arrival counters of its experts have reached their targets: out[t] = bf16(sum over
+// k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding; then the block adds its completion to
+// every rank's epoch counter (kernels/low_latency/epochs.cuh): no last block.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -27,8 +25,8 @@
 #include "device/warp_copy.cuh"
 #include "kernels/low_latency/epochs.cuh"
 #include "kernels/low_latency/launch.cuh"
-#include "layout/ll_params.hpp"
 #include "layout/limits.hpp"
+#include "layout/ll_params.hpp"
 
 namespace epx {
 namespace {
@@ -61,8 +59,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   const int L = p.num_experts / R;
   const int row_int4 = p.hidden / 8;
   const int64_t rows_per_expert = int64_t(R) * M;
-  int32_t* sent = p.layout.combine_sent(p.peers.ll.local, p.set);          // running totals per (local expert, source)
-  int32_t* arrived = p.layout.combine_arrived(p.peers.ll.local, p.set);    // addresses here = offsets at every peer
+  int32_t* sent = p.layout.combine_sent(p.peers.ll.local, p.set);        // running totals per (local expert, source)
+  int32_t* arrived = p.layout.combine_arrived(p.peers.ll.local, p.set);  // addresses here = offsets at every peer
   uint64_t* targets = p.layout.combine_target(p.peers.ll.local, p.set);
   const uint64_t* recv_seen = p.layout.recv_seen(p.peers.ll.local, p.set);
   const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // earlier ops on this set, of either kind
@@ -127,13 +125,16 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int w = w0 + j;
-      b_pair[j] = -1;                     // every slot is set, also those past the end: lane 0 reads them all
+      b_pair[j] = -1;                    // every slot is set, also those past the end: lane 0 reads them all
       if (w >= total * parts) continue;  // (a break here left slots j + 1.. unset once kBatch > 2)
       const int g = w / parts, part = w % parts;
       int lo = 0, hi = L;  // largest i with s_first[i] <= g
       while (hi - lo > 1) {
         const int mid = (lo + hi) / 2;
-        if (s_first[mid] <= g) lo = mid; else hi = mid;
+        if (s_first[mid] <= g)
+          lo = mid;
+        else
+          hi = mid;
       }
       const int i = lo, n = g - s_first[i];
       int s = 0;
@@ -213,8 +214,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
         const uint32_t tag = k_ops + 1u;
         const WaitSite site{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)};
         const int slot = arrival_slot(int(e) / L, int(e) % L, p.num_ranks);
-        const uint64_t posted =
-            wait_until(targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.fail, site);
+        const uint64_t posted = wait_until(
+            targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.fail, site);
         wait_epoch(arrived + slot, int32_t(uint32_t(posted)), p.fail, site);
         if constexpr (kInPlace) {
           const int64_t slot = e * M + t;
@@ -232,8 +233,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
           if (k0 + j < K && s_expert[k0 + j] >= 0)
-            v[j] = kInPlace ? ld_cg(s_row[k0 + j] + h)
-                            : ld_cg(recv + (int64_t(s_expert[k0 + j]) * M + t) * row_int4 + h);
+            v[j] =
+                kInPlace ? ld_cg(s_row[k0 + j] + h) : ld_cg(recv + (int64_t(s_expert[k0 + j]) * M + t) * row_int4 + h);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (k0 + j >= K || s_expert[k0 + j] < 0) continue;
@@ -255,11 +256,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
   __shared__ int2 s_range[kLowLatencyMaxExperts];  // [L * R] (begin, count) of every (local expert, source)
   __shared__ int s_items[kLowLatencyMaxExperts];   // [L * R] this block's work items per pair
-  wait_prior_grids();  // before any memory access (kernels/low_latency/launch.cuh)
+  wait_prior_grids();                              // before any memory access (kernels/low_latency/launch.cuh)
   allow_next_grid();
   if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range, s_items);
   if (p.phases & kLowLatencyRecv) {

@@ -80,7 +80,8 @@ __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyR
     const int groups = p.hidden / kFp8GroupSize;
     float* s_scales = reinterpret_cast<float*>(s_rec + rec.scale_offset);
     for (int g = warp; g < groups; g += kWarps) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(src) + g * kFp8GroupSize + lane * 4);
+      const uint2 raw =
+          *reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(src) + g * kFp8GroupSize + lane * 4);
       const float v[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u),
                           __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xffff0000u)};
       float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
@@ -165,7 +166,8 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
       if (at_d != 0) {
         int4* dst = reinterpret_cast<int4*>(p.layout.dispatch_records(p.peers.ll.local, p.set) +
                                             (int64_t(me) * M + t) * rec.bytes);
-        const int4* src = has_peer_pointer(p.peers.ll, d) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
+        const int4* src =
+            has_peer_pointer(p.peers.ll, d) ? reinterpret_cast<const int4*>(s_rec) : staged_record(p, rec, t);
         // On return this lane's stores are issued (peer pointer) or complete at d (NVSHMEM); published by the
         // arrival adds after the token loop.
         put_warp<2>(p.peers.ll, d, dst, src, int(rec.bytes / 16), lane, [](const int4* q) { return *q; });
@@ -185,7 +187,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
     counted = true;
     __syncthreads();  // the staged record is free again (every lane's loads of it have returned)
   }
-  if (!counted) {  // no token here: every warp sends counts
+  if (!counted) {     // no token here: every warp sends counts
     __syncthreads();  // s_topk is complete
     send_counts(p, s_topk, warp, kWarps);
   }
@@ -220,7 +222,8 @@ __device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p,
       if (q >= words) break;
       const int4 v = ld_cg(scales + q);
       const uint32_t packed = uint32_t(ue8m0_of(__int_as_float(v.x))) | uint32_t(ue8m0_of(__int_as_float(v.y))) << 8 |
-                              uint32_t(ue8m0_of(__int_as_float(v.z))) << 16 | uint32_t(ue8m0_of(__int_as_float(v.w))) << 24;
+                              uint32_t(ue8m0_of(__int_as_float(v.z))) << 16 |
+                              uint32_t(ue8m0_of(__int_as_float(v.w))) << 24;
       static_cast<uint32_t*>(p.packed_recv_scales)[(int64_t(i) * words + q) * rows_per_expert + n] = packed;
     }
   } else if (p.fp8) {  // token-minor: [L][H/128][R*M]; 64 groups (hidden 8192) per round
@@ -261,7 +264,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       if (lane < R) {
         // The count carries no data (its rows are published by the arrival counter below), so it is sent
         // before them; rows past M (an expert listed twice in a token) were reported and not written.
-        const int expected = wait_nonzero(counts + i * R + lane, p.fail, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;
+        const int expected =
+            wait_nonzero(counts + i * R + lane, p.fail, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;
         s_expected[lane] = expected;
         count = min(expected, M);
       }
@@ -308,8 +312,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       const int end4 = min(min(c1, chunks) * kChunk, row_int4);
       for (int first = c0 * kChunk; first < end4; first += 2 * kChunk)
         warp_copy_once<2 * kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
-                                        reinterpret_cast<const int4*>(src) + first, min(2 * kChunk, end4 - first),
-                                        lane, LoadCg{}, StoreNa{});
+                                        reinterpret_cast<const int4*>(src) + first, min(2 * kChunk, end4 - first), lane,
+                                        LoadCg{}, StoreNa{});
       if (c1 > chunks) copy_row_meta(p, src, i, n, token, lane);
     }
     named_barrier(1, threads);  // every row of expert i is copied; no warp reads s_begin / s_expected any more
@@ -325,10 +329,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
 
 // Dynamic shared memory of a launch: the staged record and topk as int16 (send).
 __host__ __device__ __forceinline__ size_t dispatch_smem_bytes(const LowLatencyDispatchParams& p) {
-  return size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes) + size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
+  return size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes) +
+         size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {
   extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
   int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
   wait_prior_grids();  // before any memory access (kernels/low_latency/launch.cuh)

@@ -6,10 +6,10 @@
 
 #include <cstdint>
 
-#include "device/wait.cuh"
-#include "layout/ll_params.hpp"
 #include "device/transport.cuh"
+#include "device/wait.cuh"
 #include "layout/limits.hpp"
+#include "layout/ll_params.hpp"
 
 namespace epx::dev {
 
@@ -25,7 +25,8 @@ __device__ __forceinline__ uint32_t ops_before(const LowLatencyLayout& layout, c
 // ahead here). Acquire.
 __device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, const FailState& env,
                                             const WaitSite& site) {
-  wait_until(p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, env, site);
+  wait_until(
+      p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, env, site);
 }
 
 // End of a receive phase, every thread of every block, after the block's last read of the receive area and its
