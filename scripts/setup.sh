@@ -15,6 +15,7 @@ need_apt=()
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v ninja >/dev/null 2>&1 || need_apt+=(ninja-build)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v clang-format >/dev/null 2>&1 || need_apt+=(clang-format)  # scripts/format.sh --check (CI)
 if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then need_apt+=(libgtest-dev); fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

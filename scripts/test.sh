@@ -8,6 +8,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 BUILD_DIR=${EPX_BUILD_DIR:-build}
 scripts/setup.sh "$BUILD_DIR"
 
+echo "== Format"
+if command -v clang-format >/dev/null 2>&1; then
+  scripts/format.sh --check
+elif [ -n "${CI:-}" ]; then
+  echo "clang-format is missing: CI checks the format (scripts/setup.sh installs it)" >&2
+  exit 1
+else
+  echo "format check skipped: clang-format is not installed here"
+fi
+
 echo "== CPU tests"
 if [ -x "$BUILD_DIR/tests/epx_cpu_tests" ]; then
   "$BUILD_DIR/tests/epx_cpu_tests" --gtest_brief=1
