@@ -19,7 +19,7 @@ extern "C" {
 #endif
 
 #define EPX_VERSION_MAJOR 0
-#define EPX_VERSION_MINOR 3
+#define EPX_VERSION_MINOR 4
 
 typedef enum epx_status {
   EPX_OK = 0,
@@ -36,7 +36,12 @@ typedef enum epx_status {
 
 /* Regions of a buffer's memory on this rank (epx_buffer_region). */
 #define EPX_REGION_NVL 0  /* the high-throughput ring area: num_nvl_bytes */
-#define EPX_REGION_RDMA 1 /* the low-latency area: num_rdma_bytes */
+#define EPX_REGION_RDMA 1 /* num_rdma_bytes: the low-latency area, or the internode network rings */
+
+/* Reduction orders of combine (epx_combine_args.reduction; SPEC sections 3, 6, 8). */
+#define EPX_REDUCE_DEFAULT 0   /* flat inside one NVLink domain, two-level in an internode buffer */
+#define EPX_REDUCE_FLAT 1      /* every rank's row summed at the source in ascending global rank order */
+#define EPX_REDUCE_TWO_LEVEL 2 /* internode: per-domain partials rounded to bf16, then summed by domain */
 
 /* Data types of token rows. */
 typedef enum epx_dtype { EPX_BF16 = 0, EPX_FP8_E4M3 = 1 } epx_dtype;
@@ -54,11 +59,14 @@ typedef struct epx_bootstrap {
 
 typedef struct epx_buffer_options {
   int64_t num_nvl_bytes;  /* high-throughput ring buffers (see epx_config_nvl_size_hint) */
-  int64_t num_rdma_bytes; /* low-latency buffers (see epx_low_latency_size_hint) */
+  int64_t num_rdma_bytes; /* low-latency buffers (epx_ll_size_hint), or the internode network rings
+                             (epx_config_internode_size_hints) */
   int low_latency_mode;   /* nonzero: the buffer serves low-latency dispatch/combine */
-  int num_nvl_ranks;      /* NVLink domain size G; 0 means every rank is in one domain */
+  int num_nvl_ranks;      /* NVLink domain size G; 0: $EPX_NUM_NVL_RANKS if set, else the ranks that share a host */
   double timeout_s;       /* wait budget of every device and host wait; <= 0 means the default, 100 s */
   int device;             /* CUDA device; -1 means the current device */
+  int force_internode;    /* nonzero (or $EPX_FORCE_INTERNODE=1): the internode kernels also when every rank is in
+                             one domain (tests the NVLink forwarding on one host); needs NVSHMEM */
 } epx_buffer_options;
 
 /* Limits of this library (its constants, for bindings and tools that must not repeat them). */
@@ -82,7 +90,10 @@ typedef struct epx_config {
   int num_sms;             /* even, >= 2 */
   int num_max_send_tokens; /* tokens a sender publishes per tail update (chunk); unused by the senders at 2 ranks or
                               fewer, which publish progress continuously (still validated) */
-  int num_max_recv_tokens; /* ring capacity per (channel, peer), in tokens; >= num_max_send_tokens */
+  int num_max_recv_tokens; /* ring capacity per (channel, peer), in tokens; >= num_max_send_tokens. Internode: the
+                              NVLink ring per (channel, forwarder), split into one sub-ring per source domain */
+  int num_max_rdma_send_tokens; /* internode: records per network chunk (one put and one signal) */
+  int num_max_rdma_recv_tokens; /* internode: network ring capacity per (channel, domain), >= 2 chunks */
 } epx_config;
 
 typedef struct epx_layout_args {
@@ -131,6 +142,19 @@ typedef struct epx_dispatch_handle {
   int* recv_src_idx;               /* [N]: source token index of each received row */
   const uint8_t* is_token_in_rank; /* [num_tokens, R] */
   int* send_head;                  /* [num_tokens, R]: stream position of token t towards rank j */
+  /* Internode buffers (docs/internode.md; deep_ep's handle elements in brackets). There channel_prefix_matrix is
+   * [2] gbl_channel_prefix_matrix and recv_channel_prefix_matrix is [5] recv_gbl_channel_prefix_matrix;
+   * rank_prefix_matrix, recv_src_idx and send_head are unused. */
+  int num_domains;                      /* D */
+  int num_nvl_ranks;                    /* G */
+  int num_rdma_recv_tokens;             /* records this rank's network rings receive (-1 until known) */
+  int* rdma_channel_prefix_matrix;      /* [D, C] [1] */
+  int* recv_rdma_channel_prefix_matrix; /* [D, C] [3] */
+  int* recv_rdma_rank_prefix_sum;       /* [D] [4] */
+  int* recv_gbl_rank_prefix_sum;        /* [R] [6] */
+  int32_t* recv_src_meta;               /* [rows, 2] [7]: source domain, mask of this domain's ranks */
+  int* send_rdma_head;                  /* [num_tokens, D] [8] */
+  int* send_nvl_head;                   /* [num_rdma_recv_tokens (or num_worst_tokens), G] [9] */
 } epx_dispatch_handle;
 
 typedef struct epx_dispatch_outputs {
@@ -142,7 +166,8 @@ typedef struct epx_dispatch_outputs {
 } epx_dispatch_outputs;
 
 typedef struct epx_dispatch_counts {
-  int num_recv_tokens; /* -1 in worst-case mode */
+  int num_recv_tokens;      /* -1 in worst-case mode */
+  int num_rdma_recv_tokens; /* internode: records this rank's network rings receive; -1 otherwise */
   int num_local_experts;
   const int* num_recv_tokens_per_expert; /* [num_local_experts], aligned; valid until the next call */
 } epx_dispatch_counts;
@@ -155,6 +180,7 @@ typedef struct epx_combine_args {
   int num_topk;              /* 0: no weights; the same on every rank */
   const void* bias0;         /* optional bf16 [num_tokens, hidden] */
   const void* bias1;         /* optional bf16 [num_tokens, hidden] */
+  int reduction;             /* EPX_REDUCE_*: 0 is the default order of the buffer's mode */
 } epx_combine_args;
 
 typedef struct epx_combine_outputs {
@@ -233,6 +259,8 @@ int epx_built_with_nvshmem(void); /* nonzero when this libepx has the NVSHMEM tr
 epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_options* options, epx_buffer** out);
 epx_status epx_buffer_destroy(epx_buffer* buffer);
 epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, int* device, int* num_nvl_ranks);
+/* Nonzero when the buffer runs the internode (hierarchical) kernels. */
+epx_status epx_buffer_is_internode(const epx_buffer* buffer, int* internode);
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds);
 epx_status epx_buffer_ll_transport(const epx_buffer* buffer, epx_ll_transport_info* info);
 /* Waits for the stream, then reports any error a kernel of this buffer recorded (timeouts, bad input). */
@@ -250,8 +278,14 @@ epx_status epx_default_dispatch_config(int num_ranks, epx_config* out);
 epx_status epx_default_combine_config(int num_ranks, epx_config* out);
 /* Channels of the high-throughput kernels under a config (the per-channel handle arrays are [R, channels]). */
 epx_status epx_config_num_channels(const epx_config* config, int* out);
-/* Bytes of num_nvl_bytes that a config needs for rows of hidden_bytes (worst case of scales and top-k). */
+/* Bytes of num_nvl_bytes that a config needs for rows of hidden_bytes (worst case of scales and top-k), inside one
+ * NVLink domain of num_ranks ranks. */
 epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_bytes, int num_ranks, int64_t* bytes);
+/* The internode mode over num_ranks = D x num_nvl_ranks ranks: num_nvl_bytes (the NVLink sub-rings) and
+ * num_rdma_bytes (the network rings) a config needs for rows of hidden_bytes. num_nvl_ranks 0: as many as one
+ * domain holds (at most 8). */
+epx_status epx_config_internode_size_hints(const epx_config* config, int64_t hidden_bytes, int num_ranks,
+                                           int num_nvl_ranks, int64_t* nvl_bytes, int64_t* rdma_bytes);
 
 epx_status epx_get_dispatch_layout(epx_buffer* buffer, const epx_layout_args* args, const epx_layout_outputs* outputs,
                                    void* stream);

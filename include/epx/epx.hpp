@@ -88,6 +88,12 @@ Config default_combine_config(int num_ranks);
 void validate_config(const Config& config, int num_ranks);
 // num_nvl_bytes a config needs for rows of hidden_bytes, assuming the largest scales and top-k we accept.
 int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks);
+// The internode mode over num_ranks = D x num_nvl_ranks: num_nvl_bytes and num_rdma_bytes a config needs.
+struct InternodeSizes {
+  int64_t nvl_bytes = 0;
+  int64_t rdma_bytes = 0;
+};
+InternodeSizes internode_size_hints(const Config& config, int64_t hidden_bytes, int num_ranks, int num_nvl_ranks);
 BufferOptions default_buffer_options();
 // num_rdma_bytes for low-latency calls of up to M tokens per rank (both buffer sets).
 int64_t low_latency_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts);
@@ -103,7 +109,8 @@ struct MemoryRegion {
 };
 
 struct DispatchCounts {
-  int num_recv_tokens = -1;  // -1 in worst-case mode (not waited for)
+  int num_recv_tokens = -1;       // -1 in worst-case mode (not waited for)
+  int num_rdma_recv_tokens = -1;  // internode: records this rank's network rings receive
   std::vector<int> num_recv_tokens_per_expert;
 };
 
@@ -123,6 +130,8 @@ class Buffer {
   int num_ranks() const;
   int device() const;
   int num_nvl_ranks() const;
+  // Whether the internode (hierarchical) kernels serve this buffer (several NVLink domains, or forced).
+  bool internode() const;
   int num_sms_on_device() const;
   void set_timeout(double seconds);
   double timeout() const;

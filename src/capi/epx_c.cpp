@@ -94,6 +94,13 @@ epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, 
   });
 }
 
+epx_status epx_buffer_is_internode(const epx_buffer* buffer, int* internode) {
+  return guarded([&] {
+    require_non_null(internode, "internode");
+    *internode = live(const_cast<epx_buffer*>(buffer)).internode() ? 1 : 0;
+  });
+}
+
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) {
   return guarded([&] { live(buffer).set_timeout(seconds); });
 }
@@ -162,6 +169,18 @@ epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_byt
   });
 }
 
+epx_status epx_config_internode_size_hints(const epx_config* config, int64_t hidden_bytes, int num_ranks,
+                                           int num_nvl_ranks, int64_t* nvl_bytes, int64_t* rdma_bytes) {
+  return guarded([&] {
+    require_non_null(config, "config");
+    require_non_null(nvl_bytes, "nvl_bytes");
+    require_non_null(rdma_bytes, "rdma_bytes");
+    const epx::InternodeSizes s = epx::internode_size_hints(*config, hidden_bytes, num_ranks, num_nvl_ranks);
+    *nvl_bytes = s.nvl_bytes;
+    *rdma_bytes = s.rdma_bytes;
+  });
+}
+
 epx_status epx_get_dispatch_layout(epx_buffer* buffer, const epx_layout_args* args, const epx_layout_outputs* outputs,
                                    void* stream) {
   return guarded([&] {
@@ -181,6 +200,7 @@ epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args
     epx::DispatchCounts c = live(buffer).notify_dispatch(*args, *config, *handle, as_stream(stream));
     buffer->counts = std::move(c.num_recv_tokens_per_expert);
     counts->num_recv_tokens = c.num_recv_tokens;
+    counts->num_rdma_recv_tokens = c.num_rdma_recv_tokens;
     counts->num_local_experts = int(buffer->counts.size());
     counts->num_recv_tokens_per_expert = buffer->counts.data();
   });

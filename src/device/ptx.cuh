@@ -125,6 +125,14 @@ __device__ __forceinline__ void st_na(int32_t* p, int32_t v) {
 __device__ __forceinline__ void st_release_cta(int32_t* p, int32_t v) {
   asm volatile("st.release.cta.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_release_cta(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.cta.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_cta(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.cta.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ int32_t ld_acquire_cta(const int32_t* p) {
   int32_t v;
   asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

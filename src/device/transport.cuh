@@ -39,6 +39,14 @@
 //                   receiver whose acquire sees it also sees the data announced before it.
 //   add_after_fence a relaxed add that fence_acq_rel_sys, earlier in the same thread, makes a release (one fence
 //                   may precede several adds).
+// The network hop of the internode mode (NetworkMap: a peer is a PE; `mine` and sources are addresses in this
+// rank's symmetric network region, which name the same offsets at the peer):
+//   net_put_signal_warp  data, then a signal word set at the peer (NVSHMEM put with signal): a reader whose acquire
+//                   sees the signal sees the data. The source must stay untouched until the reader's credit says
+//                   the data arrived.
+//   net_add         an atomic add at the peer that orders nothing (ring credits: the slots it frees were read
+//                   before the add was issued).
+//   net_quiet       every network operation this thread issued is complete at its peer.
 // Nothing here waits: a caller that must wait for a peer polls its own memory (or a peer's index through a peer
 // pointer) with the bounded waits of device/wait.cuh.
 #pragma once
@@ -226,6 +234,32 @@ __device__ __forceinline__ void signal_add(const RegionMap& region, int peer, T*
     nvshmem_uint64_atomic_add(reinterpret_cast<uint64_t*>(mine), uint64_t(value), peer);
   else
     nvshmem_int_atomic_add(reinterpret_cast<int*>(mine), int(value), peer);
+#endif
+}
+
+// ---- the network hop: NVSHMEM's generic device API only ------------------------------------------------------
+// Kernels without EPX_NVSHMEM_DEVICE never reach these (the runtime refuses the internode mode there).
+
+__device__ __forceinline__ void net_put_signal_warp(void* dst, const void* src, size_t bytes, uint64_t* signal,
+                                                    uint64_t value, int pe) {
+#if EPX_NVSHMEM_DEVICE
+  nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe);
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void net_add(uint64_t* counter, uint64_t value, int pe) {
+#if EPX_NVSHMEM_DEVICE
+  nvshmem_uint64_atomic_add(counter, value, pe);
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void net_quiet() {
+#if EPX_NVSHMEM_DEVICE
+  nvshmem_quiet();
 #endif
 }
 

@@ -31,13 +31,19 @@ static __device__ __noinline__ void fail_fatal(const FailState& env, int code, c
   }
   if (code != kErrAbortedByPeer) {
     for (int p = 0; p < env.num_ranks; ++p) post(env.abort_words[p], int32_t(env.rank + 1));
+#if EPX_NVSHMEM_DEVICE
+    if (env.net_abort != nullptr) {
+      for (int pe = 0; pe < env.num_pes; ++pe) nvshmem_int_p(env.net_abort, env.rank + 1, pe);
+      nvshmem_quiet();
+    }
+#endif
   }
   __threadfence_system();
   __trap();
 }
 
 __device__ __forceinline__ void check_abort(const FailState& env, const WaitSite& site) {
-  const int32_t a = ld_relaxed_sys(&env.self->abort);
+  const int32_t a = ld_relaxed_sys(env.abort_word);
   if (a != 0) fail_fatal(env, kErrAbortedByPeer, site, a - 1, 0);
 }
 
@@ -84,6 +90,13 @@ __device__ __forceinline__ void wait_equal(const uint32_t* p, uint32_t target, c
                                            const WaitSite& site) {
   wait_until(
       p, [target](uint32_t v) { return v == target; }, int64_t(target), env, site);
+}
+
+// Waits until *p == target (acquire), for 64-bit epoch flags (signal words).
+__device__ __forceinline__ void wait_equal(const uint64_t* p, uint64_t target, const FailState& env,
+                                           const WaitSite& site) {
+  wait_until(
+      p, [target](uint64_t v) { return v == target; }, int64_t(target), env, site);
 }
 
 // Waits until *p != 0 (acquire) and returns it, for count messages that are nonzero once written.

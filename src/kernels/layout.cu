@@ -22,8 +22,9 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) 
   __syncthreads();
 
   const int experts_per_rank = p.num_experts / p.num_ranks;
+  constexpr int kWords = kMaxRanks / 32;
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < p.num_tokens; t += gridDim.x * blockDim.x) {
-    uint64_t ranks = 0;
+    uint32_t ranks[kWords] = {};  // bit r: the token goes to rank r
     for (int k = 0; k < p.num_topk; ++k) {
       const int64_t e = p.topk_idx[int64_t(t) * p.num_topk + k];
       if (e == -1) continue;
@@ -32,19 +33,20 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) 
         continue;
       }
       atomicAdd(&s_expert[e], 1);
-      ranks |= 1ull << (e / experts_per_rank);
+      const int r = int(e / experts_per_rank);
+      ranks[r / 32] |= 1u << (r % 32);
     }
-    uint64_t domains = 0;
+    uint32_t domains = 0;  // bit d: the token goes to a rank of domain d
     for (int r = 0; r < p.num_ranks; ++r) {
-      const bool in = (ranks >> r) & 1ull;
+      const bool in = (ranks[r / 32] >> (r % 32)) & 1u;
       p.is_token_in_rank[int64_t(t) * p.num_ranks + r] = in;
       if (in) {
         atomicAdd(&s_rank[r], 1);
-        domains |= 1ull << (r / p.num_nvl_ranks);
+        domains |= 1u << (r / p.num_nvl_ranks);
       }
     }
     for (int d = 0; d < num_rdma; ++d)
-      if ((domains >> d) & 1ull) atomicAdd(&s_rdma[d], 1);
+      if ((domains >> d) & 1u) atomicAdd(&s_rdma[d], 1);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x)
@@ -69,6 +71,6 @@ void launch_layout(const LayoutParams& p, int num_sms, cudaStream_t stream) {
   layout_kernel<<<blocks, kLayoutThreads, smem, stream>>>(p);
 }
 
-static_assert(kMaxRanks <= 64, "rank masks are 64-bit");
+static_assert(kMaxDomains <= 32, "domain masks are 32-bit");
 
 }  // namespace epx

@@ -12,11 +12,16 @@ namespace epx {
 
 struct FailState {
   HostShared* host;                    // this rank's host-mapped block (device view): diagnostics for the CPU
-  NvlControl* self;                    // this rank's control block: its abort word, the first-failure claim
-  int32_t* abort_words[kMaxNvlRanks];  // every rank's abort word as mapped here (abort_words[rank] is its own)
+  NvlControl* self;                    // this rank's control block: the first-failure claim, input errors
+  int32_t* abort_word;                 // the word every wait of this rank polls (a failing rank raises it)
+  int32_t* abort_words[kMaxNvlRanks];  // the domain's ranks' abort words as mapped here (peer pointers)
   int num_ranks;                       // entries of abort_words
-  int rank;                            // this rank, as diagnostics name it
-  uint64_t budget_ns;                  // every wait's budget
+  // Internode buffers: every rank's abort word is at this symmetric address (NetControl::abort) and a failing
+  // kernel raises it in all num_pes ranks through NVSHMEM (kernels compiled with EPX_NVSHMEM_DEVICE); null else.
+  int32_t* net_abort;
+  int num_pes;
+  int rank;            // this rank, as diagnostics name it
+  uint64_t budget_ns;  // every wait's budget
 };
 
 }  // namespace epx

@@ -35,6 +35,23 @@ enum DeviceRole : int32_t {
   kRoleLowLatencyCombineRecv = 10,
   kRoleDispatchCoordinator = 11,
   kRoleCombineSenderCoordinator = 12,
+  // Internode mode. The hop a role waits on: network (ring between domains; peer = domain), NVLink (sub-ring
+  // inside the domain; peer = local rank), or a notify phase (1: network, peer = domain; 2: NVLink, peer = local
+  // rank).
+  kRoleNotifyNetwork = 13,
+  kRoleNotifyNvl = 14,
+  kRoleNetSender = 15,             // dispatch: waits for network ring credit (a = head, b = needed)
+  kRoleNetSenderCoordinator = 16,  // dispatch: relays credit until the senders are done
+  kRoleForwarder = 17,             // dispatch: waits for a network chunk (a, b: signal) or NVLink room (head)
+  kRoleForwarderCoordinator = 18,  // dispatch: waits for the forwarders' progress
+  kRoleNvlReceiver = 19,           // dispatch: waits for NVLink sub-ring data (tail)
+  kRoleNvlReceiverCoordinator = 20,
+  kRoleCombineNvlSender = 21,  // combine: waits for NVLink sub-ring room (head)
+  kRoleCombineNvlSenderCoordinator = 22,
+  kRoleCombineForwarder = 23,  // combine: waits for NVLink rows (tail) or network credit (head)
+  kRoleCombineForwarderCoordinator = 24,
+  kRoleCombineNetReceiver = 25,  // combine: waits for a network chunk (signal)
+  kRoleCombineNetReceiverCoordinator = 26,
 };
 
 struct DeviceDiag {
@@ -52,9 +69,10 @@ struct HostShared {
   int32_t num_recv_tokens;  // counts of that notify
   int32_t op_error;         // collective input error of that notify (DeviceError), 0 if none
   int32_t op_error_rank;
-  int32_t fatal_claimed;  // 0 until a fatal diagnostic is written (first writer wins)
-  int32_t input_claimed;  // 0 until this rank's first input error since the last report
-  int32_t pad[2];
+  int32_t fatal_claimed;         // 0 until a fatal diagnostic is written (first writer wins)
+  int32_t input_claimed;         // 0 until this rank's first input error since the last report
+  int32_t num_rdma_recv_tokens;  // internode notify: records this rank's network rings receive
+  int32_t pad;
   DeviceDiag fatal;  // timeout / abort
   DeviceDiag input;  // this rank's input error (layout kernel)
   int32_t num_recv_tokens_per_expert[kMaxLocalExperts];

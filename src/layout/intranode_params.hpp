@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "layout/channels.hpp"
 #include "layout/fail_state.hpp"
 #include "layout/nvl_layout.hpp"
 #include "layout/peer_map.hpp"
@@ -14,18 +15,6 @@
 typedef struct CUstream_st* cudaStream_t;
 
 namespace epx {
-
-// Tokens [begin, end) of channel c when num_tokens are split over num_channels.
-struct ChannelRange {
-  int begin;
-  int end;
-  EPX_HD static ChannelRange of(int num_tokens, int num_channels, int channel) {
-    const int per = ceil_div(num_tokens, num_channels);
-    const int b = per * channel < num_tokens ? per * channel : num_tokens;
-    const int e = b + per < num_tokens ? b + per : num_tokens;
-    return {b, e};
-  }
-};
 
 struct LayoutParams {
   const int64_t* topk_idx;

@@ -22,8 +22,10 @@ constexpr int kMaxTopk = 32;
 constexpr int kMaxLocalExperts = 1024;
 // Experts in total: the layout kernel keeps one shared-memory counter per expert.
 constexpr int kMaxExperts = 8192;
-// Ranks the layout kernel handles (one 64-bit destination mask per token).
-constexpr int kMaxRanks = 64;
+// NVLink domains of the internode mode (one lane per domain in its kernels' scans; one notify message per domain).
+constexpr int kMaxDomains = 16;
+// Ranks of a Buffer: every domain full (16 x 8).
+constexpr int kMaxRanks = kMaxDomains * kMaxNvlRanks;
 // Largest hidden size we accept (bytes of one row are bounded by the ring record size).
 constexpr int kMaxHidden = 32768;
 // FP8 scales are per group of this many elements (SPEC section 2 and 4).

@@ -19,11 +19,24 @@ struct RegionMap {
   int num_nvshmem;              // ranks with peer[r] == nullptr
 };
 
+// The network hop of the internode mode: this rank's peers are the ranks of the same local index in every domain,
+// always reached through NVSHMEM's generic device API (PE = global rank), so that what runs on one host over
+// NVLink is what runs on a cluster. Only the internode kernels use it.
+struct NetworkMap {
+  uint8_t* local;   // this rank's network region (symmetric: the same address names every peer's copy)
+  int domain;       // this rank's domain d
+  int num_domains;  // D
+  int local_rank;   // g, this rank's index in its domain
+  int num_local;    // G
+  EPX_HD int pe(int domain_m) const { return domain_m * num_local + local_rank; }
+};
+
 struct PeerMap {
-  int rank;       // this rank's index in the regions (its rank inside the NVLink domain)
-  int num_ranks;  // ranks the regions hold
-  RegionMap nvl;  // the NVLink buffer (NvlControl, then the ring data): CUDA IPC, a pointer for every rank
-  RegionMap ll;   // the low-latency region: in the NVLink buffer (CUDA IPC) or in NVSHMEM symmetric memory
+  int rank;        // this rank's index in the regions (its rank inside the NVLink domain)
+  int num_ranks;   // ranks the regions hold
+  RegionMap nvl;   // the NVLink buffer (NvlControl, then the ring data): CUDA IPC, a pointer for every rank
+  RegionMap ll;    // the low-latency region: in the NVLink buffer (CUDA IPC) or in NVSHMEM symmetric memory
+  NetworkMap net;  // the internode network region (null local in single-domain buffers)
 };
 
 // Rank r's NVLink buffer as mapped here, seen as the control block it starts with.

@@ -77,7 +77,8 @@ void Buffer::Impl::raise_if_input_error(const char* op, cudaStream_t stream) {
   const int who = h->op_error_rank;
   std::string msg;
   Status status;
-  if (who == nvl_rank || code == kErrWorstTokensExceeded || code == kErrShapeMismatch) {
+  const int me = internode ? rank : nvl_rank;  // the rank numbers the notify of this mode reports
+  if (who == me || code == kErrWorstTokensExceeded || code == kErrShapeMismatch) {
     const DeviceDiag diag = read_diag(&host->input);
     msg = describe_input(code, diag, who);
     status = Status::kInvalidArgument;
@@ -120,17 +121,24 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   timeout_s = opts.timeout_s > 0 ? opts.timeout_s : kDefaultTimeoutSeconds;
   EPX_REQUIRE(num_ranks >= 1, "bootstrap size must be >= 1, got ", num_ranks);
   EPX_REQUIRE(rank >= 0 && rank < num_ranks, "bootstrap rank ", rank, " is outside [0, ", num_ranks, ")");
-  num_nvl_ranks = opts.num_nvl_ranks > 0 ? opts.num_nvl_ranks : num_ranks;
-  EPX_REQUIRE(num_ranks % num_nvl_ranks == 0, "num_nvl_ranks (", num_nvl_ranks, ") must divide the number of ranks (",
-              num_ranks, ")");
-  EPX_REQUIRE(num_nvl_ranks <= kMaxNvlRanks, "an NVLink domain holds at most ", kMaxNvlRanks, " ranks, got ",
-              num_nvl_ranks);
-  if (num_nvl_ranks != num_ranks)
-    raise(Status::kNotSupported,
-          "ranks spanning several NVLink domains (internode mode) are not implemented yet: ", num_ranks,
-          " ranks with num_nvl_ranks = ", num_nvl_ranks);
+  EPX_REQUIRE(num_ranks <= kMaxRanks, "a Buffer spans at most ", kMaxRanks, " ranks, got ", num_ranks);
   EPX_REQUIRE(opts.num_nvl_bytes >= 0 && opts.num_rdma_bytes >= 0, "buffer sizes must be >= 0");
+  const DomainChoice domains = choose_domains(bs, opts);  // collective
+  num_nvl_ranks = domains.num_nvl_ranks;
+  internode = domains.internode;
+  num_domains = num_ranks / num_nvl_ranks;
   nvl_rank = rank % num_nvl_ranks;
+  if (internode) {
+    if (!built_with_nvshmem())
+      raise(Status::kNotSupported, "the internode mode (", num_domains, " NVLink domains of ", num_nvl_ranks, " ranks",
+            num_domains == 1 ? ", forced" : "",
+            ") needs a libepx built with NVSHMEM: configure with "
+            "-DEPX_NVSHMEM=ON -DEPX_NVSHMEM_DIR=... (or run EPX_NVSHMEM=1 scripts/setup.sh)");
+    if (opts.low_latency_mode)
+      raise(Status::kNotSupported,
+            "low_latency_mode in a buffer over several NVLink domains: the low-latency mode "
+            "runs inside one domain (create a separate buffer for it)");
+  }
 
   int device_count = 0;
   EPX_CUDA_CHECK(cudaGetDeviceCount(&device_count));
@@ -145,8 +153,9 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_device_sms = prop.multiProcessorCount;
 
-  ll_offset = RingLayout::data_offset() + align_up(opts.num_nvl_bytes, kAlign);
-  ll_set_bytes = align_up(opts.num_rdma_bytes, 2 * kAlign) / 2;
+  ll_offset = nvl_data_offset() + align_up(opts.num_nvl_bytes, kAlign);
+  // An internode buffer's num_rdma_bytes are its network rings (attach_network_region).
+  ll_set_bytes = internode ? 0 : align_up(opts.num_rdma_bytes, 2 * kAlign) / 2;
   const LowLatencyTransportChoice transport = choose_low_latency_transport_from_env(ll_set_bytes > 0);
   ll_transport = transport.transport;
   ll_force_nvshmem = transport.force_nvshmem;
@@ -154,7 +163,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   // With NVSHMEM the low-latency region is a symmetric allocation of its own (attach_low_latency_region).
   alloc_bytes = ll_offset + (ll_transport == LowLatencyTransport::kCudaIpc ? 2 * ll_set_bytes : 0);
   EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));
-  EPX_CUDA_CHECK(cudaMemset(local, 0, RingLayout::data_offset()));
+  EPX_CUDA_CHECK(cudaMemset(local, 0, nvl_data_offset()));
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(HostShared), cudaHostAllocMapped));
   std::memset(host, 0, sizeof(HostShared));
   EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_dev), host, 0));
@@ -238,6 +247,7 @@ int Buffer::rank() const { return impl_->rank; }
 int Buffer::num_ranks() const { return impl_->num_ranks; }
 int Buffer::device() const { return impl_->device; }
 int Buffer::num_nvl_ranks() const { return impl_->num_nvl_ranks; }
+bool Buffer::internode() const { return impl_->internode; }
 int Buffer::num_sms_on_device() const { return impl_->num_device_sms; }
 double Buffer::timeout() const { return impl_->timeout_s; }
 
@@ -275,7 +285,10 @@ MemoryRegion Buffer::local_region(int which) const {
   r.bytes = nvl ? b.options.num_nvl_bytes : b.options.num_rdma_bytes;
   // The RDMA region is the low-latency region: inside the CUDA IPC allocation (at ll_offset), or, with NVSHMEM,
   // a symmetric allocation of its own, which the IPC allocation has no room for.
-  if (r.bytes > 0) r.ptr = nvl ? static_cast<uint8_t*>(b.local) + RingLayout::data_offset() : b.peer_map.ll.local;
+  if (r.bytes > 0)
+    r.ptr = nvl           ? static_cast<uint8_t*>(b.local) + b.nvl_data_offset()
+            : b.internode ? b.peer_map.net.local + NetRing::data_offset()
+                          : b.peer_map.ll.local;
   return r;
 }
 

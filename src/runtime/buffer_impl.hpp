@@ -10,9 +10,11 @@
 #include "epx/epx.hpp"
 #include "layout/fail_state.hpp"
 #include "layout/host_shared.hpp"
+#include "layout/internode_layout.hpp"
 #include "layout/ll_params.hpp"
 #include "layout/nvl_layout.hpp"
 #include "layout/peer_map.hpp"
+#include "runtime/domains.hpp"
 #include "runtime/transport.hpp"
 
 namespace epx {
@@ -41,8 +43,10 @@ struct Buffer::Impl {
   int rank = 0;
   int num_ranks = 0;
   int device = 0;
-  int num_nvl_ranks = 0;  // NVLink domain size
-  int nvl_rank = 0;       // index inside the domain
+  int num_nvl_ranks = 0;   // NVLink domain size G
+  int nvl_rank = 0;        // index inside the domain
+  int num_domains = 1;     // D = num_ranks / num_nvl_ranks
+  bool internode = false;  // the internode kernels serve this buffer (D > 1, or forced)
   int num_device_sms = 0;
   double timeout_s = kDefaultTimeoutSeconds;
 
@@ -77,6 +81,9 @@ struct Buffer::Impl {
   std::string failure;
 
   NvlControl* control() const { return static_cast<NvlControl*>(local); }
+  // Where the ring data of the NVLink buffer starts (after the control blocks of the buffer's mode).
+  int64_t nvl_data_offset() const { return internode ? InternodeNvlLayout::data_offset() : RingLayout::data_offset(); }
+  NetControl* net_control() const { return reinterpret_cast<NetControl*>(peer_map.net.local); }
   int64_t ring_bytes_available() const { return options.num_nvl_bytes; }
   FailState fail_state() const;
 
@@ -103,6 +110,9 @@ struct Buffer::Impl {
  private:
   void attach_low_latency_region();
   void detach_low_latency_region(bool usable);
+  // The internode network region: NetControl, then num_rdma_bytes of ring data, in NVSHMEM symmetric memory.
+  void attach_network_region();
+  void detach_network_region(bool usable);
 };
 
 }  // namespace epx

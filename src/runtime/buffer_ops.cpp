@@ -13,6 +13,7 @@ void Buffer::get_dispatch_layout(const LayoutArgs& a, const LayoutOutputs& o, cu
 DispatchCounts Buffer::notify_dispatch(const DispatchArgs& a, const Config& c, DispatchHandle& h, cudaStream_t stream) {
   const char* op = "notify_dispatch";
   impl_->enter(op);
+  if (impl_->internode) return internode::notify_dispatch(*impl_, a, c, h, stream, op);
   return intranode::notify_dispatch(*impl_, a, c, h, stream, op);
 }
 
@@ -20,6 +21,7 @@ void Buffer::dispatch(const DispatchArgs& a, const Config& c, const DispatchHand
                       cudaStream_t stream) {
   const char* op = "dispatch";
   impl_->enter(op);
+  if (impl_->internode) return internode::dispatch(*impl_, a, c, h, o, stream, op);
   intranode::dispatch(*impl_, a, c, h, o, stream, op);
 }
 
@@ -27,6 +29,7 @@ void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const Dispa
                              cudaStream_t stream) {
   const char* op = "dispatch (cached)";
   impl_->enter(op);
+  if (impl_->internode) return internode::dispatch_cached(*impl_, a, c, h, o, stream, op);
   intranode::dispatch_cached(*impl_, a, c, h, o, stream, op);
 }
 
@@ -34,6 +37,7 @@ void Buffer::combine(const CombineArgs& a, const Config& c, const DispatchHandle
                      cudaStream_t stream) {
   const char* op = "combine";
   impl_->enter(op);
+  if (impl_->internode) return internode::combine(*impl_, a, c, h, o, stream, op);
   intranode::combine(*impl_, a, c, h, o, stream, op);
 }
 

@@ -1,4 +1,8 @@
-// Configs of the high-throughput kernels: defaults per rank count, validation, buffer size hints.
+// Configs of the high-throughput kernels (intranode and internode): defaults per rank count, validation, buffer
+// size hints.
+#include "runtime/config.hpp"
+
+#include "layout/internode_layout.hpp"
 #include "layout/ll_layout.hpp"
 #include "layout/nvl_layout.hpp"
 #include "runtime/errors.hpp"
@@ -10,6 +14,9 @@ namespace {
 constexpr int kDefaultNumSms = 24;
 // Ring capacity per (channel, peer): enough that a sender rarely waits for its receiver.
 constexpr int kDefaultRingTokens = 256;
+// Internode network rings: records per chunk (one put with signal each) and capacity per (channel, domain).
+constexpr int kDefaultNetChunk = 8;
+constexpr int kDefaultNetRingTokens = 128;
 
 // A chunk of two tokens per sender warp keeps every warp of a peer group busy (kDataWarps / R warps).
 int default_chunk(int num_ranks) {
@@ -24,8 +31,21 @@ int default_dispatch_chunk(int num_ranks) { return num_ranks == 4 ? 24 : default
 
 // The defaults must pass validate_config: a rank count the kernels cannot run is an error here, not a config.
 void require_default_ranks(int num_ranks) {
-  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxNvlRanks, "default configs are for 1..", kMaxNvlRanks,
-              " ranks of one NVLink domain, got num_ranks = ", num_ranks);
+  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxRanks, "default configs are for 1..", kMaxRanks,
+              " ranks, got num_ranks = ", num_ranks);
+}
+
+// Record bytes the internode rings need for rows of hidden_bytes (BF16: covers FP8 and its scales), the largest K.
+struct InternodeRecordBytes {
+  int64_t net;  // network ring slot: the dispatch record or a two-level combine record
+  int64_t nvl;  // NVLink sub-ring slot: the dispatch record or a combine row with its weights
+};
+InternodeRecordBytes internode_record_bytes(int64_t hidden_bytes, int num_nvl_ranks) {
+  const int64_t dispatch = InternodeRecord::make(hidden_bytes, 0, kMaxTopk).bytes;
+  const int64_t combine_net = CombineNetRecord::make(int(hidden_bytes / 2), 1, num_nvl_ranks, kMaxTopk).bytes;
+  const int64_t combine_nvl = CombineRecord::make(int(hidden_bytes / 2), kMaxTopk).bytes;
+  return {align_up(dispatch > combine_net ? dispatch : combine_net, kAlign),
+          align_up(dispatch > combine_nvl ? dispatch : combine_nvl, kAlign)};
 }
 
 }  // namespace
@@ -55,12 +75,13 @@ int num_channels(const Config& config) {
 
 Config default_dispatch_config(int num_ranks) {
   require_default_ranks(num_ranks);
-  return Config{kDefaultNumSms, default_dispatch_chunk(num_ranks), kDefaultRingTokens};
+  return Config{kDefaultNumSms, default_dispatch_chunk(num_ranks), kDefaultRingTokens, kDefaultNetChunk,
+                kDefaultNetRingTokens};
 }
 
 Config default_combine_config(int num_ranks) {
   require_default_ranks(num_ranks);
-  return Config{kDefaultNumSms, default_chunk(num_ranks), kDefaultRingTokens};
+  return Config{kDefaultNumSms, default_chunk(num_ranks), kDefaultRingTokens, kDefaultNetChunk, kDefaultNetRingTokens};
 }
 
 void validate_config(const Config& c, int num_ranks) {
@@ -84,6 +105,44 @@ int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks)
   const int64_t combine = CombineRecord::make(int(hidden_bytes / 2), kMaxTopk).bytes;
   const RingLayout ring{num_ranks, config.num_max_recv_tokens, dispatch > combine ? dispatch : combine};
   return align_up(ring.bytes(num_channels(config)), kAlign);
+}
+
+void validate_internode_config(const Config& c, int num_nvl_ranks, int num_domains) {
+  num_channels(c);
+  EPX_REQUIRE(num_nvl_ranks >= 1 && num_nvl_ranks <= kMaxNvlRanks && num_domains >= 1 && num_domains <= kMaxDomains,
+              "the internode mode runs on 1..", kMaxDomains, " domains of 1..", kMaxNvlRanks, " ranks, got ",
+              num_domains, " x ", num_nvl_ranks);
+  EPX_REQUIRE(c.num_max_send_tokens >= 1, "config.num_max_send_tokens must be >= 1, got ", c.num_max_send_tokens);
+  EPX_REQUIRE(c.num_max_recv_tokens >= num_domains && c.num_max_recv_tokens <= (1 << 20),
+              "config.num_max_recv_tokens (", c.num_max_recv_tokens, ") must be in [number of domains (", num_domains,
+              "), 2^20]: the NVLink ring of a channel holds one sub-ring per source domain");
+  EPX_REQUIRE(c.num_max_rdma_send_tokens >= 1,
+              "config.num_max_rdma_send_tokens (records per network chunk) must be"
+              " >= 1, got ",
+              c.num_max_rdma_send_tokens);
+  const int chunks = c.num_max_rdma_recv_tokens / c.num_max_rdma_send_tokens;
+  EPX_REQUIRE(chunks >= 2 && chunks <= kMaxNetChunks, "config.num_max_rdma_recv_tokens (", c.num_max_rdma_recv_tokens,
+              ") must hold 2..", kMaxNetChunks, " chunks of num_max_rdma_send_tokens (", c.num_max_rdma_send_tokens,
+              ")");
+}
+
+InternodeSizes internode_size_hints(const Config& config, int64_t hidden_bytes, int num_ranks, int num_nvl_ranks) {
+  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ", num_ranks);
+  const int G = num_nvl_ranks > 0 ? num_nvl_ranks : (num_ranks < kMaxNvlRanks ? num_ranks : kMaxNvlRanks);
+  EPX_REQUIRE(num_ranks % G == 0, "num_nvl_ranks (", G, ") must divide num_ranks (", num_ranks, ")");
+  const int D = num_ranks / G;
+  validate_internode_config(config, G, D);
+  EPX_REQUIRE(hidden_bytes > 0 && hidden_bytes % 16 == 0, "hidden_bytes must be a positive multiple of 16, got ",
+              hidden_bytes);
+  const InternodeRecordBytes record = internode_record_bytes(hidden_bytes, G);
+  const int C = num_channels(config);
+  const int chunk = config.num_max_rdma_send_tokens;
+  const NetRing net{D, config.num_max_rdma_recv_tokens / chunk * chunk, chunk, record.net};
+  const NvlSubRing nvl{G, D, config.num_max_recv_tokens / D, record.nvl};
+  InternodeSizes s;
+  s.rdma_bytes = align_up(net.bytes(C), kAlign);
+  s.nvl_bytes = G > 1 ? align_up(nvl.bytes(C), kAlign) : 0;  // one GPU per domain forwards to itself only
+  return s;
 }
 
 }  // namespace epx

@@ -67,6 +67,34 @@ const char* role_name(int role) {
       return "low-latency combine send";
     case kRoleLowLatencyCombineRecv:
       return "low-latency combine receive";
+    case kRoleNotifyNetwork:
+      return "internode notify, phase 1 (network, between domains)";
+    case kRoleNotifyNvl:
+      return "internode notify, phase 2 (NVLink, inside the domain)";
+    case kRoleNetSender:
+      return "internode dispatch network sender";
+    case kRoleNetSenderCoordinator:
+      return "internode dispatch sender coordinator";
+    case kRoleForwarder:
+      return "internode dispatch forwarder (network ring to NVLink ring)";
+    case kRoleForwarderCoordinator:
+      return "internode dispatch forwarder coordinator";
+    case kRoleNvlReceiver:
+      return "internode dispatch NVLink receiver";
+    case kRoleNvlReceiverCoordinator:
+      return "internode dispatch NVLink receiver coordinator";
+    case kRoleCombineNvlSender:
+      return "internode combine NVLink sender";
+    case kRoleCombineNvlSenderCoordinator:
+      return "internode combine NVLink sender coordinator";
+    case kRoleCombineForwarder:
+      return "internode combine forwarder (NVLink ring to network ring)";
+    case kRoleCombineForwarderCoordinator:
+      return "internode combine forwarder coordinator";
+    case kRoleCombineNetReceiver:
+      return "internode combine network receiver";
+    case kRoleCombineNetReceiverCoordinator:
+      return "internode combine network receiver coordinator";
   }
   return "unknown role";
 }
@@ -98,6 +126,42 @@ std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
       break;
     case kRoleCombineCoordinator:
       what = cat("reducers did not finish: head of rank ", d.peer, " at ", d.a, " of ", d.b);
+      break;
+    case kRoleNotifyNetwork:
+      what = cat("network hop: waiting for the peer in domain ", d.peer, " (epoch flag ", d.a, ", awaited ", d.b,
+                 "): did every rank call it?");
+      break;
+    case kRoleNotifyNvl:
+      what = cat("NVLink hop: waiting for local rank ", d.peer, " of this domain (epoch flag ", d.a, ", awaited ", d.b,
+                 "): did every rank call it?");
+      break;
+    case kRoleNetSender:
+    case kRoleCombineForwarder:
+      what = cat(d.c >= 0 ? cat("network ring to domain ", d.peer, ": credit (head) ", d.a, ", needed >= ", d.b,
+                                " (position ", d.c, ")")
+                          : cat("NVLink ring from local rank ", d.peer, ": tail ", d.a, ", needed > ", d.b));
+      break;
+    case kRoleForwarder:
+      what = cat(d.c >= 0 ? cat("network ring from domain ", d.peer, ": chunk signal ", d.a, ", awaited ", d.b,
+                                " (position ", d.c, ")")
+                          : cat("NVLink ring to local rank ", d.peer, ": head ", d.a, ", needed >= ", d.b));
+      break;
+    case kRoleNvlReceiver:
+      what = cat("NVLink ring from local rank ", d.peer, ": tail ", d.a, ", needed > ", d.b, " (domain ", d.c, ")");
+      break;
+    case kRoleCombineNvlSender:
+      what = cat("NVLink ring to local rank ", d.peer, ": head ", d.a, ", needed >= ", d.b, " (domain ", d.c, ")");
+      break;
+    case kRoleCombineNetReceiver:
+      what = cat("network ring from domain ", d.peer, ": chunk signal ", d.a, ", awaited ", d.b, " (token ", d.c, ")");
+      break;
+    case kRoleNetSenderCoordinator:
+    case kRoleForwarderCoordinator:
+    case kRoleNvlReceiverCoordinator:
+    case kRoleCombineNvlSenderCoordinator:
+    case kRoleCombineForwarderCoordinator:
+    case kRoleCombineNetReceiverCoordinator:
+      what = cat("its warps did not finish (stream ", d.peer, " at ", d.a, " of ", d.b, ")");
       break;
     default:
       what = cat("waiting on rank ", d.peer, ": seen ", d.a, ", awaited ", d.b, " (", d.c, ")");

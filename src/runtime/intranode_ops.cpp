@@ -203,6 +203,10 @@ void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, co
 
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
              cudaStream_t stream, const char* op) {
+  EPX_REQUIRE(a.reduction == EPX_REDUCE_DEFAULT || a.reduction == EPX_REDUCE_FLAT, op,
+              ": inside one NVLink domain combine sums in the flat order (EPX_REDUCE_DEFAULT or EPX_REDUCE_FLAT); "
+              "the two-level order is the internode mode's, got reduction ",
+              a.reduction);
   validate_config(c, b.num_nvl_ranks);
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
   validate_handle(h, b, c, h.num_tokens, op);

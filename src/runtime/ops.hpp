@@ -1,5 +1,6 @@
 // The operations of each mode, behind the public Buffer methods (runtime/buffer_ops.cpp, which checks the buffer
-// is usable and picks the mode). One file per mode: runtime/intranode_ops.cpp, runtime/low_latency_ops.cpp.
+// is usable and picks the mode). One file per mode: runtime/intranode_ops.cpp, runtime/internode_ops.cpp,
+// runtime/low_latency_ops.cpp.
 #pragma once
 
 #include "runtime/buffer_impl.hpp"
@@ -23,6 +24,17 @@ void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, co
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
              cudaStream_t stream, const char* op);
 }  // namespace intranode
+
+namespace internode {
+DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                               cudaStream_t stream, const char* op);
+void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
+              const DispatchOutputs& o, cudaStream_t stream, const char* op);
+void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
+                     const DispatchOutputs& o, cudaStream_t stream, const char* op);
+void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
+             cudaStream_t stream, const char* op);
+}  // namespace internode
 
 namespace low_latency {
 void clean(Buffer::Impl& b, cudaStream_t stream, const char* op);

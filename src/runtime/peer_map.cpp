@@ -17,10 +17,19 @@ FailState Buffer::Impl::fail_state() const {
   FailState f{};
   f.host = host_dev;
   f.self = control();
+  f.budget_ns = uint64_t(timeout_s * 1e9);
+  if (internode) {
+    // Every rank of every domain polls its network abort word, and a failing kernel raises it everywhere.
+    f.abort_word = &net_control()->abort;
+    f.net_abort = &net_control()->abort;
+    f.num_pes = num_ranks;
+    f.rank = rank;
+    return f;
+  }
+  f.abort_word = &control()->abort;
   for (int i = 0; i < num_nvl_ranks; ++i) f.abort_words[i] = &nvl_control(peer_map, i)->abort;
   f.num_ranks = num_nvl_ranks;
   f.rank = nvl_rank;
-  f.budget_ns = uint64_t(timeout_s * 1e9);
   return f;
 }
 
@@ -53,13 +62,46 @@ void Buffer::Impl::map_peers(const std::vector<PeerInfo>& all) {
   }
   try {
     attach_low_latency_region();
+    attach_network_region();
   } catch (...) {
+    detach_low_latency_region(true);
     release_ipc_buffer();  // its errors are raised on every rank alike, so every rank gets here
     throw;
   }
 }
 
-void Buffer::Impl::unmap_peers(bool usable) { detach_low_latency_region(usable); }
+void Buffer::Impl::unmap_peers(bool usable) {
+  detach_network_region(usable);
+  detach_low_latency_region(usable);
+}
+
+void Buffer::Impl::attach_network_region() {
+  NetworkMap& net = peer_map.net;
+  net = NetworkMap{};
+  if (!internode) return;
+  net.domain = rank / num_nvl_ranks;
+  net.num_domains = num_domains;
+  net.local_rank = nvl_rank;
+  net.num_local = num_nvl_ranks;
+#if EPX_HAVE_NVSHMEM
+  // Every peer of the network hop is reached through NVSHMEM operations, never a peer pointer (PeerMap::net).
+  const int64_t bytes = NetRing::data_offset() + align_up(options.num_rdma_bytes, kAlign);
+  net.local = static_cast<uint8_t*>(symmetric_alloc(*bootstrap, bytes));
+  EPX_CUDA_CHECK(cudaMemset(net.local, 0, NetRing::data_offset()));
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+#else
+  raise(Status::kInternal, "the internode mode was chosen in a build without NVSHMEM");
+#endif
+}
+
+void Buffer::Impl::detach_network_region(bool usable) {
+#if EPX_HAVE_NVSHMEM
+  if (peer_map.net.local != nullptr) symmetric_free(peer_map.net.local, usable);
+#else
+  (void)usable;
+#endif
+  peer_map.net = NetworkMap{};
+}
 
 void Buffer::Impl::attach_low_latency_region() {
   RegionMap& ll = peer_map.ll;

@@ -1,5 +1,7 @@
 // Configs of the high-throughput kernels: the defaults must be valid, validation must name the bad field, and
 // nvl_size_hint must leave room for the largest ring records the kernels can write.
+#include "runtime/config.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -42,8 +44,17 @@ TEST(Config, DefaultsAreValidForOneToEightRanks) {
   }
 }
 
+TEST(Config, DefaultsAreValidInternodeConfigsUpTo16x8) {
+  for (int r = 2; r <= epx::kMaxRanks; r *= 2)
+    for (int g = 1; g <= epx::kMaxNvlRanks && g <= r; g *= 2) {
+      if (r / g > epx::kMaxDomains) continue;
+      for (const epx::Config& c : {epx::default_dispatch_config(r), epx::default_combine_config(r)})
+        EXPECT_NO_THROW(epx::validate_internode_config(c, g, r / g)) << r / g << " x " << g;
+    }
+}
+
 TEST(Config, DefaultsRejectRankCountsTheKernelsCannotRun) {
-  for (int r : {0, -1, epx::kMaxNvlRanks + 1}) {
+  for (int r : {0, -1, epx::kMaxRanks + 1}) {
     EXPECT_THAT(invalid_argument_message([&] { epx::default_dispatch_config(r); }), HasSubstr("num_ranks")) << r;
     EXPECT_THAT(invalid_argument_message([&] { epx::default_combine_config(r); }), HasSubstr("num_ranks")) << r;
   }

@@ -28,7 +28,14 @@ struct Case {
   std::function<std::string(Context&)> run;
 };
 
-std::vector<Case> intranode_cases();
+// The high-throughput cases; on an internode buffer without the two whose errors are collective only inside one
+// domain (internode_cases() has the internode versions).
+std::vector<Case> high_throughput_cases(bool internode);
+std::vector<Case> internode_cases();
+// Buffer options of the internode suite over num_ranks ranks in domains of num_nvl_ranks (forced when one domain).
+BufferOptions internode_suite_options(int num_ranks, int num_nvl_ranks);
+// A rank that never calls, on an internode buffer, in its own processes.
+int run_internode_timeout_suite(int num_ranks, int num_nvl_ranks);
 std::vector<Case> low_latency_cases();
 std::vector<Case> lifecycle_cases();
 // Which low-latency transport runs (checked against `expected`: "", "cuda-ipc", "nvshmem" or "nvshmem-forced"),

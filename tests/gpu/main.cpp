@@ -1,6 +1,9 @@
 // epx_gpu_tests: the GPU test suite, one process per GPU through the local launcher.
 //   epx_gpu_tests [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]
-//                 [--expect-transport cuda-ipc|nvshmem|nvshmem-forced] [--build-info]
+//                 [--expect-transport cuda-ipc|nvshmem|nvshmem-forced] [--internode DxG | --no-internode]
+//                 [--build-info]
+// By default the suite runs on one NVLink domain of all ranks, then (builds with NVSHMEM) the internode suite on
+// every split D x G of the ranks (G <= 8; 1 x R forced); --internode DxG runs only that split.
 // The low-latency transport follows the build and EPX_DISABLE_NVSHMEM / EPX_LL_FORCE_NVSHMEM (docs/design.md);
 // the suite prints it, and --expect-transport makes a different one a failure.
 #include <cuda_runtime.h>
@@ -31,6 +34,8 @@ struct Options {
   bool timeout_suite = true;  // and the other suites that run in their own processes
   double budget_s = 20;
   std::string expect_transport;
+  int internode_domains = 0;  // > 0: the internode suite on this many domains (--internode DxG)
+  bool internode = true;      // run the internode suites by default (builds with NVSHMEM)
 };
 
 constexpr const char* kLowLatencyProcessSuites = "ll: create / destroy cycles and missing ranks (own processes)";
@@ -41,21 +46,32 @@ int suite(Bootstrap& bs, const Options& opt) {
   cudaGetDeviceCount(&devices);
   cudaSetDevice(rank % devices);
   const Config dcfg = default_dispatch_config(R), ccfg = default_combine_config(R);
+  const bool internode = opt.internode_domains > 0;
   BufferOptions o = default_buffer_options();
-  o.num_nvl_bytes = nvl_size_hint(dcfg, 7168 * 2, R);
-  o.num_rdma_bytes = std::max(low_latency_size_hint(128, 8192, R, 288), low_latency_size_hint(256, 4096, R, 288));
+  if (internode) {
+    o = internode_suite_options(R, R / opt.internode_domains);
+  } else {
+    o.num_nvl_bytes = nvl_size_hint(dcfg, 7168 * 2, R);
+    o.num_rdma_bytes = std::max(low_latency_size_hint(128, 8192, R, 288), low_latency_size_hint(256, 4096, R, 288));
+  }
   Buffer buffer(bs, o);
   buffer.set_timeout(opt.budget_s);
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   Context ctx{bs, buffer, stream, rank, R, o.num_nvl_bytes, dcfg, ccfg};
-  const LowLatencyTransportInfo transport = buffer.low_latency_transport();
-  if (rank == 0) std::printf("low-latency transport: %s\n", describe_low_latency_transport(transport).c_str());
-
-  std::vector<Case> cases = intranode_cases();
-  for (auto& c : low_latency_transport_cases(transport, opt.expect_transport)) cases.push_back(std::move(c));
-  for (auto& c : low_latency_cases()) cases.push_back(std::move(c));
-  for (auto& c : lifecycle_cases()) cases.push_back(std::move(c));
+  std::vector<Case> cases = high_throughput_cases(internode);
+  if (internode) {
+    if (rank == 0)
+      std::printf("internode suite: %d domains x %d ranks%s\n", opt.internode_domains, R / opt.internode_domains,
+                  opt.internode_domains == 1 ? " (forced)" : "");
+    for (auto& c : internode_cases()) cases.push_back(std::move(c));
+  } else {
+    const LowLatencyTransportInfo transport = buffer.low_latency_transport();
+    if (rank == 0) std::printf("low-latency transport: %s\n", describe_low_latency_transport(transport).c_str());
+    for (auto& c : low_latency_transport_cases(transport, opt.expect_transport)) cases.push_back(std::move(c));
+    for (auto& c : low_latency_cases()) cases.push_back(std::move(c));
+    for (auto& c : lifecycle_cases()) cases.push_back(std::move(c));
+  }
   int failed = 0, run = 0;
   for (const Case& c : cases) {
     if (!opt.filter.empty() && c.name.find(opt.filter) == std::string::npos) continue;
@@ -94,7 +110,13 @@ int suite(Bootstrap& bs, const Options& opt) {
       break;
     }
   }
-  if (rank == 0) std::printf("GPU suite on %d ranks: %d of %d cases passed\n", R, run - failed, run);
+  if (rank == 0)
+    std::printf("GPU suite on %d ranks%s: %d of %d cases passed\n", R,
+                internode ? (" (internode " + std::to_string(opt.internode_domains) + " x " +
+                             std::to_string(R / opt.internode_domains) + ")")
+                                .c_str()
+                          : "",
+                run - failed, run);
   buffer.destroy();
   return failed == 0 ? 0 : 1;
 }
@@ -122,10 +144,20 @@ int main(int argc, char** argv) {
                (std::string(argv[i + 1]) == "cuda-ipc" || std::string(argv[i + 1]) == "nvshmem" ||
                 std::string(argv[i + 1]) == "nvshmem-forced")) {
       opt.expect_transport = argv[++i];
+    } else if (a == "--internode" && i + 1 < argc) {
+      int d = 0, g = 0;
+      if (std::sscanf(argv[++i], "%dx%d", &d, &g) != 2 || d < 1 || g < 1) {
+        std::fprintf(stderr, "--internode takes DxG (domains x ranks per domain), e.g. 2x1\n");
+        return 2;
+      }
+      opt.internode_domains = d;
+      opt.gpus = d * g;
+    } else if (a == "--no-internode") {
+      opt.internode = false;
     } else {
       std::fprintf(stderr,
                    "usage: %s [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]\n"
-                   "       [--expect-transport cuda-ipc|nvshmem|nvshmem-forced]\n",
+                   "       [--expect-transport cuda-ipc|nvshmem|nvshmem-forced] [--internode DxG | --no-internode]\n",
                    argv[0]);
       return 2;
     }
@@ -140,14 +172,33 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "epx_gpu_tests: --gpus %d but only %d GPUs are visible\n", R, available);
     return 2;
   }
-  const LaunchResult res = launch_local(
-      R, [&](Bootstrap& bs) { return gpu_test::suite(bs, opt); }, 3600, 60);
-  int rc = res.num_failed == 0 ? 0 : 1;
-  if (res.num_failed) std::printf("%s", res.summary.c_str());
-  if (opt.timeout_suite && opt.filter.empty() && R >= 2) rc |= gpu_test::run_timeout_suite(R);
-  if (opt.timeout_suite && std::string(gpu_test::kLowLatencyProcessSuites).find(opt.filter) != std::string::npos &&
-      R >= 2)
-    rc |= gpu_test::run_low_latency_process_suites(R, opt.expect_transport);
+  // The splits to run: the one asked for, or (default) one domain of all ranks, then every internode split.
+  std::vector<int> splits;  // domains; 0 = the single-domain suite
+  if (opt.internode_domains > 0) {
+    splits.push_back(opt.internode_domains);
+  } else {
+    splits.push_back(0);
+    if (opt.internode && built_with_nvshmem())
+      for (int d = R; d >= 1; --d)
+        if (R % d == 0 && R / d <= 8) splits.push_back(d);
+  }
+  int rc = 0;
+  for (int d : splits) {
+    gpu_test::Options o = opt;
+    o.internode_domains = d;
+    const LaunchResult res = launch_local(
+        R, [&](Bootstrap& bs) { return gpu_test::suite(bs, o); }, 3600, 60);
+    rc |= res.num_failed == 0 ? 0 : 1;
+    if (res.num_failed) std::printf("%s", res.summary.c_str());
+    if (d > 0 && opt.timeout_suite && opt.filter.empty() && R >= 2)
+      rc |= gpu_test::run_internode_timeout_suite(R, R / d);
+  }
+  if (opt.internode_domains == 0) {
+    if (opt.timeout_suite && opt.filter.empty() && R >= 2) rc |= gpu_test::run_timeout_suite(R);
+    if (opt.timeout_suite && std::string(gpu_test::kLowLatencyProcessSuites).find(opt.filter) != std::string::npos &&
+        R >= 2)
+      rc |= gpu_test::run_low_latency_process_suites(R, opt.expect_transport);
+  }
   std::printf("epx_gpu_tests on %d GPUs: %s\n", R, rc == 0 ? "ALL PASSED" : "FAILURES");
   return rc;
 }

@@ -6,7 +6,7 @@
 #include <string>
 #include <thread>
 
-#include "../../tools/harness/intranode.hpp"
+#include "../../tools/harness/high_throughput.hpp"
 #include "epx/launcher.hpp"
 #include "gpu_test.hpp"
 
@@ -24,12 +24,11 @@ int run_timeout_suite(int num_ranks) {
         buffer.set_timeout(kBudget);
         cudaStream_t stream;
         cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-        harness::IntranodeCase c;
+        harness::HtCase c;
         c.tokens = {128};
         c.hidden = 2048;
         c.routing.num_experts = 32;
-        harness::IntranodeSession s(buffer, c, default_dispatch_config(num_ranks), default_combine_config(num_ranks),
-                                    stream);
+        harness::HtSession s(buffer, c, default_dispatch_config(num_ranks), default_combine_config(num_ranks), stream);
         s.layout();
         cudaStreamSynchronize(stream);
         bs.barrier();

@@ -15,7 +15,7 @@
 #include "device_array.hpp"
 #include "epx/launcher.hpp"
 #include "gen.hpp"
-#include "intranode.hpp"
+#include "high_throughput.hpp"
 #include "nccl_baseline.hpp"
 #include "options.hpp"
 #include "report.hpp"
@@ -26,8 +26,8 @@ namespace {
 
 using harness::cuda_check;
 using harness::DeviceArray;
-using harness::IntranodeCase;
-using harness::IntranodeSession;
+using harness::HtCase;
+using harness::HtSession;
 
 constexpr int kMinRanks = 2;
 // Per-rank failure text gathered to rank 0 (the harness reports at most a few mismatches per check).
@@ -69,8 +69,8 @@ void say(const std::string& text) {
   std::fflush(stdout);
 }
 
-IntranodeCase make_case(const IntranodeOptions& o, epx_dtype dtype) {
-  IntranodeCase c;
+HtCase make_case(const IntranodeOptions& o, epx_dtype dtype) {
+  HtCase c;
   c.name = dtype == EPX_BF16 ? "bench bf16" : "bench fp8";
   c.tokens = {o.tokens};
   c.hidden = o.hidden;
@@ -100,7 +100,7 @@ std::string guarded(const std::function<std::string()>& check) {
 }
 
 // The whole chain on the current config: layout, dispatch, combine, each compared with the reference model.
-std::string check_session(IntranodeSession& s, uint64_t combine_seed) {
+std::string check_session(HtSession& s, uint64_t combine_seed) {
   s.layout();
   std::string msg = s.check_layout();
   s.dispatch();
@@ -146,7 +146,7 @@ void measure(Bench& b, Op op, Impl impl, const Config& cfg, double bytes, const 
 
 // prepare() for a timed op that reads x: fresh x before the first iteration of the series, then every
 // refresh_every timed iterations. Regenerating x happens on the host, outside the events.
-std::function<void(int)> refresh_x(Bench& b, IntranodeSession& s) {
+std::function<void(int)> refresh_x(Bench& b, HtSession& s) {
   return [&b, &s, first = true](int timed) mutable {
     const int every = b.opt.refresh_every;
     if (first || (timed >= 0 && every > 0 && timed % every == 0)) s.set_x(harness::mix(b.next_seed++));
@@ -157,7 +157,7 @@ std::function<void(int)> refresh_x(Bench& b, IntranodeSession& s) {
 void no_prepare(int) {}
 
 // One config: full BF16 dispatch, cached BF16 dispatch and combine on the handle it left, full FP8 dispatch.
-void time_config(Bench& b, IntranodeSession& bf16, IntranodeSession& fp8, const Config& cfg) {
+void time_config(Bench& b, HtSession& bf16, HtSession& fp8, const Config& cfg) {
   bf16.set_configs(cfg, cfg);  // combine needs the dispatch's num_sms: one config for both
   fp8.set_configs(cfg, cfg);
   // Inside the events: notify kernel, the host's bounded wait for the counts, the data kernel.
@@ -171,7 +171,7 @@ void time_config(Bench& b, IntranodeSession& bf16, IntranodeSession& fp8, const 
 }
 
 // --check-all: the outputs the config's last timed iterations left, against the reference model.
-std::string check_after_timing(const IntranodeSession& bf16, const IntranodeSession& fp8) {
+std::string check_after_timing(const HtSession& bf16, const HtSession& fp8) {
   return bf16.check_dispatch() + bf16.check_combine() + fp8.check_dispatch();
 }
 
@@ -200,7 +200,7 @@ size_t sum(const std::vector<size_t>& v) {
 
 // NCCL all-to-all moving the same rows as epx: to rank j the tokens routed to j, packed (packing is not timed:
 // the send buffer is already packed, with random bytes). Combine is the reverse direction.
-void time_nccl(Bench& b, NcclComm& comm, const IntranodeSession& bf16, const IntranodeSession& fp8) {
+void time_nccl(Bench& b, NcclComm& comm, const HtSession& bf16, const HtSession& fp8) {
   const int R = b.bs.size(), me = b.bs.rank(), H = b.opt.hidden;
   std::vector<int> to(R), from(R);  // rows this rank sends to / receives from each rank
   for (int j = 0; j < R; ++j) {
@@ -295,8 +295,7 @@ std::vector<Config> runnable_configs(Bench& b, const std::vector<Config>& sweep)
 }
 
 // NCCL on the same routing, after epx: its communicator (and its threads) exist only while it is timed.
-void nccl_baseline(Bench& b, const NcclLibrary& lib, const IntranodeSession& bf16, const IntranodeSession& fp8,
-                   RunInfo& info) {
+void nccl_baseline(Bench& b, const NcclLibrary& lib, const HtSession& bf16, const HtSession& fp8, RunInfo& info) {
   if (b.bs.rank() == 0) std::fprintf(stderr, "[epx-bench] NCCL baseline\n");
   std::unique_ptr<NcclComm> comm;
   const std::string why = guarded([&] {
@@ -323,8 +322,8 @@ int run_rank(Bench& b, const std::vector<Config>& sweep) {
 
   // 1. Correctness on the default configs, BF16 and FP8, before any timing.
   const Config dcfg = default_dispatch_config(R), ccfg = default_combine_config(R);
-  IntranodeSession bf16(b.buffer, make_case(o, EPX_BF16), dcfg, ccfg, b.stream);
-  IntranodeSession fp8(b.buffer, make_case(o, EPX_FP8_E4M3), dcfg, ccfg, b.stream);
+  HtSession bf16(b.buffer, make_case(o, EPX_BF16), dcfg, ccfg, b.stream);
+  HtSession fp8(b.buffer, make_case(o, EPX_FP8_E4M3), dcfg, ccfg, b.stream);
   std::string failures;
   const bool ok = all_passed(b.bs, guarded([&] {
                                std::string msg =

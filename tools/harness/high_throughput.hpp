@@ -1,5 +1,6 @@
-// One rank's side of an intranode scenario: generates its inputs, runs layout / dispatch / combine on a Buffer,
-// and checks every output against the reference model. Shared by the GPU tests and epx-bench.
+// One rank's side of a high-throughput scenario (intranode, or internode when the Buffer spans several NVLink
+// domains): generates its inputs, runs layout / dispatch / combine on a Buffer, and checks every output against
+// the reference model. Shared by the GPU tests and epx-bench.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,7 +15,7 @@
 
 namespace epx::harness {
 
-struct IntranodeCase {
+struct HtCase {
   std::string name;
   std::vector<int> tokens{4096};  // per rank; one value means the same on every rank
   int hidden = 7168;
@@ -27,14 +28,17 @@ struct IntranodeCase {
   int worst_tokens_override = 0;  // > 0: use this num_worst_tokens instead (to provoke the overflow error)
   int num_biases = 0;             // 0, 1 or 2 bias tensors in combine
   bool combine_weights = true;
+  int reduction = EPX_REDUCE_DEFAULT;  // the combine's order (internode: two-level by default, or flat)
   uint64_t seed = 1;
   int tokens_of(int rank) const { return tokens.size() == 1 ? tokens[0] : tokens.at(rank); }
 };
 
-class IntranodeSession {
+class Mismatches;  // high_throughput.cpp: the first few differences a check found
+
+class HtSession {
  public:
-  IntranodeSession(Buffer& buffer, const IntranodeCase& c, const Config& dispatch_config, const Config& combine_config,
-                   cudaStream_t stream);
+  HtSession(Buffer& buffer, const HtCase& c, const Config& dispatch_config, const Config& combine_config,
+            cudaStream_t stream);
 
   void layout();
   void dispatch();         // notify (+ bounded host wait unless worst-case) + data
@@ -45,6 +49,7 @@ class IntranodeSession {
   // Switches to other configs without regenerating data (benchmark sweeps). Drops the handle: call dispatch()
   // before dispatch_cached() or combine().
   void set_configs(const Config& dispatch_config, const Config& combine_config);
+  void set_reduction(int reduction) { c_.reduction = reduction; }
 
   // "" when equal to the reference model, else the first mismatches.
   std::string check_layout() const;
@@ -52,8 +57,15 @@ class IntranodeSession {
   std::string check_combine() const;
 
   int num_recv_tokens() const { return int(expected_rows_.size()); }
+  bool internode() const { return internode_; }
+  // Internode: records this rank's network rings receive, and rows of them that came from another domain.
+  int num_rdma_recv_tokens() const { return int(net_handle_.send_nvl_head.size()) / num_nvl_ranks_; }
+  double net_bytes_remote() const;
   // Tokens rank src sends to rank dst under this routing (the reference layout), e.g. for an all-to-all baseline.
   int num_tokens_routed(int src, int dst) const { return layouts_.at(src).num_tokens_per_rank.at(dst); }
+  // The outputs as they are on the device: recv_x rows (and scales) of the dispatch, combined_x of the last combine.
+  std::vector<uint8_t> received_bytes() const;
+  std::vector<uint16_t> combined_bytes() const;
   double recv_bytes() const;     // dispatch: rows received here (own included) x (row + scale bytes)
   double combine_bytes() const;  // combine: the same rows as bf16
   const DispatchHandle& handle() const { return handle_; }
@@ -65,9 +77,10 @@ class IntranodeSession {
   int num_scales() const { return c_.dtype == EPX_FP8_E4M3 ? c_.hidden / epx::limits().fp8_group_size : 0; }
   int worst_tokens() const;
   void expected_x_row(int src_rank, int token, std::vector<uint8_t>& row) const;
+  void check_internode_handle(Mismatches& m) const;
 
   Buffer& buffer_;
-  IntranodeCase c_;
+  HtCase c_;
   Config dispatch_config_, combine_config_;
   cudaStream_t stream_;
   int rank_, num_ranks_, num_tokens_, max_rows_;
@@ -95,6 +108,13 @@ class IntranodeSession {
   DeviceArray<float> recv_topk_weights_;
   DeviceArray<uint16_t> expert_out_, bias0_, bias1_, combined_x_;
   DeviceArray<float> expert_weights_, combined_weights_;
+  // Internode buffers: the handle arrays only that mode has, and what the reference model says of this rank.
+  bool internode_ = false;
+  int num_nvl_ranks_ = 1, num_domains_ = 1;
+  ref::InternodeHandle net_handle_;
+  DeviceArray<int> num_tokens_per_rdma_rank_, rdma_channel_prefix_, recv_rdma_channel_prefix_, recv_rdma_rank_prefix_,
+      recv_gbl_rank_prefix_, send_rdma_head_, send_nvl_head_;
+  DeviceArray<int32_t> recv_src_meta_;
 
   DispatchHandle handle_{};
   DispatchCounts counts_;

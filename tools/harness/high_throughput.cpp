@@ -1,13 +1,11 @@
-#include "intranode.hpp"
+#include "high_throughput.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
 namespace epx::harness {
-namespace {
 
-constexpr uint64_t kExpertOutSalt = 0xe0;
-constexpr uint64_t kBiasSalt = 0xb0;
 constexpr int kMaxReported = 4;
 
 // Collects the first few mismatches of a check.
@@ -36,6 +34,11 @@ class Mismatches {
   std::ostringstream os_;
 };
 
+namespace {
+
+constexpr uint64_t kExpertOutSalt = 0xe0;
+constexpr uint64_t kBiasSalt = 0xb0;
+
 uint32_t bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -48,11 +51,14 @@ std::string at(int row, int col = -1) {
 
 }  // namespace
 
-IntranodeSession::IntranodeSession(Buffer& buffer, const IntranodeCase& c, const Config& dispatch_config,
-                                   const Config& combine_config, cudaStream_t stream)
+HtSession::HtSession(Buffer& buffer, const HtCase& c, const Config& dispatch_config, const Config& combine_config,
+                     cudaStream_t stream)
     : buffer_(buffer), c_(c), dispatch_config_(dispatch_config), combine_config_(combine_config), stream_(stream) {
   rank_ = buffer.rank();
   num_ranks_ = buffer.num_ranks();
+  internode_ = buffer.internode();
+  num_nvl_ranks_ = buffer.num_nvl_ranks();
+  num_domains_ = num_ranks_ / num_nvl_ranks_;
   num_tokens_ = c.tokens_of(rank_);
   x_seed_ = mix(c.seed, 0x0);
   const int R = num_ranks_, K = c.routing.num_topk, E = c.routing.num_experts;
@@ -63,7 +69,7 @@ IntranodeSession::IntranodeSession(Buffer& buffer, const IntranodeCase& c, const
   max_rows_ = 0;
   for (int s = 0; s < R; ++s) {
     make_topk(c.routing, s, R, c.tokens_of(s), topk_[s], weights_[s]);
-    layouts_[s] = ref::dispatch_layout(topk_[s].data(), c.tokens_of(s), K, E, R);
+    layouts_[s] = ref::dispatch_layout(topk_[s].data(), c.tokens_of(s), K, E, R, internode_ ? num_nvl_ranks_ : 0);
     max_rows_ += c.tokens_of(s);
   }
   for (int s = 0; s < R; ++s) {
@@ -96,6 +102,8 @@ IntranodeSession::IntranodeSession(Buffer& buffer, const IntranodeCase& c, const
   bias1_.resize(size_t(T) * c.hidden);
   combined_x_.resize(size_t(T) * c.hidden);
   combined_weights_.resize(size_t(T) * K);
+  num_tokens_per_rdma_rank_.resize(num_domains_);
+  set_configs(dispatch_config, combine_config);
   // Poison outputs: a row the kernels forget to write cannot pass by accident.
   recv_x_.fill_bytes(0x7b, stream);
   recv_src_idx_.fill_bytes(0x7b, stream);
@@ -103,7 +111,7 @@ IntranodeSession::IntranodeSession(Buffer& buffer, const IntranodeCase& c, const
   set_x(x_seed_);
 }
 
-void IntranodeSession::set_configs(const Config& dispatch_config, const Config& combine_config) {
+void HtSession::set_configs(const Config& dispatch_config, const Config& combine_config) {
   dispatch_config_ = dispatch_config;
   combine_config_ = combine_config;
   // The per-channel handle arrays are [R, C] with C the dispatch config's channels.
@@ -111,14 +119,37 @@ void IntranodeSession::set_configs(const Config& dispatch_config, const Config& 
   channel_prefix_.resize(rc);
   recv_channel_prefix_.resize(rc);
   handle_ = DispatchHandle{};  // its arrays may have moved, and its channel count no longer matches
+  if (!internode_) return;
+  const int C = num_channels(dispatch_config), D = num_domains_, G = num_nvl_ranks_;
+  net_handle_ = ref::internode_handle(routing_, rank_, G, C);
+  rdma_channel_prefix_.resize(size_t(D) * C);
+  recv_rdma_channel_prefix_.resize(size_t(D) * C);
+  recv_rdma_rank_prefix_.resize(D);
+  recv_gbl_rank_prefix_.resize(num_ranks_);
+  send_rdma_head_.resize(size_t(num_tokens_) * D);
+  const size_t rdma_rows = std::max<size_t>(net_handle_.send_nvl_head.size() / G, size_t(worst_tokens()));
+  send_nvl_head_.resize(rdma_rows * G);
+  recv_src_meta_.resize(size_t(max_rows_) * 2);
+  recv_src_meta_.fill_bytes(0x7b, stream_);
+  send_nvl_head_.fill_bytes(0x7b, stream_);
 }
 
-int IntranodeSession::worst_tokens() const {
+double HtSession::net_bytes_remote() const {
+  if (!internode_) return 0;
+  const int C = int(net_handle_.recv_rdma_channel_prefix_matrix.size()) / num_domains_;
+  const int d = rank_ / num_nvl_ranks_;
+  double records = 0;
+  for (int m = 0; m < num_domains_; ++m)
+    if (m != d) records += net_handle_.recv_rdma_channel_prefix_matrix[size_t(m) * C + C - 1];
+  return records * double(row_bytes() + int64_t(num_scales()) * 4);
+}
+
+int HtSession::worst_tokens() const {
   if (!c_.worst_case) return 0;
   return c_.worst_tokens_override > 0 ? c_.worst_tokens_override : max_rows_;
 }
 
-void IntranodeSession::set_x(uint64_t seed) {
+void HtSession::set_x(uint64_t seed) {
   x_seed_ = seed;
   const int T = num_tokens_, H = c_.hidden;
   // Generated on the device (same bits as expected_x_row): no host round trip that would idle the GPU.
@@ -134,7 +165,7 @@ void IntranodeSession::set_x(uint64_t seed) {
   cuda_check(cudaStreamSynchronize(stream_), "set_x");
 }
 
-void IntranodeSession::expected_x_row(int src, int token, std::vector<uint8_t>& row) const {
+void HtSession::expected_x_row(int src, int token, std::vector<uint8_t>& row) const {
   row.resize(row_bytes());
   if (c_.dtype == EPX_FP8_E4M3)
     fill_fp8_row(x_seed_, src, token, c_.hidden, row.data());
@@ -142,13 +173,14 @@ void IntranodeSession::expected_x_row(int src, int token, std::vector<uint8_t>& 
     fill_bf16_row(x_seed_, src, token, c_.hidden, reinterpret_cast<uint16_t*>(row.data()));
 }
 
-void IntranodeSession::layout() {
+void HtSession::layout() {
   LayoutArgs a{topk_idx_.get(), num_tokens_, c_.routing.num_topk, c_.routing.num_experts};
-  LayoutOutputs o{num_tokens_per_rank_.get(), nullptr, num_tokens_per_expert_.get(), is_token_in_rank_.get()};
+  LayoutOutputs o{num_tokens_per_rank_.get(), num_domains_ > 1 ? num_tokens_per_rdma_rank_.get() : nullptr,
+                  num_tokens_per_expert_.get(), is_token_in_rank_.get()};
   buffer_.get_dispatch_layout(a, o, stream_);
 }
 
-DispatchArgs IntranodeSession::dispatch_args() const {
+DispatchArgs HtSession::dispatch_args() const {
   DispatchArgs a{};
   a.x = x_.get();
   a.dtype = c_.dtype;
@@ -168,7 +200,7 @@ DispatchArgs IntranodeSession::dispatch_args() const {
   return a;
 }
 
-DispatchOutputs IntranodeSession::dispatch_outputs() const {
+DispatchOutputs HtSession::dispatch_outputs() const {
   DispatchOutputs o{};
   o.recv_x = recv_x_.get();
   o.recv_x_scales = num_scales() > 0 ? recv_scales_.get() : nullptr;
@@ -178,23 +210,32 @@ DispatchOutputs IntranodeSession::dispatch_outputs() const {
   return o;
 }
 
-void IntranodeSession::dispatch() {
+void HtSession::dispatch() {
   handle_ = DispatchHandle{};
   handle_.rank_prefix_matrix = rank_prefix_.get();
   handle_.channel_prefix_matrix = channel_prefix_.get();
   handle_.recv_channel_prefix_matrix = recv_channel_prefix_.get();
   handle_.send_head = send_head_.get();
   handle_.recv_src_idx = recv_src_idx_.get();
+  if (internode_) {
+    handle_.rdma_channel_prefix_matrix = rdma_channel_prefix_.get();
+    handle_.recv_rdma_channel_prefix_matrix = recv_rdma_channel_prefix_.get();
+    handle_.recv_rdma_rank_prefix_sum = recv_rdma_rank_prefix_.get();
+    handle_.recv_gbl_rank_prefix_sum = recv_gbl_rank_prefix_.get();
+    handle_.recv_src_meta = recv_src_meta_.get();
+    handle_.send_rdma_head = send_rdma_head_.get();
+    handle_.send_nvl_head = send_nvl_head_.get();
+  }
   const DispatchArgs a = dispatch_args();
   counts_ = buffer_.notify_dispatch(a, dispatch_config_, handle_, stream_);
   buffer_.dispatch(a, dispatch_config_, handle_, dispatch_outputs(), stream_);
 }
 
-void IntranodeSession::dispatch_cached() {
+void HtSession::dispatch_cached() {
   buffer_.dispatch_cached(dispatch_args(), dispatch_config_, handle_, dispatch_outputs(), stream_);
 }
 
-void IntranodeSession::set_combine_inputs(uint64_t seed) {
+void HtSession::set_combine_inputs(uint64_t seed) {
   combine_seed_ = seed;
   const int H = c_.hidden, K = c_.routing.num_topk, T = num_tokens_;
   const size_t rows = expected_rows_.size();
@@ -216,7 +257,7 @@ void IntranodeSession::set_combine_inputs(uint64_t seed) {
   cuda_check(cudaStreamSynchronize(stream_), "set_combine_inputs");
 }
 
-void IntranodeSession::combine() {
+void HtSession::combine() {
   CombineArgs a{};
   a.x = expert_out_.get();
   a.num_rows = worst_tokens() > 0 ? worst_tokens() : int(expected_rows_.size());
@@ -225,11 +266,12 @@ void IntranodeSession::combine() {
   a.num_topk = c_.combine_weights ? c_.routing.num_topk : 0;
   a.bias0 = c_.num_biases >= 1 ? bias0_.get() : nullptr;
   a.bias1 = c_.num_biases >= 2 ? bias1_.get() : nullptr;
+  a.reduction = c_.reduction;
   CombineOutputs o{combined_x_.get(), c_.combine_weights ? combined_weights_.get() : nullptr};
   buffer_.combine(a, combine_config_, handle_, o, stream_);
 }
 
-std::string IntranodeSession::check_layout() const {
+std::string HtSession::check_layout() const {
   const ref::Layout& want = layouts_[rank_];
   Mismatches m("layout");
   const auto per_rank = num_tokens_per_rank_.download(num_ranks_, stream_);
@@ -242,10 +284,15 @@ std::string IntranodeSession::check_layout() const {
   for (size_t i = 0; i < in_rank.size(); ++i)
     m.expect_eq(int(in_rank[i] != 0), int(want.is_token_in_rank[i]),
                 "is_token_in_rank" + at(int(i / num_ranks_), int(i % num_ranks_)));
+  if (num_domains_ > 1) {
+    const auto per_domain = num_tokens_per_rdma_rank_.download(num_domains_, stream_);
+    for (int d = 0; d < num_domains_; ++d)
+      m.expect_eq(per_domain[d], want.num_tokens_per_rdma_rank[d], "num_tokens_per_rdma_rank" + at(d));
+  }
   return m.str();
 }
 
-std::string IntranodeSession::check_dispatch() const {
+std::string HtSession::check_dispatch() const {
   const int R = num_ranks_, K = c_.routing.num_topk, S = num_scales();
   const int N = int(expected_rows_.size());
   Mismatches m("dispatch");
@@ -258,13 +305,17 @@ std::string IntranodeSession::check_dispatch() const {
       m.expect_eq(counts_.num_recv_tokens_per_expert[i], full.num_recv_tokens_per_expert[i],
                   "num_recv_tokens_per_expert" + at(int(i)));
   }
-  const auto prefix = rank_prefix_.download(size_t(R) * R, stream_);
-  const auto want_prefix = ref::rank_prefix_matrix(sources_);
-  for (int i = 0; i < R * R; ++i) m.expect_eq(prefix[i], want_prefix[i], "rank_prefix_matrix" + at(i / R, i % R));
+  if (internode_) {
+    check_internode_handle(m);
+  } else {
+    const auto prefix = rank_prefix_.download(size_t(R) * R, stream_);
+    const auto want_prefix = ref::rank_prefix_matrix(sources_);
+    for (int i = 0; i < R * R; ++i) m.expect_eq(prefix[i], want_prefix[i], "rank_prefix_matrix" + at(i / R, i % R));
+  }
 
   const int rows = c_.worst_case ? worst_tokens() : N;
   const auto recv_x = recv_x_.download(size_t(rows) * row_bytes(), stream_);
-  const auto src_idx = recv_src_idx_.download(rows, stream_);
+  const auto src_idx = internode_ ? std::vector<int>(rows, -1) : recv_src_idx_.download(rows, stream_);
   const ref::RecvMeta meta = ref::dispatch_meta(sources_, rank_, K, c_.routing.num_experts, c_.expert_alignment,
                                                 c_.with_topk, c_.with_topk && c_.with_weights);
   std::vector<uint8_t> want_row;
@@ -278,7 +329,7 @@ std::string IntranodeSession::check_dispatch() const {
       m.fail("recv_x" + at(n) + " (from rank " + std::to_string(r.src_rank) + " token " + std::to_string(r.src_token) +
              ") differs at byte " + std::to_string(b));
     }
-    m.expect_eq(src_idx[n], meta.recv_src_idx[n], "recv_src_idx" + at(n));
+    if (!internode_) m.expect_eq(src_idx[n], meta.recv_src_idx[n], "recv_src_idx" + at(n));
   }
   if (S > 0) {
     const auto scales = recv_scales_.download(size_t(rows) * S, stream_);
@@ -305,7 +356,7 @@ std::string IntranodeSession::check_dispatch() const {
   return m.str();
 }
 
-std::string IntranodeSession::check_combine() const {
+std::string HtSession::check_combine() const {
   const int H = c_.hidden, K = c_.routing.num_topk, T = num_tokens_;
   std::vector<std::vector<uint16_t>> rows(num_ranks_, std::vector<uint16_t>(H));
   std::vector<std::vector<float>> ws(num_ranks_, std::vector<float>(K));
@@ -322,9 +373,13 @@ std::string IntranodeSession::check_combine() const {
   std::vector<uint16_t> b0, b1;
   if (c_.num_biases >= 1) b0 = bias0_.download(size_t(T) * H, stream_);
   if (c_.num_biases >= 2) b1 = bias1_.download(size_t(T) * H, stream_);
-  const ref::Combined want = ref::combine(sources_[me], num_ranks_, H, K, row,
-                                          c_.combine_weights ? ref::ContributionWeights(weights) : nullptr,
-                                          b0.empty() ? nullptr : b0.data(), b1.empty() ? nullptr : b1.data());
+  const ref::ContributionWeights wfn = c_.combine_weights ? ref::ContributionWeights(weights) : nullptr;
+  const uint16_t* bias0 = b0.empty() ? nullptr : b0.data();
+  const uint16_t* bias1 = b1.empty() ? nullptr : b1.data();
+  const ref::Combined want =
+      internode_ && c_.reduction != EPX_REDUCE_FLAT
+          ? ref::combine_two_level(sources_[me], num_ranks_, num_nvl_ranks_, H, K, row, wfn, bias0, bias1)
+          : ref::combine(sources_[me], num_ranks_, H, K, row, wfn, bias0, bias1);
   Mismatches m("combine");
   const auto got = combined_x_.download(size_t(T) * H, stream_);
   for (size_t i = 0; i < got.size(); ++i) m.expect_eq(got[i], want.x[i], "combined_x" + at(int(i / H), int(i % H)));
@@ -336,10 +391,52 @@ std::string IntranodeSession::check_combine() const {
   return m.str();
 }
 
-double IntranodeSession::recv_bytes() const {
+void HtSession::check_internode_handle(Mismatches& m) const {
+  const ref::InternodeHandle& w = net_handle_;
+  if (!c_.worst_case)
+    m.expect_eq(counts_.num_rdma_recv_tokens, int(w.send_nvl_head.size()) / num_nvl_ranks_, "num_rdma_recv_tokens");
+  auto same = [&](const DeviceArray<int>& got, const std::vector<int>& want, const char* name) {
+    const auto g = got.download(want.size(), stream_);
+    for (size_t i = 0; i < want.size(); ++i) m.expect_eq(g[i], want[i], std::string(name) + at(int(i)));
+  };
+  same(rdma_channel_prefix_, w.rdma_channel_prefix_matrix, "rdma_channel_prefix_matrix");
+  same(channel_prefix_, w.gbl_channel_prefix_matrix, "gbl_channel_prefix_matrix");
+  same(recv_rdma_channel_prefix_, w.recv_rdma_channel_prefix_matrix, "recv_rdma_channel_prefix_matrix");
+  same(recv_rdma_rank_prefix_, w.recv_rdma_rank_prefix_sum, "recv_rdma_rank_prefix_sum");
+  same(recv_channel_prefix_, w.recv_gbl_channel_prefix_matrix, "recv_gbl_channel_prefix_matrix");
+  same(recv_gbl_rank_prefix_, w.recv_gbl_rank_prefix_sum, "recv_gbl_rank_prefix_sum");
+  same(send_rdma_head_, w.send_rdma_head, "send_rdma_head");
+  same(send_nvl_head_, w.send_nvl_head, "send_nvl_head");
+  const auto meta = recv_src_meta_.download(w.recv_src_meta.size(), stream_);
+  for (size_t i = 0; i < w.recv_src_meta.size(); ++i)
+    m.expect_eq(meta[i], w.recv_src_meta[i], "recv_src_meta" + at(int(i / 2), int(i % 2)));
+  if (c_.worst_case) {
+    const size_t rows = size_t(worst_tokens());
+    const auto all = recv_src_meta_.download(rows * 2, stream_);
+    for (size_t i = w.recv_src_meta.size(); i < rows * 2; i += 2)
+      m.expect_eq(all[i], -1, "padding recv_src_meta" + at(int(i / 2)));
+  }
+}
+
+std::vector<uint8_t> HtSession::received_bytes() const {
+  const size_t rows = expected_rows_.size();
+  std::vector<uint8_t> out = recv_x_.download(rows * row_bytes(), stream_);
+  if (num_scales() > 0) {
+    const auto scales = recv_scales_.download(rows * num_scales(), stream_);
+    const auto* p = reinterpret_cast<const uint8_t*>(scales.data());
+    out.insert(out.end(), p, p + scales.size() * sizeof(float));
+  }
+  return out;
+}
+
+std::vector<uint16_t> HtSession::combined_bytes() const {
+  return combined_x_.download(size_t(num_tokens_) * c_.hidden, stream_);
+}
+
+double HtSession::recv_bytes() const {
   return double(expected_rows_.size()) * double(row_bytes() + int64_t(num_scales()) * 4);
 }
 
-double IntranodeSession::combine_bytes() const { return double(expected_rows_.size()) * c_.hidden * 2.0; }
+double HtSession::combine_bytes() const { return double(expected_rows_.size()) * c_.hidden * 2.0; }
 
 }  // namespace epx::harness

@@ -1,18 +1,19 @@
-// GPU tests of the intranode path against the reference model (SPEC sections 1-3, 7).
+// GPU tests of the high-throughput path (intranode, and internode when the suite's Buffer spans domains) against the
+// reference model (SPEC sections 1-3, 6, 7).
 #include <cstring>
 
-#include "../../tools/harness/intranode.hpp"
+#include "../../tools/harness/high_throughput.hpp"
 #include "gpu_test.hpp"
 
 namespace epx::gpu_test {
 namespace {
 
-using harness::IntranodeCase;
-using harness::IntranodeSession;
+using harness::HtCase;
+using harness::HtSession;
 using harness::Routing;
 
-IntranodeCase base_case(std::vector<int> tokens, int hidden, uint64_t seed) {
-  IntranodeCase c;
+HtCase base_case(std::vector<int> tokens, int hidden, uint64_t seed) {
+  HtCase c;
   c.tokens = std::move(tokens);
   c.hidden = hidden;
   c.routing.num_experts = 64;
@@ -23,9 +24,9 @@ IntranodeCase base_case(std::vector<int> tokens, int hidden, uint64_t seed) {
   return c;
 }
 
-// layout -> dispatch -> combine, each checked.
-std::string run_full(Context& ctx, const IntranodeCase& c) {
-  IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+// layout -> dispatch -> combine, each checked; an internode buffer combines in both orders (two-level, then flat).
+std::string run_full(Context& ctx, const HtCase& c) {
+  HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
   s.layout();
   std::string err = s.check_layout();
   s.dispatch();
@@ -33,6 +34,12 @@ std::string run_full(Context& ctx, const IntranodeCase& c) {
   s.set_combine_inputs(c.seed * 7 + 1);
   s.combine();
   err += s.check_combine();
+  if (ctx.buffer.internode()) {
+    s.set_reduction(EPX_REDUCE_FLAT);
+    s.combine();
+    const std::string flat = s.check_combine();
+    if (!flat.empty()) err += "flat order:\n" + flat;
+  }
   return err;
 }
 
@@ -43,13 +50,13 @@ std::vector<int> per_rank(int num_ranks, std::initializer_list<int> first, int r
   return v;
 }
 
-Case scenario(std::string name, std::function<IntranodeCase(Context&)> make) {
+Case scenario(std::string name, std::function<HtCase(Context&)> make) {
   return Case{std::move(name), [make](Context& ctx) { return run_full(ctx, make(ctx)); }};
 }
 
 }  // namespace
 
-std::vector<Case> intranode_cases() {
+std::vector<Case> high_throughput_cases(bool internode) {
   std::vector<Case> cases;
   cases.push_back(scenario("one token per rank, h2048", [](Context&) { return base_case({1}, 2048, 11); }));
   cases.push_back(scenario("random bf16 h2048, 20% empty slots", [](Context&) {
@@ -138,7 +145,7 @@ std::vector<Case> intranode_cases() {
 
   cases.push_back(Case{"cached dispatch with new data, then combine", [](Context& ctx) {
                          auto c = base_case({700}, 4096, 29);
-                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
                          s.layout();
                          s.dispatch();
                          std::string err = s.check_dispatch();
@@ -155,7 +162,7 @@ std::vector<Case> intranode_cases() {
 
   cases.push_back(Case{"legacy default stream", [](Context& ctx) {
                          auto c = base_case({256}, 2048, 30);
-                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, nullptr);
+                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, nullptr);
                          s.layout();
                          s.dispatch();
                          std::string err = s.check_dispatch();
@@ -164,11 +171,19 @@ std::vector<Case> intranode_cases() {
                          return err + s.check_combine();
                        }});
 
-  // 300 tokens through one channel with a tiny ring, dispatch and combine on the same config.
+  // 300 tokens through one channel with a tiny ring, dispatch and combine on the same config. Internode: the NVLink
+  // ring holds at least one slot per domain, and the network ring two chunks of one record.
   const auto small_config_case = [](std::string name, Config config, uint64_t seed, uint64_t combine_seed) {
     return Case{std::move(name), [config, seed, combine_seed](Context& ctx) {
                   auto c = base_case({300}, 2048, seed);
-                  IntranodeSession s(ctx.buffer, c, config, config, ctx.stream);
+                  Config cfg = config;
+                  if (ctx.buffer.internode()) {
+                    const int D = ctx.num_ranks / ctx.buffer.num_nvl_ranks();
+                    cfg.num_max_recv_tokens = std::max(cfg.num_max_recv_tokens, D);
+                    cfg.num_max_rdma_send_tokens = cfg.num_max_send_tokens;
+                    cfg.num_max_rdma_recv_tokens = 2 * cfg.num_max_send_tokens;
+                  }
+                  HtSession s(ctx.buffer, c, cfg, cfg, ctx.stream);
                   s.layout();
                   s.dispatch();
                   std::string err = s.check_dispatch();
@@ -184,7 +199,7 @@ std::vector<Case> intranode_cases() {
 
   cases.push_back(Case{"out-of-range topk_idx fails every rank, buffer stays usable", [](Context& ctx) {
                          auto c = base_case({64}, 2048, 32);
-                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
                          const int culprit = ctx.num_ranks > 1 ? 1 : 0;
                          if (ctx.rank == culprit) {  // a layout of a corrupted topk_idx: slot [3][2] = E + 5
                            std::vector<int64_t> idx;
@@ -220,80 +235,84 @@ std::vector<Case> intranode_cases() {
                          return err + s.check_combine();
                        }});
 
-  cases.push_back(Case{"num_worst_tokens too small: check() fails every rank, buffer stays usable", [](Context& ctx) {
-                         auto c = base_case({200}, 2048, 33);
-                         c.worst_case = true;
-                         c.worst_tokens_override = 1;
-                         std::string err;
-                         {
-                           IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                           s.layout();
-                           s.dispatch();  // no host wait in worst-case mode; the data kernels skip on every rank
-                           try {
-                             ctx.buffer.check(ctx.stream);
-                             err = "expected check() to report num_worst_tokens\n";
-                           } catch (const Error& e) {
-                             if (e.status() != Status::kInvalidArgument ||
-                                 std::string(e.what()).find("num_worst_tokens") == std::string::npos)
-                               err = std::string("wrong error: ") + e.what() + "\n";
+  // Inside one domain an overflow and a ring that does not fit are collective errors; internode_cases() has the
+  // internode mode's versions.
+  if (!internode) {
+    cases.push_back(Case{"num_worst_tokens too small: check() fails every rank, buffer stays usable", [](Context& ctx) {
+                           auto c = base_case({200}, 2048, 33);
+                           c.worst_case = true;
+                           c.worst_tokens_override = 1;
+                           std::string err;
+                           {
+                             HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                             s.layout();
+                             s.dispatch();  // no host wait in worst-case mode; the data kernels skip on every rank
+                             try {
+                               ctx.buffer.check(ctx.stream);
+                               err = "expected check() to report num_worst_tokens\n";
+                             } catch (const Error& e) {
+                               if (e.status() != Status::kInvalidArgument ||
+                                   std::string(e.what()).find("num_worst_tokens") == std::string::npos)
+                                 err = std::string("wrong error: ") + e.what() + "\n";
+                             }
                            }
-                         }
-                         c.worst_tokens_override = 0;
-                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                         s.layout();
-                         s.dispatch();
-                         err += s.check_dispatch();
-                         s.set_combine_inputs(3);
-                         s.combine();
-                         return err + s.check_combine();
-                       }});
+                           c.worst_tokens_override = 0;
+                           HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                           s.layout();
+                           s.dispatch();
+                           err += s.check_dispatch();
+                           s.set_combine_inputs(3);
+                           s.combine();
+                           return err + s.check_combine();
+                         }});
 
-  cases.push_back(Case{"ranks that disagree on hidden fail together, buffer stays usable", [](Context& ctx) {
-                         auto c = base_case({64}, ctx.rank == ctx.num_ranks - 1 ? 4096 : 2048, 36);
-                         std::string err;
-                         {
-                           IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+    cases.push_back(Case{"ranks that disagree on hidden fail together, buffer stays usable", [](Context& ctx) {
+                           auto c = base_case({64}, ctx.rank == ctx.num_ranks - 1 ? 4096 : 2048, 36);
+                           std::string err;
+                           {
+                             HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                             s.layout();
+                             try {
+                               s.dispatch();
+                               err = ctx.num_ranks > 1 ? "expected an error, dispatch succeeded\n" : "";
+                             } catch (const Error& e) {
+                               if (e.status() != Status::kInvalidArgument ||
+                                   std::string(e.what()).find("disagree") == std::string::npos)
+                                 err = std::string("wrong error: ") + e.what() + "\n";
+                             }
+                           }
+                           c.hidden = 2048;
+                           HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                           s.layout();
+                           s.dispatch();
+                           err += s.check_dispatch();
+                           s.set_combine_inputs(4);
+                           s.combine();
+                           return err + s.check_combine();
+                         }});
+
+    cases.push_back(Case{"buffer too small is reported before any launch", [](Context& ctx) {
+                           auto c = base_case({64}, 7168, 34);
+                           Config big{ctx.dispatch_config.num_sms, ctx.dispatch_config.num_max_send_tokens, 1 << 20};
+                           HtSession s(ctx.buffer, c, big, big, ctx.stream);
                            s.layout();
                            try {
                              s.dispatch();
-                             err = ctx.num_ranks > 1 ? "expected an error, dispatch succeeded\n" : "";
                            } catch (const Error& e) {
-                             if (e.status() != Status::kInvalidArgument ||
-                                 std::string(e.what()).find("disagree") == std::string::npos)
-                               err = std::string("wrong error: ") + e.what() + "\n";
+                             if (e.status() != Status::kBufferTooSmall)
+                               return std::string("wrong status: ") + e.what() + "\n";
+                             if (std::string(e.what()).find("needs") == std::string::npos)
+                               return std::string("message does not say the size needed: ") + e.what() + "\n";
+                             return std::string();
                            }
-                         }
-                         c.hidden = 2048;
-                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                         s.layout();
-                         s.dispatch();
-                         err += s.check_dispatch();
-                         s.set_combine_inputs(4);
-                         s.combine();
-                         return err + s.check_combine();
-                       }});
-
-  cases.push_back(Case{"buffer too small is reported before any launch", [](Context& ctx) {
-                         auto c = base_case({64}, 7168, 34);
-                         Config big{ctx.dispatch_config.num_sms, ctx.dispatch_config.num_max_send_tokens, 1 << 20};
-                         IntranodeSession s(ctx.buffer, c, big, big, ctx.stream);
-                         s.layout();
-                         try {
-                           s.dispatch();
-                         } catch (const Error& e) {
-                           if (e.status() != Status::kBufferTooSmall)
-                             return std::string("wrong status: ") + e.what() + "\n";
-                           if (std::string(e.what()).find("needs") == std::string::npos)
-                             return std::string("message does not say the size needed: ") + e.what() + "\n";
-                           return std::string();
-                         }
-                         return std::string("expected kBufferTooSmall\n");
-                       }});
+                           return std::string("expected kBufferTooSmall\n");
+                         }});
+  }
 
   cases.push_back(Case{"1000 back-to-back dispatch + combine iterations", [](Context& ctx) {
                          auto c = base_case({96}, 1024, 35);
                          c.num_biases = 1;
-                         IntranodeSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
                          s.layout();
                          std::string err;
                          for (int i = 0; i < 1000 && err.empty(); ++i) {

@@ -1,0 +1,491 @@
+// Internode combine (SPEC sections 3 and 6): the dispatch run backwards. Two blocks per channel c.
+//
+// Block 2c:
+//  - NVLink senders (G > 1): for every other rank s of this domain and source domain i, the rows this rank received
+//    from (i, s) in channel c go back, in order, into s's sub-ring for (this rank, i): row, then its top-k weights.
+//    Their coordinator publishes each sub-ring's tail at s.
+//  - network receivers: this rank's tokens of channel c, one warp per token in turn: for every domain m the token
+//    went to (send_rdma_head [8]), wait for the chunk that holds its record in the ring from (m, g), then reduce:
+//    two-level: acc = 0; += float(P_m) for m ascending (one partial per domain); flat: += float(row) for every row
+//    of every domain in ascending global rank order; then += bias0, += bias1; one rounding. Weights: the sum over the
+//    ranks that received the token, in ascending global order, in float32. Their coordinator returns network credit.
+// Block 2c + 1 (forwarders): the tokens that (i, g) sent here in channel c, in its network stream order; chunk k of
+//    domain i's stream belongs to forwarder warp (k * D + i) % forwarders, processed in (k, i) order. For each token
+//    and every rank j of this domain that received it (send_nvl_head [9]): its row from this rank's own x (j = g)
+//    or from j's sub-ring here. Two-level: one row passes unchanged, several are summed in ascending j in float32
+//    and rounded once; flat: the rows travel as they are. The chunk is put to (i, g) with a chunk signal. The
+//    forwarder coordinator returns NVLink credit (head) to every j.
+#include <cuda_runtime.h>
+
+#include "device/bf16.cuh"
+#include "kernels/internode/common.cuh"
+
+namespace epx {
+namespace {
+
+using namespace dev;
+
+constexpr int kThreads = kDataThreads;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxStreams = kMaxDomains * (kMaxNvlRanks - 1);
+
+// Warps of block 2c: NVLink senders and their coordinator (G > 1), then network receivers and their coordinator
+// (the last warp).
+struct ReturnRoles {
+  int nvl_senders;
+  int receivers;
+  __device__ static ReturnRoles of(int num_nvl_ranks) {
+    if (num_nvl_ranks == 1) return {0, kWarps - 1};
+    const int senders = (kWarps - 2) / 2;
+    return {senders, kWarps - 2 - senders};
+  }
+};
+
+// NVLink streams: (source domain i, local rank s != this one); slices of a stream take ordinals o % slices.
+struct NvlStreams {
+  int count;
+  int slices;
+  __device__ static NvlStreams of(int D, int G, int warps) {
+    const int n = D * (G - 1);
+    return {n, n == 0 || n >= warps ? 1 : warps / n};
+  }
+  __device__ static void source(int st, int g, int G, int& i, int& s) {
+    i = st / (G - 1);
+    s = st % (G - 1);
+    s += s >= g ? 1 : 0;
+  }
+};
+
+struct ReturnShared {
+  int next[kMaxStreams > kWarps ? kMaxStreams : kWarps];  // NVLink senders: next ordinal per (stream, slice)
+  uint64_t base[kMaxStreams];                             // NVLink senders: each sub-ring's start
+  int need[kWarps][kMaxDomains];  // network receivers: ring positions below this are no longer needed
+  const uint8_t* record[kWarps][kMaxDomains];  // network receivers: the current token's record per domain
+};
+
+struct ForwardShared {
+  int progress[kWarps][kMaxDomains];
+  uint64_t nvl_base[kMaxNvlRanks][kMaxDomains];  // sub-ring (from j, domain i) positions at the start
+};
+
+__device__ __forceinline__ int chunk_owner(int chunk, int domain, int num_domains, int warps) {
+  return (chunk * num_domains + domain) % warps;
+}
+
+__device__ __forceinline__ int next_owned(int from_chunk, int i, int n, int D, int S, int w, int warps) {
+  for (int k = from_chunk; k * S < n; ++k)
+    if (chunk_owner(k, i, D, warps) == w) return k * S;
+  return n;
+}
+
+// ---- NVLink senders -----------------------------------------------------------------------------------------------
+
+__device__ void nvl_sender(const InternodeCombineParams& p, int channel, int w, int warps, ReturnShared& sh) {
+  const int lane = threadIdx.x % 32;
+  const NetworkMap& net = p.peers.net;
+  const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
+  const NvlStreams streams = NvlStreams::of(D, G, warps);
+  InternodeNvlControl* ctrl = internode_nvl(p.peers, p.peers.rank);
+  const int items = streams.count * streams.slices;
+  SpinBudget budget;
+  while (true) {
+    bool progressed = false, done = true;
+    int wait_peer = -1;
+    uint64_t wait_seen = 0, wait_need = 0;
+    for (int item = w; item < items; item += warps) {
+      const int st = item / streams.slices;
+      int i, s;
+      NvlStreams::source(st, g, G, i, s);
+      const RowRange rows = source_rows(p.h, i * G + s, channel, C);
+      const int n = rows.end - rows.begin;
+      int o = sh.next[item];
+      if (o >= n) continue;
+      done = false;
+      const uint64_t base = sh.base[st];
+      uint64_t head = 0;
+      if (lane == 0) head = acquire(&ctrl->combine_head[channel][s][i]);  // pairs with s's forwarder coordinator
+      head = __shfl_sync(kFullMask, head, 0);
+      for (; o < n && base + o + 1 <= head + p.nvl.capacity; o += streams.slices) {
+        const int row = rows.begin + o;
+        uint8_t* slot = p.nvl.slot(p.peers.nvl.peer[s], channel, g, i, base + o);
+        const float weight = lane < p.num_topk ? ld_nc(p.topk_weights + int64_t(row) * p.num_topk + lane) : 0.f;
+        write_rows<kInternodeCopyUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row) * p.x_int4, p.x_int4, lane,
+                                         LoadNc{});
+        if (lane < p.num_topk) reinterpret_cast<float*>(slot + p.nvl_weight_offset)[lane] = weight;
+        progressed = true;
+      }
+      __syncwarp();
+      if (lane == 0) st_release_cta(&sh.next[item], o);  // pairs with the coordinator's acquire
+      if (o < n) wait_peer = s, wait_seen = head, wait_need = base + o + 1 - p.nvl.capacity;
+    }
+    if (done) return;
+    if (progressed)
+      budget.start = 0;
+    else
+      budget.tick(p.fail, WaitSite{kRoleCombineNvlSender, channel, wait_peer, -1}, int64_t(wait_seen),
+                  int64_t(wait_need));
+  }
+}
+
+// Publishes each sub-ring's tail at its reader s: base + the least next ordinal over the stream's slices.
+__device__ void nvl_sender_coordinator(const InternodeCombineParams& p, int channel, ReturnShared& sh) {
+  const int lane = threadIdx.x % 32;
+  const NetworkMap& net = p.peers.net;
+  const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
+  const NvlStreams streams = NvlStreams::of(D, G, ReturnRoles::of(G).nvl_senders);
+  int published[kMaxStreams / 32 + 1] = {};
+  coordinate(p.fail, kRoleCombineNvlSenderCoordinator, channel, [&](int& peer, int& a, int& b) {
+    int state = 0;
+    for (int round = 0; round * 32 < streams.count; ++round) {
+      const int st = round * 32 + lane;
+      if (st >= streams.count) continue;
+      int i, s;
+      NvlStreams::source(st, g, G, i, s);
+      const RowRange rows = source_rows(p.h, i * G + s, channel, C);
+      const int n = rows.end - rows.begin;
+      int low = n;
+      for (int slice = 0; slice < streams.slices; ++slice)
+        low = min(low, ld_acquire_cta(&sh.next[st * streams.slices + slice]));  // pairs with the senders' releases
+      if (low > published[round]) {
+        publish(&internode_nvl(p.peers, s)->combine_tail[channel][g][i], sh.base[st] + low);  // pairs with s's
+        published[round] = low;                                                            // forwarder's acquire
+        state = max(state, 1);
+      } else if (low < n) {
+        state = 2;
+        peer = s, a = low, b = n;
+      }
+    }
+    return state;
+  });
+}
+
+// ---- network receivers --------------------------------------------------------------------------------------------
+
+// Token t's reduction from the records in sh.record[warp] (null where the token did not go), into combined_x.
+__device__ void reduce_token(const InternodeCombineParams& p, int t, const uint8_t* const* records, int lane) {
+  const NetworkMap& net = p.peers.net;
+  const int G = net.num_local, D = net.num_domains, R = p.num_ranks;
+  const uint8_t* in = p.h.is_token_in_rank + int64_t(t) * R;
+  const int n = p.x_int4;
+  int4* out = p.combined_x + int64_t(t) * n;
+  const int4* b0 = p.bias0 != nullptr ? p.bias0 + int64_t(t) * n : nullptr;
+  const int4* b1 = p.bias1 != nullptr ? p.bias1 + int64_t(t) * n : nullptr;
+  const int row_int4 = int(p.net_record.row_bytes / 16);
+  for (int v = lane; v < n; v += 32) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int m = 0; m < D; ++m) {
+      const int4* rec = reinterpret_cast<const int4*>(records[m]);
+      if (rec == nullptr) continue;
+      if (p.two_level) {
+        add_bf16x8(acc, ld_cg(rec + v));
+      } else {
+        int row = 0;
+        for (int j = 0; j < G; ++j)
+          if (in[m * G + j]) add_bf16x8(acc, ld_cg(rec + int64_t(row++) * row_int4 + v));
+      }
+    }
+    if (b0 != nullptr) add_bf16x8(acc, ld_nc(b0 + v));
+    if (b1 != nullptr) add_bf16x8(acc, ld_nc(b1 + v));
+    st_na(out + v, pack_bf16x8(acc));
+  }
+  if (p.combined_topk_weights != nullptr && lane < p.num_topk) {
+    float acc = 0.f;
+    for (int m = 0; m < D; ++m) {
+      if (records[m] == nullptr) continue;
+      const float* w = reinterpret_cast<const float*>(records[m] + p.net_record.weight_offset);
+      for (int j = 0; j < G; ++j)
+        if (in[m * G + j]) acc += __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(w) + j * p.num_topk + lane));
+    }
+    p.combined_topk_weights[int64_t(t) * p.num_topk + lane] = acc;
+  }
+}
+
+__device__ void net_receiver(const InternodeCombineParams& p, int channel, int w, int warps, ReturnShared& sh) {
+  const int lane = threadIdx.x % 32;
+  const NetworkMap& net = p.peers.net;
+  const int D = net.num_domains, C = p.num_channels, S = p.ring.chunk;
+  NetControl* ctrl = net_control(p.peers);
+  const int warp = threadIdx.x / 32;
+  const ChannelRange range = ChannelRange::of(p.num_tokens, C, channel);
+  uint64_t start = 0;
+  if (lane < D) start = p.ring.start(read_idle(&ctrl->combine_base[channel][lane]));
+  for (int t = range.begin + w; t < range.end; t += warps) {
+    if (lane < D) {
+      const int pos = p.h.send_rdma_head[int64_t(t) * D + lane];
+      st_release_cta(&sh.need[warp][lane], pos >= 0 ? pos : -pos - 1);  // positions below are no longer needed
+      const uint8_t* rec = nullptr;
+      if (pos >= 0) {
+        const uint64_t chunk_start = start + uint64_t(pos / S) * S;
+        const uint64_t v = p.ring.signal_value(chunk_start);
+        wait_until(&ctrl->combine_signal[channel][lane][p.ring.signal_slot(chunk_start)],
+                   [v](uint64_t x) { return x >= v; }, int64_t(v), p.fail,  // pairs with the forwarder's put with
+                   WaitSite{kRoleCombineNetReceiver, channel, lane, t});   // signal (or its release, own domain)
+        rec = p.ring.slot(ctrl, channel, lane, 1, start + pos);
+      }
+      sh.record[warp][lane] = rec;
+    }
+    __syncwarp();
+    reduce_token(p, t, sh.record[warp], lane);
+    __syncwarp();  // this token's records are consumed before the next need is published
+  }
+  if (lane < D) st_release_cta(&sh.need[warp][lane], INT_MAX);
+}
+
+// Returns network credit to the forwarder of every domain: the least position any receiver warp still needs.
+__device__ void net_receiver_coordinator(const InternodeCombineParams& p, int channel, int first_receiver,
+                                         int receivers, ReturnShared& sh) {
+  const int lane = threadIdx.x % 32;
+  const NetworkMap& net = p.peers.net;
+  const int D = net.num_domains, C = p.num_channels;
+  NetControl* ctrl = net_control(p.peers);
+  const bool active = lane < D;
+  const int m = lane;
+  uint64_t raw = 0, start = 0;
+  int n = 0;
+  if (active) {
+    raw = read_idle(&ctrl->combine_base[channel][m]);
+    start = p.ring.start(raw);
+    n = channel_count(p.h.rdma_channel_prefix_matrix, m, channel, C);
+  }
+  uint64_t credited = raw;  // the forwarder's head as this rank last raised it
+  coordinate(p.fail, kRoleCombineNetReceiverCoordinator, channel, [&](int& peer, int& a, int& b) {
+    if (!active) return 0;
+    int low = INT_MAX;
+    for (int w = first_receiver; w < first_receiver + receivers; ++w) low = min(low, ld_acquire_cta(&sh.need[w][m]));
+    if (low > n) low = n;
+    const uint64_t target = start + uint64_t(low);
+    if (target > credited && (target - credited >= uint64_t(p.ring.chunk) || low == n)) {
+      if (m == net.domain)
+        publish(&ctrl->combine_head[channel][m], target);  // this rank's own forwarders (acquire)
+      else
+        net_add(&ctrl->combine_head[channel][net.domain], target - credited, net.pe(m));
+      credited = target;
+      return 1;
+    }
+    if (credited == start + uint64_t(n)) return 0;
+    peer = m, a = low, b = n;
+    return 2;
+  });
+  if (active) ctrl->combine_base[channel][m] = start + n;  // the next operation's raw start
+}
+
+__device__ void return_block(const InternodeCombineParams& p, int channel) {
+  __shared__ ReturnShared sh;
+  const int warp = threadIdx.x / 32;
+  const NetworkMap& net = p.peers.net;
+  const int G = net.num_local, D = net.num_domains, g = net.local_rank;
+  const ReturnRoles roles = ReturnRoles::of(G);
+  const NvlStreams streams = NvlStreams::of(D, G, roles.nvl_senders > 0 ? roles.nvl_senders : 1);
+  if (roles.nvl_senders > 0) {
+    for (int item = threadIdx.x; item < streams.count * streams.slices; item += blockDim.x)
+      sh.next[item] = item % streams.slices;
+    for (int st = threadIdx.x; st < streams.count; st += blockDim.x) {
+      int i, s;
+      NvlStreams::source(st, g, G, i, s);
+      sh.base[st] = read_idle(&internode_nvl(p.peers, p.peers.rank)->combine_head[channel][s][i]);  // idle
+    }
+  }
+  for (int x = threadIdx.x; x < kWarps * kMaxDomains; x += blockDim.x) sh.need[x / kMaxDomains][x % kMaxDomains] = 0;
+  __syncthreads();
+  const int first_receiver = roles.nvl_senders > 0 ? roles.nvl_senders + 1 : 0;
+  if (warp < roles.nvl_senders)
+    nvl_sender(p, channel, warp, roles.nvl_senders, sh);
+  else if (roles.nvl_senders > 0 && warp == roles.nvl_senders)
+    nvl_sender_coordinator(p, channel, sh);
+  else if (warp < first_receiver + roles.receivers)
+    net_receiver(p, channel, warp - first_receiver, roles.receivers, sh);
+  else
+    net_receiver_coordinator(p, channel, first_receiver, roles.receivers, sh);
+}
+
+// ---- forwarders ---------------------------------------------------------------------------------------------------
+
+// Writes the record of one token for domain i at dst: its partial (two-level) or its rows (flat), and every rank's
+// top-k weights (0 for ranks without the token). rows[j] / weights[j]: rank j's row and weights, null if absent.
+__device__ void write_combine_record(const InternodeCombineParams& p, uint8_t* dst, const int4* const (&rows)[kMaxNvlRanks],
+                                     const float* const (&weights)[kMaxNvlRanks], int lane) {
+  const int G = p.peers.net.num_local, n = p.x_int4;
+  int count = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxNvlRanks; ++j) count += rows[j] != nullptr ? 1 : 0;
+  int4* out = reinterpret_cast<int4*>(dst);
+  if (!p.two_level || count == 1) {  // rows pass unchanged, in ascending j
+    int r = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxNvlRanks; ++j) {
+      if (rows[j] == nullptr) continue;
+      warp_copy<kInternodeCopyUnroll>(out + int64_t(r++) * n, rows[j], n, lane, LoadCg{}, StoreNa{});
+    }
+  } else {  // one partial: ascending j in float32 from 0, one rounding
+    for (int v = lane; v < n; v += 32) {
+      int4 x[kMaxNvlRanks];
+#pragma unroll
+      for (int j = 0; j < kMaxNvlRanks; ++j)
+        if (rows[j] != nullptr) x[j] = ld_cg(rows[j] + v);
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < kMaxNvlRanks; ++j)
+        if (rows[j] != nullptr) add_bf16x8(acc, x[j]);
+      st_na(out + v, pack_bf16x8(acc));
+    }
+  }
+  float* w = reinterpret_cast<float*>(dst + p.net_record.weight_offset);
+  for (int x = lane; x < G * p.num_topk; x += 32) {
+    const int j = x / p.num_topk, k = x % p.num_topk;
+    float v = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < kMaxNvlRanks; ++jj)
+      if (jj == j && weights[jj] != nullptr) v = __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(weights[jj]) + k));
+    w[x] = v;
+  }
+}
+
+__device__ void forwarder(const InternodeCombineParams& p, int channel, int w, int warps, ForwardShared& sh) {
+  const int lane = threadIdx.x % 32;
+  const NetworkMap& net = p.peers.net;
+  const int G = net.num_local, D = net.num_domains, g = net.local_rank, d = net.domain, C = p.num_channels;
+  const int S = p.ring.chunk, cap = p.ring.capacity;
+  NetControl* ctrl = net_control(p.peers);
+  InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
+  uint64_t start = 0;
+  int total = 0, first_index = 0;
+  if (lane < D) {
+    start = p.ring.start(read_idle(&ctrl->combine_head[channel][lane]));  // idle: head == the receiver's base
+    total = channel_count(p.h.recv_rdma_channel_prefix_matrix, lane, channel, C);
+    first_index = net_record_base(p.h, lane, channel, C);
+  }
+  int max_total = total;
+  for (int o = 16; o > 0; o >>= 1) max_total = max(max_total, __shfl_xor_sync(kFullMask, max_total, o));
+  for (int k = 0; k * S < max_total; ++k) {
+    for (int i = 0; i < D; ++i) {
+      if (chunk_owner(k, i, D, warps) != w) continue;
+      const int n = __shfl_sync(kFullMask, total, i);
+      if (k * S >= n) continue;
+      const uint64_t chunk_start = __shfl_sync(kFullMask, start, i) + uint64_t(k) * S;
+      const int index0 = __shfl_sync(kFullMask, first_index, i);
+      if (lane == 0) {  // the chunk's slots are free at (i, g): pairs with its receiver coordinator's credit
+        const uint64_t need = chunk_start + S - cap;
+        if (chunk_start + S > uint64_t(cap) && acquire(&ctrl->combine_head[channel][i]) < need)
+          wait_at_least(&ctrl->combine_head[channel][i], need, p.fail,
+                        WaitSite{kRoleCombineForwarder, channel, i, k * S});
+      }
+      __syncwarp();
+      const int own_first = source_rows(p.h, i * G + g, channel, C).begin;
+      const int end = min((k + 1) * S, n);
+      for (int pos = k * S; pos < end; ++pos) {
+        const int index = index0 + pos;
+        const int head = lane < G ? p.h.send_nvl_head[int64_t(index) * G + lane] : -1;
+        const int4* rows[kMaxNvlRanks];
+        const float* weights[kMaxNvlRanks];
+#pragma unroll
+        for (int j = 0; j < kMaxNvlRanks; ++j) {
+          const int o = __shfl_sync(kFullMask, head, j);
+          rows[j] = nullptr;
+          weights[j] = nullptr;
+          if (j >= G || o < 0) continue;
+          if (j == g) {
+            const int row = own_first + o;
+            rows[j] = p.x + int64_t(row) * p.x_int4;
+            weights[j] = p.num_topk > 0 ? p.topk_weights + int64_t(row) * p.num_topk : nullptr;
+            continue;
+          }
+          const uint64_t nvl_pos = sh.nvl_base[j][i] + o;
+          if (lane == 0 && acquire(&nvl_ctrl->combine_tail[channel][j][i]) <= nvl_pos) {
+            st_release_cta(&sh.progress[w][i], pos);  // records below pos are done: their heads can pass them
+            wait_at_least(&nvl_ctrl->combine_tail[channel][j][i], nvl_pos + 1, p.fail,  // pairs with j's sender
+                          WaitSite{kRoleCombineForwarder, channel, j, -1});           // coordinator's release
+          }
+          __syncwarp();
+          const uint8_t* slot = p.nvl.slot(p.peers.nvl.local, channel, j, i, nvl_pos);
+          rows[j] = reinterpret_cast<const int4*>(slot);
+          weights[j] = p.num_topk > 0 ? reinterpret_cast<const float*>(slot + p.nvl_weight_offset) : nullptr;
+        }
+        uint8_t* dst = p.ring.slot(ctrl, channel, i, i == d ? 1 : 0, chunk_start + (pos - k * S));
+        write_combine_record(p, dst, rows, weights, lane);
+      }
+      // The chunk: put it to (i, g) with its signal, or release it here (own domain, written into the receive half).
+      uint64_t* signal = &ctrl->combine_signal[channel][d][p.ring.signal_slot(chunk_start)];
+      __syncwarp();
+      if (i == d) {
+        if (lane == 0) publish(signal, p.ring.signal_value(chunk_start));  // pairs with the receiver's acquire
+      } else {
+        net_put_signal_warp(p.ring.slot(ctrl, channel, d, 1, chunk_start), p.ring.slot(ctrl, channel, i, 0, chunk_start),
+                            size_t(end - k * S) * p.ring.stride, signal, p.ring.signal_value(chunk_start), net.pe(i));
+      }
+      if (lane == 0) st_release_cta(&sh.progress[w][i], next_owned(k + 1, i, n, D, S, w, warps));
+    }
+  }
+}
+
+// Returns NVLink credit to every rank j of this domain: the rows of j's sub-ring for domain i below the first
+// unfinished token are consumed.
+__device__ void forwarder_coordinator(const InternodeCombineParams& p, int channel, int warps, ForwardShared& sh) {
+  const int lane = threadIdx.x % 32;
+  const NetworkMap& net = p.peers.net;
+  const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
+  const bool active = lane < D;
+  const int i = lane;
+  int n = 0, index0 = 0;
+  if (active) {
+    n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
+    index0 = net_record_base(p.h, i, channel, C);
+  }
+  int done = 0;
+  coordinate(p.fail, kRoleCombineForwarderCoordinator, channel, [&](int& peer, int& a, int& b) {
+    if (!active) return 0;
+    int low = n;
+    for (int w = 0; w < warps; ++w) low = min(low, ld_acquire_cta(&sh.progress[w][i]));  // pairs with the warps'
+    if (low == done) {                                                                   // releases
+      if (done == n) return 0;
+      peer = i, a = low, b = n;
+      return 2;
+    }
+    for (int j = 0; j < G; ++j) {
+      if (j == g) continue;
+      const int head = p.h.send_nvl_head[int64_t(index0 + low - 1) * G + j];
+      const int below = head >= 0 ? head + 1 : -head - 1;
+      publish(&internode_nvl(p.peers, j)->combine_head[channel][g][i], sh.nvl_base[j][i] + below);  // pairs with
+    }                                                                                        // j's NVLink senders
+    done = low;
+    return 1;
+  });
+}
+
+__device__ void forward_block(const InternodeCombineParams& p, int channel) {
+  __shared__ ForwardShared sh;
+  const int warp = threadIdx.x / 32;
+  const NetworkMap& net = p.peers.net;
+  const int G = net.num_local, D = net.num_domains, C = p.num_channels, S = p.ring.chunk;
+  constexpr int kForwarders = kWarps - 1;
+  InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
+  for (int x = threadIdx.x; x < G * D; x += blockDim.x)
+    sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->combine_tail[channel][x / D][x % D]);  // idle sub-rings
+  for (int x = threadIdx.x; x < kForwarders * D; x += blockDim.x) {
+    const int w = x / D, i = x % D;
+    const int n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
+    sh.progress[w][i] = next_owned(0, i, n, D, S, w, kForwarders);
+  }
+  __syncthreads();
+  if (warp < kForwarders)
+    forwarder(p, channel, warp, kForwarders, sh);
+  else
+    forwarder_coordinator(p, channel, kForwarders, sh);
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    internode_combine_kernel(const __grid_constant__ InternodeCombineParams p) {
+  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
+  const int channel = blockIdx.x / 2;
+  if (blockIdx.x % 2 == 0)
+    return_block(p, channel);
+  else
+    forward_block(p, channel);
+}
+
+}  // namespace
+
+void launch_internode_combine(const InternodeCombineParams& p, cudaStream_t stream) {
+  internode_combine_kernel<<<p.num_channels * 2, kThreads, 0, stream>>>(p);
+}
+
+}  // namespace epx

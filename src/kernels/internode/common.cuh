@@ -1,0 +1,104 @@
+// What the internode kernels share: where the control blocks are, the progress words between a role's warps and
+// its coordinator, and the receiving end of a dispatch record (a recv_x row and its small fields).
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "device/ptx.cuh"
+#include "device/report.cuh"
+#include "device/transport.cuh"
+#include "device/wait.cuh"
+#include "device/warp.cuh"
+#include "device/warp_copy.cuh"
+#include "layout/internode_params.hpp"
+
+namespace epx::dev {
+
+// 16-byte loads in flight per lane in row copies.
+constexpr int kInternodeCopyUnroll = 4;
+
+__device__ __forceinline__ NetControl* net_control(const PeerMap& m) { return reinterpret_cast<NetControl*>(m.net.local); }
+
+// Local rank r's internode NVLink control block as mapped here.
+__device__ __forceinline__ InternodeNvlControl* internode_nvl(const PeerMap& m, int r) {
+  return reinterpret_cast<InternodeNvlControl*>(m.nvl.peer[r] + InternodeNvlLayout::control_offset());
+}
+
+// Rows [begin, end) of recv_x that source rank src sends in channel c (the handle's [5], [6]).
+struct RowRange {
+  int begin;
+  int end;
+};
+__device__ __forceinline__ RowRange source_rows(const InternodeHandleView& h, int src, int channel, int num_channels) {
+  const int begin = h.recv_gbl_channel_prefix_matrix[src * num_channels + channel];
+  const int end = channel + 1 < num_channels ? h.recv_gbl_channel_prefix_matrix[src * num_channels + channel + 1]
+                                             : h.recv_gbl_rank_prefix_sum[src];
+  return {begin, end};
+}
+
+// Per-channel count of an inclusive prefix matrix row: m[row][c] - m[row][c - 1].
+__device__ __forceinline__ int channel_count(const int* matrix, int row, int channel, int num_channels) {
+  const int* r = matrix + row * num_channels;
+  return r[channel] - (channel > 0 ? r[channel - 1] : 0);
+}
+
+// The network-received index of the first record of (source domain m, channel c): [4][m - 1] + [3][m][c - 1].
+__device__ __forceinline__ int net_record_base(const InternodeHandleView& h, int domain, int channel, int num_channels) {
+  return (domain > 0 ? h.recv_rdma_rank_prefix_sum[domain - 1] : 0) +
+         (channel > 0 ? h.recv_rdma_channel_prefix_matrix[domain * num_channels + channel - 1] : 0);
+}
+
+// send_nvl_head entry -> how many of the source's tokens before this one (in its channel) went to that rank.
+__device__ __forceinline__ int ordinal_of(int head) { return head >= 0 ? head : -head - 1; }
+
+// Writes a dispatch record (at rec, in a ring) to output row `row`: the row, its scales, the top-k rebased to this
+// rank's experts (-1 elsewhere, weight 0), and recv_src_meta (source domain, mask). Warp-collective. In worst-case
+// mode a row past the outputs is dropped and reported (the notify reported the overflow already).
+__device__ __forceinline__ void write_output_row(const InternodeDispatchParams& p, const uint8_t* rec, int row,
+                                                 int src_domain, int lane) {
+  if (p.num_worst_tokens > 0 && row >= p.num_worst_tokens) return;
+  const int32_t* meta = reinterpret_cast<const int32_t*>(rec + p.record.meta_offset);
+  const int32_t mask = ld_cg(meta);
+  const int32_t* topk = reinterpret_cast<const int32_t*>(rec + p.record.topk_offset);
+  const int32_t* weights = reinterpret_cast<const int32_t*>(rec + p.record.weight_offset);
+  int32_t e = -1, w = 0;
+  if (lane < p.num_topk) {
+    e = ld_cg(topk + lane);
+    w = ld_cg(weights + lane);
+  }
+  warp_copy<kInternodeCopyUnroll>(p.recv_x + int64_t(row) * p.x_int4, reinterpret_cast<const int4*>(rec), p.x_int4,
+                                  lane, LoadCg{}, StoreNa{});
+  const int32_t* scales = reinterpret_cast<const int32_t*>(rec + p.record.scale_offset);
+  for (int i = lane; i < p.num_scales; i += 32)
+    reinterpret_cast<int32_t*>(p.recv_x_scales)[int64_t(row) * p.num_scales + i] = ld_cg(scales + i);
+  if (lane < p.num_topk) {
+    const int64_t first = int64_t(p.peers.net.pe(p.peers.net.domain)) * p.experts_per_rank;
+    const bool mine = e >= first && e < first + p.experts_per_rank;
+    if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = mine ? e - first : -1;
+    if (p.recv_topk_weights != nullptr)
+      p.recv_topk_weights[int64_t(row) * p.num_topk + lane] = mine ? __int_as_float(w) : 0.f;
+  }
+  if (lane == 0) {
+    p.h.recv_src_meta[2 * int64_t(row)] = src_domain;
+    p.h.recv_src_meta[2 * int64_t(row) + 1] = mask;
+  }
+}
+
+// A coordinator's loop: until done(), call step(); spin with a budget only while a step made no progress.
+template <typename Step>
+__device__ __forceinline__ void coordinate(const FailState& fail, int role, int channel, Step step) {
+  SpinBudget budget;
+  while (true) {
+    int peer = -1, seen = 0, target = 0;
+    const int state = step(peer, seen, target);  // 0 done, 1 progressed, 2 waiting
+    if (__all_sync(kFullMask, state == 0)) return;
+    if (__any_sync(kFullMask, state == 1)) {
+      budget.start = 0;
+      continue;
+    }
+    budget.tick(fail, WaitSite{role, channel, peer, 0}, seen, target);
+  }
+}
+
+}  // namespace epx::dev

@@ -1,0 +1,190 @@
+// GPU tests that only the internode mode has (the high-throughput cases run on internode buffers too): the same
+// routing through the intranode path, network-ring wrap-around, a worst-case overflow at one rank, a network ring
+// that does not fit, and a rank that never calls.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "../../tools/harness/high_throughput.hpp"
+#include "epx/launcher.hpp"
+#include "gpu_test.hpp"
+
+namespace epx::gpu_test {
+namespace {
+
+using harness::HtCase;
+using harness::HtSession;
+
+HtCase internode_case(int tokens, int hidden, uint64_t seed) {
+  HtCase c;
+  c.tokens = {tokens};
+  c.hidden = hidden;
+  c.routing.num_experts = 64;
+  c.routing.num_topk = 8;
+  c.routing.empty_slot_prob = 0.1;
+  c.routing.seed = seed;
+  c.seed = seed;
+  return c;
+}
+
+// The buffer options of the internode suite for D x G ranks (the sizes the default configs need at hidden 8192).
+BufferOptions internode_options(int num_ranks, int num_nvl_ranks) {
+  BufferOptions o = default_buffer_options();
+  const InternodeSizes s = internode_size_hints(default_dispatch_config(num_ranks), 8192 * 2, num_ranks, num_nvl_ranks);
+  o.num_nvl_bytes = s.nvl_bytes;
+  o.num_rdma_bytes = s.rdma_bytes;
+  o.num_nvl_ranks = num_nvl_ranks;
+  o.force_internode = num_nvl_ranks == num_ranks ? 1 : 0;
+  return o;
+}
+
+}  // namespace
+
+std::vector<Case> internode_cases() {
+  std::vector<Case> cases;
+  cases.push_back(Case{"internode: the intranode path gives the same dispatch and flat-combine bits", [](Context& ctx) {
+                         HtCase c = internode_case(700, 4096, 41);
+                         c.num_biases = 2;
+                         c.reduction = EPX_REDUCE_FLAT;
+                         BufferOptions o = default_buffer_options();
+                         o.num_nvl_bytes = nvl_size_hint(ctx.dispatch_config, 4096 * 2, ctx.num_ranks);
+                         o.num_nvl_ranks = ctx.num_ranks;
+                         Buffer intranode(ctx.bootstrap, o);
+                         if (intranode.internode()) return std::string("the comparison buffer is internode\n");
+                         std::string err;
+                         HtSession a(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         HtSession b(intranode, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         for (HtSession* s : {&a, &b}) {
+                           s->layout();
+                           s->dispatch();
+                           s->set_combine_inputs(17);
+                           s->combine();
+                         }
+                         if (a.received_bytes() != b.received_bytes()) err += "recv_x differs between the two paths\n";
+                         if (a.combined_bytes() != b.combined_bytes())
+                           err += "flat combined_x differs between the two paths\n";
+                         err += a.check_dispatch() + a.check_combine() + b.check_dispatch() + b.check_combine();
+                         intranode.destroy();
+                         return err;
+                       }});
+  cases.push_back(Case{"internode: one-record chunks and a two-chunk network ring (wrap-around), 2 SMs", [](Context& ctx) {
+                         Config cfg = ctx.dispatch_config;
+                         cfg.num_sms = 2;
+                         cfg.num_max_rdma_send_tokens = 1;
+                         cfg.num_max_rdma_recv_tokens = 2;
+                         cfg.num_max_recv_tokens = ctx.num_ranks;  // one NVLink slot per domain at most
+                         HtCase c = internode_case(300, 2048, 42);
+                         c.num_biases = 1;
+                         HtSession s(ctx.buffer, c, cfg, cfg, ctx.stream);
+                         s.layout();
+                         s.dispatch();
+                         std::string err = s.check_dispatch();
+                         for (int reduction : {EPX_REDUCE_TWO_LEVEL, EPX_REDUCE_FLAT}) {
+                           s.set_reduction(reduction);
+                           s.set_combine_inputs(43 + reduction);
+                           s.combine();
+                           err += s.check_combine();
+                         }
+                         return err;
+                       }});
+  cases.push_back(Case{"internode: worst-case overflow is reported by the rank that receives too much", [](Context& ctx) {
+                         HtCase c = internode_case(200, 2048, 44);
+                         c.worst_case = true;
+                         c.worst_tokens_override = 1;
+                         std::string err;
+                         {
+                           HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                           s.layout();
+                           s.dispatch();  // no host wait: the rank that overflows drops the rows that do not fit
+                           try {
+                             ctx.buffer.check(ctx.stream);
+                             if (s.num_recv_tokens() > 1 || s.num_rdma_recv_tokens() > 1)
+                               err = "expected check() to report num_worst_tokens on this rank\n";
+                           } catch (const Error& e) {
+                             if (e.status() != Status::kInvalidArgument ||
+                                 std::string(e.what()).find("num_worst_tokens") == std::string::npos)
+                               err = std::string("wrong error: ") + e.what() + "\n";
+                           }
+                         }
+                         c.worst_tokens_override = 0;
+                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         s.layout();
+                         s.dispatch();
+                         err += s.check_dispatch();
+                         s.set_combine_inputs(3);
+                         s.combine();
+                         return err + s.check_combine();
+                       }});
+  cases.push_back(Case{"internode: a network ring that does not fit is reported before any launch", [](Context& ctx) {
+                         Config big = ctx.dispatch_config;
+                         big.num_max_rdma_send_tokens = 4096;
+                         big.num_max_rdma_recv_tokens = 2 * 4096;
+                         HtSession s(ctx.buffer, internode_case(64, 7168, 45), big, big, ctx.stream);
+                         s.layout();
+                         try {
+                           s.dispatch();
+                         } catch (const Error& e) {
+                           if (e.status() != Status::kBufferTooSmall)
+                             return std::string("wrong status: ") + e.what() + "\n";
+                           if (std::string(e.what()).find("num_rdma_bytes") == std::string::npos)
+                             return std::string("message does not name num_rdma_bytes: ") + e.what() + "\n";
+                           return std::string();
+                         }
+                         return std::string("expected kBufferTooSmall\n");
+                       }});
+  return cases;
+}
+
+int run_internode_timeout_suite(int num_ranks, int num_nvl_ranks) {
+  constexpr double kBudget = 2.0;
+  const LaunchResult r = launch_local(
+      num_ranks,
+      [&](Bootstrap& bs) -> int {
+        cudaSetDevice(bs.rank());
+        Buffer buffer(bs, internode_options(num_ranks, num_nvl_ranks));
+        buffer.set_timeout(kBudget);
+        cudaStream_t stream;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        HtSession s(buffer, internode_case(128, 2048, 46), default_dispatch_config(num_ranks),
+                    default_combine_config(num_ranks), stream);
+        s.layout();
+        cudaStreamSynchronize(stream);
+        bs.barrier();
+        std::string problem;
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          if (bs.rank() != 0) std::this_thread::sleep_for(std::chrono::duration<double>(2 * kBudget));
+          s.dispatch();
+          buffer.check(stream);
+          problem = "no error";
+        } catch (const Error& e) {
+          const std::string what = e.what();
+          const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          std::printf("[rank %d] failed after %.1f s as expected: %s\n", bs.rank(), took, what.c_str());
+          if (bs.rank() == 0) {
+            if (e.status() != Status::kTimeout) problem = "rank 0: want kTimeout";
+            if (what.find("timed out") == std::string::npos || what.find("hop") == std::string::npos)
+              problem += " rank 0: the message does not name the hop";
+            if (took > kBudget + 10) problem += " rank 0: took too long";
+          } else if (e.status() != Status::kRemote && e.status() != Status::kTimeout) {
+            problem = "want kRemote or kTimeout";
+          }
+        }
+        buffer.destroy();
+        if (!problem.empty()) std::printf("[rank %d] FAIL: %s\n", bs.rank(), problem.c_str());
+        return problem.empty() ? 0 : 1;
+      },
+      120, 60);
+  std::printf("[%s] internode timeout (%d x %d): a missing rank fails every rank's call with a diagnostic\n",
+              r.num_failed == 0 ? "PASS" : "FAIL", num_ranks / num_nvl_ranks, num_nvl_ranks);
+  if (r.num_failed) std::printf("%s", r.summary.c_str());
+  return r.num_failed == 0 ? 0 : 1;
+}
+
+BufferOptions internode_suite_options(int num_ranks, int num_nvl_ranks) {
+  return internode_options(num_ranks, num_nvl_ranks);
+}
+
+}  // namespace epx::gpu_test
