@@ -18,7 +18,7 @@ from .errors import error_for
 
 # The ABI this package was written against (epx.h EPX_VERSION_MAJOR / MINOR).
 ABI_MAJOR = 0
-ABI_MIN_MINOR = 3  # epx_get_limits, epx_config_num_channels
+ABI_MIN_MINOR = 4  # the internode mode
 
 LIBRARY_NAME = "libepx.so"
 
@@ -38,6 +38,10 @@ EPX_LL_BOTH = 3
 EPX_LL_TRANSPORT_NONE = 0
 EPX_LL_TRANSPORT_CUDA_IPC = 1
 EPX_LL_TRANSPORT_NVSHMEM = 2
+# reduction orders of combine (epx_combine_args.reduction)
+EPX_REDUCE_DEFAULT = 0
+EPX_REDUCE_FLAT = 1
+EPX_REDUCE_TWO_LEVEL = 2
 
 # int (*)(void* ctx, const void* send, void* recv, size_t bytes)
 ALLGATHER_FN = CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t)
@@ -49,7 +53,7 @@ class Bootstrap(Structure):
 
 class BufferOptions(Structure):
     _fields_ = [("num_nvl_bytes", c_int64), ("num_rdma_bytes", c_int64), ("low_latency_mode", c_int),
-                ("num_nvl_ranks", c_int), ("timeout_s", c_double), ("device", c_int)]
+                ("num_nvl_ranks", c_int), ("timeout_s", c_double), ("device", c_int), ("force_internode", c_int)]
 
 
 class Limits(Structure):
@@ -60,7 +64,8 @@ class Limits(Structure):
 
 
 class Config(Structure):
-    _fields_ = [("num_sms", c_int), ("num_max_send_tokens", c_int), ("num_max_recv_tokens", c_int)]
+    _fields_ = [("num_sms", c_int), ("num_max_send_tokens", c_int), ("num_max_recv_tokens", c_int),
+                ("num_max_rdma_send_tokens", c_int), ("num_max_rdma_recv_tokens", c_int)]
 
 
 class LayoutArgs(Structure):
@@ -84,7 +89,12 @@ class DispatchHandle(Structure):
     _fields_ = [("num_ranks", c_int), ("num_channels", c_int), ("num_tokens", c_int), ("num_recv_tokens", c_int),
                 ("rank_prefix_matrix", c_void_p), ("channel_prefix_matrix", c_void_p),
                 ("recv_channel_prefix_matrix", c_void_p), ("recv_src_idx", c_void_p),
-                ("is_token_in_rank", c_void_p), ("send_head", c_void_p)]
+                ("is_token_in_rank", c_void_p), ("send_head", c_void_p),
+                # internode buffers
+                ("num_domains", c_int), ("num_nvl_ranks", c_int), ("num_rdma_recv_tokens", c_int),
+                ("rdma_channel_prefix_matrix", c_void_p), ("recv_rdma_channel_prefix_matrix", c_void_p),
+                ("recv_rdma_rank_prefix_sum", c_void_p), ("recv_gbl_rank_prefix_sum", c_void_p),
+                ("recv_src_meta", c_void_p), ("send_rdma_head", c_void_p), ("send_nvl_head", c_void_p)]
 
 
 class DispatchOutputs(Structure):
@@ -94,13 +104,13 @@ class DispatchOutputs(Structure):
 
 class DispatchCounts(Structure):
     # num_recv_tokens_per_expert is a host array owned by the library (valid until the next call).
-    _fields_ = [("num_recv_tokens", c_int), ("num_local_experts", c_int),
+    _fields_ = [("num_recv_tokens", c_int), ("num_rdma_recv_tokens", c_int), ("num_local_experts", c_int),
                 ("num_recv_tokens_per_expert", POINTER(c_int))]
 
 
 class CombineArgs(Structure):
     _fields_ = [("x", c_void_p), ("num_rows", c_int), ("hidden", c_int), ("topk_weights", c_void_p),
-                ("num_topk", c_int), ("bias0", c_void_p), ("bias1", c_void_p)]
+                ("num_topk", c_int), ("bias0", c_void_p), ("bias1", c_void_p), ("reduction", c_int)]
 
 
 class CombineOutputs(Structure):
@@ -156,6 +166,7 @@ SIGNATURES = {
     "epx_buffer_create": (c_int, [_P(Bootstrap), _P(BufferOptions), _P(c_void_p)]),
     "epx_buffer_destroy": (c_int, [_buffer_p]),
     "epx_buffer_info": (c_int, [_buffer_p, _P(c_int), _P(c_int), _P(c_int), _P(c_int)]),
+    "epx_buffer_is_internode": (c_int, [_buffer_p, _P(c_int)]),
     "epx_buffer_set_timeout": (c_int, [_buffer_p, c_double]),
     "epx_buffer_ll_transport": (c_int, [_buffer_p, _P(LLTransportInfo)]),
     "epx_buffer_check": (c_int, [_buffer_p, _stream]),
@@ -165,6 +176,7 @@ SIGNATURES = {
     "epx_default_dispatch_config": (c_int, [c_int, _P(Config)]),
     "epx_default_combine_config": (c_int, [c_int, _P(Config)]),
     "epx_config_nvl_size_hint": (c_int, [_P(Config), c_int64, c_int, _P(c_int64)]),
+    "epx_config_internode_size_hints": (c_int, [_P(Config), c_int64, c_int, c_int, _P(c_int64), _P(c_int64)]),
     "epx_get_dispatch_layout": (c_int, [_buffer_p, _P(LayoutArgs), _P(LayoutOutputs), _stream]),
     "epx_notify_dispatch": (c_int, [_buffer_p, _P(DispatchArgs), _P(Config), _P(DispatchHandle),
                                     _P(DispatchCounts), _stream]),
@@ -306,6 +318,23 @@ def nvl_size_hint(config: Config, hidden_bytes: int, num_ranks: int) -> int:
     out = c_int64(0)
     lib().check(lib().epx_config_nvl_size_hint(byref(config), int(hidden_bytes), int(num_ranks), byref(out)))
     return out.value
+
+
+def internode_size_hints(config: Config, hidden_bytes: int, num_ranks: int, num_nvl_ranks: int):
+    """-> (num_nvl_bytes, num_rdma_bytes) the internode mode needs under a config, for rows of hidden_bytes, over
+    num_ranks = D x num_nvl_ranks ranks (num_nvl_ranks 0: as many as one domain holds, at most 8)."""
+    nvl, rdma = c_int64(0), c_int64(0)
+    lib().check(lib().epx_config_internode_size_hints(byref(config), int(hidden_bytes), int(num_ranks),
+                                                      int(num_nvl_ranks), byref(nvl), byref(rdma)))
+    return nvl.value, rdma.value
+
+
+def buffer_info(buffer: int):
+    """-> (rank, num_ranks, device, num_nvl_ranks, internode) of a live buffer."""
+    rank, num_ranks, device, num_nvl_ranks, internode = c_int(0), c_int(0), c_int(0), c_int(0), c_int(0)
+    lib().check(lib().epx_buffer_info(buffer, byref(rank), byref(num_ranks), byref(device), byref(num_nvl_ranks)))
+    lib().check(lib().epx_buffer_is_internode(buffer, byref(internode)))
+    return rank.value, num_ranks.value, device.value, num_nvl_ranks.value, bool(internode.value)
 
 
 def buffer_region(buffer: int, which: int):

@@ -33,27 +33,37 @@ from .event import EventOverlap
 from .low_latency import LowLatencyMixin
 
 Handle = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# deep_ep's internode handle: (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+# recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
+# recv_src_meta, send_rdma_head, send_nvl_head)
+InternodeHandle = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 _INT32 = torch.int32
 _INT64 = torch.int64
 _BF16 = torch.bfloat16
 _FP32 = torch.float32
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
+_SOURCE_META_BYTES = 8  # a row of an internode handle's recv_src_meta: two int32 (source domain, rank mask)
 _OUTPUT_DTYPES = (torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.bool, torch.float8_e4m3fn)
+# combine's reduction argument -> epx_combine_args.reduction
+_REDUCTIONS = {"flat": _lib.EPX_REDUCE_FLAT, "two_level": _lib.EPX_REDUCE_TWO_LEVEL}
 
 
 class _HandleCache:
     """What combine and cached dispatch reuse while they are given the same handle object: its C struct
     (and a pointer to it), the default configs for its channel count, and the argument structs of the last
     shapes each operation saw (their pointer fields are set on every call). The handle is referenced, so
-    that its tensors (whose addresses the structs hold) stay alive and its id is not reused."""
+    that its tensors (whose addresses the structs hold) stay alive and its id is not reused. Intranode (6-tuple)
+    and internode (10-tuple) handles alike: is_token_in_rank is the handle's element of that name."""
 
-    __slots__ = ("handle", "h", "h_ref", "num_recv", "num_tokens", "configs", "dispatch_key", "dispatch",
-                 "combine_key", "combine")
+    __slots__ = ("handle", "h", "h_ref", "num_recv", "num_tokens", "is_token_in_rank", "configs", "dispatch_key",
+                 "dispatch", "combine_key", "combine")
 
-    def __init__(self, handle, h):
+    def __init__(self, handle, h, is_token_in_rank):
         self.handle, self.h, self.h_ref = handle, h, byref(h)
         self.num_recv, self.num_tokens = h.num_recv_tokens, h.num_tokens
+        self.is_token_in_rank = is_token_in_rank
         self.configs = {}  # kind -> epx_config of the default config with the handle's num_sms
         self.dispatch_key = self.dispatch = self.combine_key = self.combine = None
 
@@ -94,11 +104,16 @@ class Buffer(LowLatencyMixin):
     group: a torch.distributed process group (gloo or NCCL; used only to exchange bytes at creation and
     destruction), or comm: an mpi4py communicator. Every rank must create its Buffer with the same sizes,
     with its own GPU as the current device. num_nvl_bytes: high-throughput ring buffers (see
-    Config.get_nvl_buffer_size_hint); num_rdma_bytes: the low-latency area
-    (get_low_latency_rdma_size_hint). num_qps_per_rank, allow_nvlink_for_low_latency_mode and allow_mnnvl
-    are accepted for compatibility and have no effect: epx reaches every peer of one NVLink domain through
-    CUDA IPC. With explicitly_destroy=False the buffer is destroyed (collectively) when it is garbage
-    collected or at exit; otherwise call destroy() on every rank.
+    Config.get_nvl_buffer_size_hint); num_rdma_bytes: the low-latency area (get_low_latency_rdma_size_hint), or
+    in the internode mode the network rings (Config.get_rdma_buffer_size_hint). num_qps_per_rank,
+    allow_nvlink_for_low_latency_mode and allow_mnnvl are accepted for compatibility and have no effect: epx
+    reaches every peer of one NVLink domain through CUDA IPC. With explicitly_destroy=False the buffer is
+    destroyed (collectively) when it is garbage collected or at exit; otherwise call destroy() on every rank.
+
+    The library chooses the mode at creation: ranks form NVLink domains of the ranks that share a host (or of
+    $EPX_NUM_NVL_RANKS ranks); over several domains, or with EPX_FORCE_INTERNODE=1, the Buffer runs the
+    internode (hierarchical) kernels, which need a libepx built with NVSHMEM. Then dispatch returns deep_ep's
+    internode handle (a 10-tuple) and combine sums in the two-level order by default.
     """
 
     # SMs of the high-throughput kernels, set by set_num_sms(); None means the library's default.
@@ -121,14 +136,17 @@ class Buffer(LowLatencyMixin):
 
         comm_stream = torch.cuda.Stream(device=device_index)
         lib = _lib.lib()
-        options = _lib.BufferOptions(num_nvl_bytes, num_rdma_bytes, int(low_latency_mode), 0, 0.0, device_index)
+        # num_nvl_ranks 0 and force_internode 0: the library reads $EPX_NUM_NVL_RANKS, $EPX_FORCE_INTERNODE and
+        # the hosts.
+        options = _lib.BufferOptions(num_nvl_bytes, num_rdma_bytes, int(low_latency_mode), 0, 0.0, device_index, 0)
         out = ctypes.c_void_p()
         status = lib.epx_buffer_create(byref(boot.struct), byref(options), byref(out))
         if status != _lib.EPX_OK:
             raise error_for(status, lib.last_error()) from boot.error
+        _, _, _, num_nvl_ranks, internode = _lib.buffer_info(out.value)
         self._init_state(_Native(out.value, boot), group, comm, boot.rank, boot.size,
                          torch.device("cuda", device_index), num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-                         explicitly_destroy)
+                         explicitly_destroy, num_nvl_ranks, internode)
         self._attach_streams(comm_stream)
         if explicitly_destroy:
             self._finalizer = weakref.finalize(self, self._native.warn_if_alive)
@@ -137,7 +155,7 @@ class Buffer(LowLatencyMixin):
             self._finalizer = weakref.finalize(self, self._native.destroy_at_exit_or_gc)
 
     def _init_state(self, native, group, comm, rank, size, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-                    explicitly_destroy):
+                    explicitly_destroy, num_nvl_ranks, internode):
         self._native = native
         self.group = group
         self.comm = comm
@@ -148,8 +166,10 @@ class Buffer(LowLatencyMixin):
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
+        self._num_nvl_ranks = num_nvl_ranks  # G: ranks of one NVLink domain
+        self._internode = internode          # the buffer runs the internode kernels
         self._default_configs = {}  # (kind, num_sms or None) -> epx_config of the default config
-        self._configs = {}          # (num_sms, send, recv) of a Config passed in -> its epx_config
+        self._configs = {}          # the field values of a Config passed in -> its epx_config
         self._last_handle = None    # _HandleCache of the last handle checked
         self._ll_structs = None     # low-latency argument structs of the last shapes (low_latency.py)
         self._views = Views()       # tensors handed out over this buffer's memory
@@ -162,13 +182,16 @@ class Buffer(LowLatencyMixin):
 
     @classmethod
     def _unlaunched(cls, group_size: int, rank: int = 0, device: Union[str, torch.device] = "cpu",
-                    num_nvl_bytes: int = 1 << 20, num_rdma_bytes: int = 1 << 30, low_latency_mode: bool = True):
+                    num_nvl_bytes: int = 1 << 20, num_rdma_bytes: int = 1 << 30, low_latency_mode: bool = True,
+                    num_nvl_ranks: Optional[int] = None, internode: bool = False):
         """A Buffer with no native buffer behind it, whose tensors live on `device`: every argument check
         runs as usual, and the first step that would touch CUDA raises FailedStateError. For tests of the
-        checks on machines without a GPU."""
+        checks on machines without a GPU. num_nvl_ranks (default: every rank) and internode stand for what the
+        library would have chosen."""
         self = cls.__new__(cls)
         self._init_state(None, None, None, rank, group_size, torch.device(device), num_nvl_bytes, num_rdma_bytes,
-                         low_latency_mode, True)
+                         low_latency_mode, True, num_nvl_ranks if num_nvl_ranks is not None else group_size,
+                         internode)
         self._comm_stream = None
         self._streams = None
         self._finalizer = None
@@ -209,6 +232,27 @@ class Buffer(LowLatencyMixin):
         for stream in (torch.cuda.current_stream(self._device), self._comm_stream):
             lib.check(lib.epx_buffer_check(ptr, stream.cuda_stream))
 
+    def is_internode_available(self) -> bool:
+        """True when this Buffer runs the internode (hierarchical) kernels: its ranks span several NVLink
+        domains, or EPX_FORCE_INTERNODE=1 was set at creation."""
+        return self._internode
+
+    def get_num_rdma_ranks(self) -> int:
+        """The number of NVLink domains D (1 inside one domain)."""
+        return self.group_size // self._num_nvl_ranks
+
+    def get_rdma_rank(self) -> int:
+        """This rank's NVLink domain: rank // num_nvl_ranks."""
+        return self.rank // self._num_nvl_ranks
+
+    def get_root_rdma_rank(self, global_: bool) -> int:
+        """As deep_ep: this rank's position in its NVLink domain (rank % num_nvl_ranks) with global_=True, else 0."""
+        return self.rank % self._num_nvl_ranks if _checks.flag("global_", global_) else 0
+
+    def get_local_device_id(self) -> int:
+        """The CUDA device of this Buffer."""
+        return self._device.index
+
     def get_comm_stream(self) -> torch.cuda.Stream:
         self._streams.exposed = True  # the caller may queue work on it: every operation goes through it again
         return self._comm_stream
@@ -216,12 +260,14 @@ class Buffer(LowLatencyMixin):
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """A tensor over this rank's part of the buffer's memory, without a copy: the NVLink ring area
-        (num_nvl_bytes), or with use_rdma_buffer=True the low-latency area (num_rdma_bytes), from byte
-        `offset`, of `dtype`. size: its shape (a torch.Size, a tuple of ints, or an int); by default the rest
-        of the area as a 1-D tensor. offset must be a multiple of the dtype's size, and the tensor must fit.
+        (num_nvl_bytes), or with use_rdma_buffer=True the low-latency area or, in the internode mode, the network
+        rings (num_rdma_bytes), from byte `offset`, of `dtype`. size: its shape (a torch.Size, a tuple of ints,
+        or an int); by default the rest of the area as a 1-D tensor. offset must be a multiple of the dtype's
+        size, and the tensor must fit.
 
         The memory is the library's working space: the operations of that area's mode (dispatch and combine
-        for the NVLink area, the low-latency calls for the other) overwrite it, so what is put there lasts
+        for the NVLink area and the network rings, the low-latency calls for the low-latency area) overwrite
+        it, so what is put there lasts
         until the next one. The tensor keeps the Buffer from being garbage-collected; destroy() frees the
         memory regardless (it is collective) and warns if such a tensor is still alive: do not use it after.
         """
@@ -304,9 +350,10 @@ class Buffer(LowLatencyMixin):
     # ---- layout -------------------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """-> (num_tokens_per_rank [R] int32, None (no RDMA ranks inside one NVLink domain),
-        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
+        """-> (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [D] int32 (tokens per NVLink domain; None
+        when the ranks are one domain), num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
         R = self.group_size
+        D = R // self._num_nvl_ranks
         _checks.tensor("topk_idx", topk_idx, _INT64, (None, None), self._device)
         T, K = topk_idx.shape
         _checks.integer("topk_idx.shape[1] (num_topk)", K, 1, 32)
@@ -321,16 +368,18 @@ class Buffer(LowLatencyMixin):
         compute = streams.begin(previous_event)
         with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             num_tokens_per_rank = self._empty((R,), _INT32)
+            num_tokens_per_rdma_rank = self._empty((D,), _INT32) if D > 1 else None
             num_tokens_per_expert = self._empty((num_experts,), _INT32)
             is_token_in_rank = self._empty((T, R), torch.bool)
         args = _lib.LayoutArgs(topk_idx.data_ptr(), T, K, num_experts)
-        outs = _lib.LayoutOutputs(num_tokens_per_rank.data_ptr(), None, num_tokens_per_expert.data_ptr(),
-                                  is_token_in_rank.data_ptr())
+        outs = _lib.LayoutOutputs(num_tokens_per_rank.data_ptr(), _ptr_or_none(num_tokens_per_rdma_rank),
+                                  num_tokens_per_expert.data_ptr(), is_token_in_rank.data_ptr())
         lib = _lib.lib()
         lib.check(lib.epx_get_dispatch_layout(ptr, byref(args), byref(outs), streams.comm_raw))
         event = self._finish(compute, async_finish, allocate_on_comm_stream,
-                             (topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event
+                             (topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+                              is_token_in_rank))
+        return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
     def _check_x(self, x):
@@ -368,7 +417,8 @@ class Buffer(LowLatencyMixin):
             raise TypeError(f"config must be an epx.Config, got {type(config).__name__}")
         if hc is not None:
             _check_num_sms(config, hc.h.num_channels, kind)
-        key = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+        key = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+               config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
         c_config = self._configs.get(key)
         if c_config is None:
             if len(self._configs) > 64:  # configs made on the fly: keep the cache bounded
@@ -395,6 +445,8 @@ class Buffer(LowLatencyMixin):
         hc = self._last_handle
         if hc is not None and hc.handle is handle:
             return hc
+        if self._internode:
+            return self._check_internode_handle(handle)
         if not isinstance(handle, tuple) or len(handle) != 6:
             raise TypeError("handle must be the 6-tuple returned by dispatch (rank_prefix_matrix, "
                             "channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, "
@@ -409,7 +461,35 @@ class Buffer(LowLatencyMixin):
         _checks.tensor("handle[3] (recv_src_idx)", recv_src_idx, _INT32, (None,), d)
         _checks.tensor("handle[4] (is_token_in_rank)", is_token_in_rank, torch.bool, (None, R), d)
         _checks.tensor("handle[5] (send_head)", send_head, _INT32, (is_token_in_rank.shape[0], R), d)
-        hc = self._last_handle = _HandleCache(handle, self._handle_struct(handle))
+        hc = self._last_handle = _HandleCache(handle, self._handle_struct(handle), is_token_in_rank)
+        return hc
+
+    def _check_internode_handle(self, handle) -> _HandleCache:
+        if not isinstance(handle, tuple) or len(handle) != 10:
+            raise TypeError("this Buffer runs the internode mode: handle must be the 10-tuple returned by its "
+                            "dispatch (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, "
+                            "recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, "
+                            "recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, "
+                            "send_nvl_head)")
+        R, G, d = self.group_size, self._num_nvl_ranks, self._device
+        D = R // G
+        is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix, \
+            recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, \
+            send_rdma_head, send_nvl_head = handle
+        _checks.tensor("handle[0] (is_token_in_rank)", is_token_in_rank, torch.bool, (None, R), d)
+        _checks.tensor("handle[1] (rdma_channel_prefix_matrix)", rdma_channel_prefix_matrix, _INT32, (D, None), d)
+        C = rdma_channel_prefix_matrix.shape[1]
+        _checks.tensor("handle[2] (gbl_channel_prefix_matrix)", gbl_channel_prefix_matrix, _INT32, (R, C), d)
+        _checks.tensor("handle[3] (recv_rdma_channel_prefix_matrix)", recv_rdma_channel_prefix_matrix, _INT32,
+                       (D, C), d)
+        _checks.tensor("handle[4] (recv_rdma_rank_prefix_sum)", recv_rdma_rank_prefix_sum, _INT32, (D,), d)
+        _checks.tensor("handle[5] (recv_gbl_channel_prefix_matrix)", recv_gbl_channel_prefix_matrix, _INT32, (R, C),
+                       d)
+        _checks.tensor("handle[6] (recv_gbl_rank_prefix_sum)", recv_gbl_rank_prefix_sum, _INT32, (R,), d)
+        _checks.tensor("handle[7] (recv_src_meta)", recv_src_meta, torch.uint8, (None, _SOURCE_META_BYTES), d)
+        _checks.tensor("handle[8] (send_rdma_head)", send_rdma_head, _INT32, (is_token_in_rank.shape[0], D), d)
+        _checks.tensor("handle[9] (send_nvl_head)", send_nvl_head, _INT32, (None, G), d)
+        hc = self._last_handle = _HandleCache(handle, self._internode_handle_struct(handle, G), is_token_in_rank)
         return hc
 
     @staticmethod
@@ -421,19 +501,52 @@ class Buffer(LowLatencyMixin):
                                    channel_prefix_matrix.data_ptr(), recv_channel_prefix_matrix.data_ptr(),
                                    recv_src_idx.data_ptr(), is_token_in_rank.data_ptr(), send_head.data_ptr())
 
-    def dispatch(self, x, handle: Optional[Handle] = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
+    @staticmethod
+    def _internode_handle_struct(handle: InternodeHandle, num_nvl_ranks: int) -> _lib.DispatchHandle:
+        """The C handle of deep_ep's internode handle. Its counts come from the shapes: recv_src_meta has a row per
+        row of recv_x, send_nvl_head one per record the network rings received (num_worst_tokens of each in
+        worst-case mode)."""
+        is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix, \
+            recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta, \
+            send_rdma_head, send_nvl_head = handle
+        return _lib.DispatchHandle(
+            num_ranks=is_token_in_rank.shape[1], num_channels=rdma_channel_prefix_matrix.shape[1],
+            num_tokens=is_token_in_rank.shape[0], num_recv_tokens=recv_src_meta.shape[0],
+            channel_prefix_matrix=gbl_channel_prefix_matrix.data_ptr(),
+            recv_channel_prefix_matrix=recv_gbl_channel_prefix_matrix.data_ptr(),
+            is_token_in_rank=is_token_in_rank.data_ptr(), num_domains=rdma_channel_prefix_matrix.shape[0],
+            num_nvl_ranks=num_nvl_ranks, num_rdma_recv_tokens=send_nvl_head.shape[0],
+            rdma_channel_prefix_matrix=rdma_channel_prefix_matrix.data_ptr(),
+            recv_rdma_channel_prefix_matrix=recv_rdma_channel_prefix_matrix.data_ptr(),
+            recv_rdma_rank_prefix_sum=recv_rdma_rank_prefix_sum.data_ptr(),
+            recv_gbl_rank_prefix_sum=recv_gbl_rank_prefix_sum.data_ptr(), recv_src_meta=recv_src_meta.data_ptr(),
+            send_rdma_head=send_rdma_head.data_ptr(), send_nvl_head=send_nvl_head.data_ptr())
+
+    def dispatch(self, x, handle: Union[Handle, InternodeHandle, None] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
                  is_token_in_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False):
-        """Sends each token to the ranks of its experts (SPEC section 2).
+        """Sends each token to the ranks of its experts (SPEC section 2; section 6 in the internode mode).
 
         -> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event);
         recv_x is a tensor, or (data, scales) for an FP8 x. With handle= (cached mode: same routing, new
         data, no CPU sync) -> (recv_x, None, None, None, None, event). num_worst_tokens > 0: outputs of that
         many rows (extra rows: recv_topk_idx -1), no CPU sync, and an empty per-expert list.
+
+        handle, inside one NVLink domain: (rank_prefix_matrix [R, R], channel_prefix_matrix [R, C],
+        recv_channel_prefix_matrix [R, C], recv_src_idx [N], is_token_in_rank [T, R] bool, send_head [T, R]),
+        int32 unless said, C = config.num_sms / 2 channels, N rows of recv_x. In the internode mode, deep_ep's
+        10-tuple over D domains of G ranks: (is_token_in_rank [T, R] bool, rdma_channel_prefix_matrix [D, C],
+        gbl_channel_prefix_matrix [R, C], recv_rdma_channel_prefix_matrix [D, C], recv_rdma_rank_prefix_sum [D],
+        recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum [R] (rows of recv_x from source ranks
+        0..s, inclusive), recv_src_meta [N, 8] uint8 (per row: source domain and mask of this domain's receiving
+        ranks, two int32), send_rdma_head [T, D], send_nvl_head [N_rdma, G] (N_rdma: records this rank's network
+        rings receive)). num_tokens_per_rdma_rank ([D] int32 from get_dispatch_layout) is optional there and
+        must be None inside one domain: the library counts on the device.
         """
         data, scales, dtype = self._check_x(x)
         async_finish = _checks.flag("async_finish", async_finish)
@@ -446,10 +559,13 @@ class Buffer(LowLatencyMixin):
                                          allocate_on_comm_stream)
         c_config = self._check_config(config, "dispatch")
 
-        R, d = self.group_size, self._device
+        R, G, d = self.group_size, self._num_nvl_ranks, self._device
+        D = R // G
+        internode = self._internode
         T, H = data.shape
-        if num_tokens_per_rdma_rank is not None:
-            raise ValueError("num_tokens_per_rdma_rank must be None: epx runs inside one NVLink domain")
+        if not internode and num_tokens_per_rdma_rank is not None:
+            raise ValueError("num_tokens_per_rdma_rank must be None: this Buffer runs inside one NVLink domain")
+        _checks.optional_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, _INT32, (D,), d)
         if num_tokens_per_rank is None or is_token_in_rank is None:
             raise ValueError("dispatch without a handle needs num_tokens_per_rank and is_token_in_rank "
                              "(from get_dispatch_layout)")
@@ -477,37 +593,67 @@ class Buffer(LowLatencyMixin):
         compute = streams.begin(previous_event)
         C = _lib.num_channels(c_config)
         with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
-            rank_prefix_matrix = self._empty((R, R), _INT32)
             channel_prefix_matrix = self._empty((R, C), _INT32)
             recv_channel_prefix_matrix = self._empty((R, C), _INT32)
-            send_head = self._empty((T, R), _INT32)
+            if internode:
+                rdma_channel_prefix_matrix = self._empty((D, C), _INT32)
+                recv_rdma_channel_prefix_matrix = self._empty((D, C), _INT32)
+                recv_rdma_rank_prefix_sum = self._empty((D,), _INT32)
+                recv_gbl_rank_prefix_sum = self._empty((R,), _INT32)
+                send_rdma_head = self._empty((T, D), _INT32)
+            else:
+                rank_prefix_matrix = self._empty((R, R), _INT32)
+                send_head = self._empty((T, R), _INT32)
         args = _lib.DispatchArgs(
             data.data_ptr(), dtype, T, H, _ptr_or_none(scales), scales.shape[1] if scales is not None else 0,
             _ptr_or_none(topk_idx), _ptr_or_none(topk_weights), K, E, num_tokens_per_rank.data_ptr(),
             num_tokens_per_expert.data_ptr() if E else None, is_token_in_rank.data_ptr(), expert_alignment,
             num_worst_tokens)
-        h = _lib.DispatchHandle(0, 0, 0, 0, rank_prefix_matrix.data_ptr(), channel_prefix_matrix.data_ptr(),
-                                recv_channel_prefix_matrix.data_ptr(), None, None, send_head.data_ptr())
+        if internode:
+            h = _lib.DispatchHandle(
+                channel_prefix_matrix=channel_prefix_matrix.data_ptr(),
+                recv_channel_prefix_matrix=recv_channel_prefix_matrix.data_ptr(),
+                rdma_channel_prefix_matrix=rdma_channel_prefix_matrix.data_ptr(),
+                recv_rdma_channel_prefix_matrix=recv_rdma_channel_prefix_matrix.data_ptr(),
+                recv_rdma_rank_prefix_sum=recv_rdma_rank_prefix_sum.data_ptr(),
+                recv_gbl_rank_prefix_sum=recv_gbl_rank_prefix_sum.data_ptr(), send_rdma_head=send_rdma_head.data_ptr())
+        else:
+            h = _lib.DispatchHandle(0, 0, 0, 0, rank_prefix_matrix.data_ptr(), channel_prefix_matrix.data_ptr(),
+                                    recv_channel_prefix_matrix.data_ptr(), None, None, send_head.data_ptr())
         counts = _lib.DispatchCounts()
         lib, stream = _lib.lib(), streams.comm_raw
         lib.check(lib.epx_notify_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(counts), stream))
         # The counts live in library memory that the next call reuses: copy them now.
         per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
         N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
+        N_rdma = num_worst_tokens if num_worst_tokens > 0 else counts.num_rdma_recv_tokens  # internode
 
         with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             recv_x = self._empty((N, H), data.dtype)
             recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None
             recv_topk_idx = self._empty((N, K), _INT64) if topk_idx is not None else None
             recv_topk_weights = self._empty((N, K), _FP32) if topk_weights is not None else None
-            recv_src_idx = self._empty((N,), _INT32)
-        h.recv_src_idx = recv_src_idx.data_ptr()
+            if internode:
+                recv_src_meta = self._empty((N, 2), _INT32)
+                send_nvl_head = self._empty((N_rdma, G), _INT32)
+            else:
+                recv_src_idx = self._empty((N,), _INT32)
+        if internode:
+            h.recv_src_meta = recv_src_meta.data_ptr()
+            h.send_nvl_head = send_nvl_head.data_ptr()
+        else:
+            h.recv_src_idx = recv_src_idx.data_ptr()
         outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales), _ptr_or_none(recv_topk_idx),
                                     _ptr_or_none(recv_topk_weights), N)
         lib.check(lib.epx_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(outs), stream))
 
-        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-                  is_token_in_rank, send_head)
+        if internode:
+            handle = (is_token_in_rank, rdma_channel_prefix_matrix, channel_prefix_matrix,
+                      recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_channel_prefix_matrix,
+                      recv_gbl_rank_prefix_sum, recv_src_meta.view(torch.uint8), send_rdma_head, send_nvl_head)
+        else:
+            handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+                      is_token_in_rank, send_head)
         event = self._finish(compute, async_finish, allocate_on_comm_stream,
                              (data, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
                               recv_x, recv_scales, recv_topk_idx, recv_topk_weights) + handle)
@@ -526,7 +672,7 @@ class Buffer(LowLatencyMixin):
         key = (H, dtype, S)
         if hc.dispatch_key != key:
             args = _lib.DispatchArgs(None, dtype, T, H, None, S, None, None, 0, 0, None, None,
-                                     hc.handle[4].data_ptr(), 1, 0)
+                                     hc.is_token_in_rank.data_ptr(), 1, 0)
             outs = _lib.DispatchOutputs(None, None, None, None, N)
             hc.dispatch, hc.dispatch_key = (args, outs, byref(args), byref(outs)), key
         args, outs, args_ref, outs_ref = hc.dispatch
@@ -554,17 +700,28 @@ class Buffer(LowLatencyMixin):
         return recv, None, None, None, None, event
 
     # ---- combine ------------------------------------------------------------------------------------------------
-    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: Optional[torch.Tensor] = None,
+    def combine(self, x: torch.Tensor, handle: Union[Handle, InternodeHandle],
+                topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
-                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
+                reduction: Optional[str] = None):
         """Sums each token's rows back on its source rank (SPEC section 3): float32 over the receiving ranks
         in ascending order, plus the biases, rounded once to bf16.
 
         -> (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event).
-        config: defaults to get_combine_config with the dispatch's num_sms (the handle's channel count);
-        a config with another num_sms is an error.
+        x: bf16 [N, H], the rows of the dispatch's recv_x; topk_weights: float32 [N, K]; bias: bf16 [T, H] or a
+        tuple of up to two. config: defaults to get_combine_config with the dispatch's num_sms (the handle's
+        channel count); a config with another num_sms is an error.
+
+        reduction (epx extension, SPEC section 6): the summation order of an internode Buffer. "two_level" (its
+        default, None): per NVLink domain, the rows of that domain's receiving ranks summed in float32 in
+        ascending rank order and rounded to bf16 (a single row passes unchanged), then those partials summed in
+        ascending domain order in float32 with the biases, rounded once. "flat": the order above over every
+        rank. Inside one NVLink domain the order is always flat: None and "flat" are accepted, "two_level" is a
+        ValueError. combined_topk_weights are summed flat in either order.
         """
         d = self._device
+        code = _lib.EPX_REDUCE_DEFAULT if reduction is None else self._reduction_code(reduction)
         hc = self._check_handle(handle)
         N, T = hc.num_recv, hc.num_tokens
         _checks.tensor("x", x, _BF16, (N, None), d, aligned16=True)
@@ -582,9 +739,9 @@ class Buffer(LowLatencyMixin):
             check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
 
         ptr = self._ptr()
-        key = (H, K)
+        key = (H, K, code)
         if hc.combine_key != key:
-            args = _lib.CombineArgs(None, N, H, None, K, None, None)
+            args = _lib.CombineArgs(None, N, H, None, K, None, None, code)
             outs = _lib.CombineOutputs()
             hc.combine, hc.combine_key = (args, outs, byref(args), byref(outs)), key
         args, outs, args_ref, outs_ref = hc.combine
@@ -610,6 +767,18 @@ class Buffer(LowLatencyMixin):
         else:
             event = streams.end_sync(compute) if compute is not None else streams.end_direct()
         return combined_x, combined_weights, event
+
+    def _reduction_code(self, reduction) -> int:
+        """combine's reduction (not None) -> epx_combine_args.reduction."""
+        code = _REDUCTIONS.get(reduction) if isinstance(reduction, str) else None
+        if code is None:
+            if not isinstance(reduction, str):
+                raise TypeError(f"reduction must be a str or None, got {type(reduction).__name__}")
+            raise ValueError(f"reduction must be 'two_level', 'flat' or None, got {reduction!r}")
+        if code == _lib.EPX_REDUCE_TWO_LEVEL and not self._internode:
+            raise ValueError("reduction='two_level' is the internode mode's order: inside one NVLink domain combine "
+                             "sums in the flat order (pass 'flat' or None)")
+        return code
 
 
 def _ptr_or_none(t: Optional[torch.Tensor]):

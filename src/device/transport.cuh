@@ -41,12 +41,15 @@
 //                   may precede several adds).
 // The network hop of the internode mode (NetworkMap: a peer is a PE; `mine` and sources are addresses in this
 // rank's symmetric network region, which name the same offsets at the peer):
+//   net_put_warp    data (a nonblocking put): complete at the peer only after a later net_quiet of the same threads.
+//                   The source must stay untouched until the reader's credit says the data arrived.
 //   net_put_signal_warp  data, then a signal word set at the peer (NVSHMEM put with signal): a reader whose acquire
-//                   sees the signal sees the data. The source must stay untouched until the reader's credit says
-//                   the data arrived.
+//                   sees the signal sees the data.
+//   net_quiet       every network operation this thread issued is complete at its peer.
+//   net_signal      sets a word at the peer after a fence: announces data that the threads which put it made complete
+//                   (net_quiet) before this thread observed their progress (a release / acquire in this block).
 //   net_add         an atomic add at the peer that orders nothing (ring credits: the slots it frees were read
 //                   before the add was issued).
-//   net_quiet       every network operation this thread issued is complete at its peer.
 // Nothing here waits: a caller that must wait for a peer polls its own memory (or a peer's index through a peer
 // pointer) with the bounded waits of device/wait.cuh.
 #pragma once
@@ -239,6 +242,23 @@ __device__ __forceinline__ void signal_add(const RegionMap& region, int peer, T*
 
 // ---- the network hop: NVSHMEM's generic device API only ------------------------------------------------------
 // Kernels without EPX_NVSHMEM_DEVICE never reach these (the runtime refuses the internode mode there).
+
+__device__ __forceinline__ void net_put_warp(void* dst, const void* src, size_t bytes, int pe) {
+#if EPX_NVSHMEM_DEVICE
+  nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void net_signal(uint64_t* signal, uint64_t value, int pe) {
+#if EPX_NVSHMEM_DEVICE
+  __threadfence_system();  // cumulative: what this thread observed complete lands first
+  nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_SET, pe);
+#else
+  __trap();
+#endif
+}
 
 __device__ __forceinline__ void net_put_signal_warp(void* dst, const void* src, size_t bytes, uint64_t* signal,
                                                     uint64_t value, int pe) {

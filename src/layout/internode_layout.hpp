@@ -18,9 +18,6 @@
 
 namespace epx {
 
-// Chunk signals per network ring (ring capacity / chunk size at most this many).
-constexpr int kMaxNetChunks = 64;
-
 // Notify phase 1: what rank (d, g) tells its peer (m, g), ints. Fields at fixed offsets; the put carries the
 // prefix up to expert(G * L).
 struct NetMsg {
@@ -62,21 +59,20 @@ struct NvlNetMsg {
 
 // Start of the network region. Zeroed at creation; ring positions only grow (never reset).
 struct NetControl {
-  int32_t abort;    // 1 + the global rank that failed a wait; raised by any rank of any domain through NVSHMEM
+  int32_t abort;  // 1 + the global rank that failed a wait; raised by any rank of any domain through NVSHMEM
   int32_t pad0[3];
   // Phase-1 flags: notify_flag[m] = the epoch of the last message from domain m (put with signal, set).
   uint64_t notify_flag[kMaxDomains];
-  // Ring positions, per (channel, peer domain m). Sender side: head = how far the receiver in m has consumed
-  // (credit, added to by m). Receiver side: base = where the next operation starts (the previous one's end).
-  // Both are raw positions; an operation rounds its start up to a whole chunk (NetRing::start).
-  uint64_t dispatch_head[kMaxChannels][kMaxDomains];
+  // Ring positions, per (channel, peer domain m); they only grow. Receiver side: tail = how far the sender in m
+  // has delivered (set by m's coordinator with a signal, after the records' puts are complete), base = where the
+  // next operation starts (this operation's end, written by this rank). Sender side: head = how far the receiver
+  // in m has consumed (credit, added to by m). When an operation starts every ring is idle: head == base == tail.
+  uint64_t dispatch_tail[kMaxChannels][kMaxDomains];
   uint64_t dispatch_base[kMaxChannels][kMaxDomains];
-  uint64_t combine_head[kMaxChannels][kMaxDomains];
+  uint64_t dispatch_head[kMaxChannels][kMaxDomains];
+  uint64_t combine_tail[kMaxChannels][kMaxDomains];
   uint64_t combine_base[kMaxChannels][kMaxDomains];
-  // Chunk signals at the receiver, per (channel, source domain, chunk slot): the chunk's start position / chunk
-  // size + 1, set by the put that carries the chunk (put with signal).
-  uint64_t dispatch_signal[kMaxChannels][kMaxDomains][kMaxNetChunks];
-  uint64_t combine_signal[kMaxChannels][kMaxDomains][kMaxNetChunks];
+  uint64_t combine_head[kMaxChannels][kMaxDomains];
   // Phase-1 messages, by epoch parity: received from each domain, and staged here as the sources of the puts.
   int32_t notify_in[2][kMaxDomains][NetMsg::kInts];
   int32_t notify_out[2][kMaxDomains][NetMsg::kInts];
@@ -147,28 +143,22 @@ struct CombineNetRecord {
   }
 };
 
-// A network ring's geometry for one operation: `capacity` slots of `stride` bytes per (channel, domain, half),
-// chunks of `chunk` records (capacity is a multiple of it, at least two chunks). A chunk never wraps: every
-// operation starts at a whole chunk (start), so chunk k occupies slots [(start + k * chunk) % capacity, + chunk).
+// A network ring's geometry for one operation: `capacity` slots of `stride` bytes per (channel, domain, half).
+// Tails and credit move in steps of at least `step` records (the last step of an operation may be shorter).
 struct NetRing {
   int num_domains;
   int capacity;
-  int chunk;
+  int step;
   int64_t stride;
 
   EPX_HD static constexpr int64_t data_offset() { return align_up(int64_t(sizeof(NetControl)), kAlign); }
   EPX_HD int64_t bytes(int num_channels) const { return int64_t(num_channels) * num_domains * 2 * capacity * stride; }
-  // The first position of an operation whose ring is at raw position `raw`.
-  EPX_HD uint64_t start(uint64_t raw) const { return (raw + uint64_t(chunk) - 1) / uint64_t(chunk) * uint64_t(chunk); }
   // Slot of absolute position `position` in the send (0) or receive (1) half of ring (channel, domain).
   EPX_HD uint8_t* slot(void* region, int channel, int domain, int half, uint64_t position) const {
     const int64_t ring = (int64_t(channel) * num_domains + domain) * 2 + half;
     return static_cast<uint8_t*>(region) + data_offset() +
            (ring * capacity + int64_t(position % uint64_t(capacity))) * stride;
   }
-  // Signal slot of the chunk that starts at absolute position `chunk_start`, and the value that says it arrived.
-  EPX_HD int signal_slot(uint64_t chunk_start) const { return int((chunk_start % uint64_t(capacity)) / chunk); }
-  EPX_HD uint64_t signal_value(uint64_t chunk_start) const { return chunk_start / uint64_t(chunk) + 1; }
 };
 
 // NVLink sub-rings of one operation: [channel][local rank s][domain i][slot] in the reader's buffer.

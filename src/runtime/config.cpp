@@ -117,13 +117,12 @@ void validate_internode_config(const Config& c, int num_nvl_ranks, int num_domai
               "config.num_max_recv_tokens (", c.num_max_recv_tokens, ") must be in [number of domains (", num_domains,
               "), 2^20]: the NVLink ring of a channel holds one sub-ring per source domain");
   EPX_REQUIRE(c.num_max_rdma_send_tokens >= 1,
-              "config.num_max_rdma_send_tokens (records per network chunk) must be"
-              " >= 1, got ",
+              "config.num_max_rdma_send_tokens (the step of network tails and "
+              "credit) must be >= 1, got ",
               c.num_max_rdma_send_tokens);
-  const int chunks = c.num_max_rdma_recv_tokens / c.num_max_rdma_send_tokens;
-  EPX_REQUIRE(chunks >= 2 && chunks <= kMaxNetChunks, "config.num_max_rdma_recv_tokens (", c.num_max_rdma_recv_tokens,
-              ") must hold 2..", kMaxNetChunks, " chunks of num_max_rdma_send_tokens (", c.num_max_rdma_send_tokens,
-              ")");
+  EPX_REQUIRE(c.num_max_rdma_recv_tokens >= 2 * c.num_max_rdma_send_tokens && c.num_max_rdma_recv_tokens <= (1 << 20),
+              "config.num_max_rdma_recv_tokens (network ring capacity, ", c.num_max_rdma_recv_tokens,
+              ") must be in [2 x num_max_rdma_send_tokens (", 2 * c.num_max_rdma_send_tokens, "), 2^20]");
 }
 
 InternodeSizes internode_size_hints(const Config& config, int64_t hidden_bytes, int num_ranks, int num_nvl_ranks) {
@@ -136,8 +135,7 @@ InternodeSizes internode_size_hints(const Config& config, int64_t hidden_bytes, 
               hidden_bytes);
   const InternodeRecordBytes record = internode_record_bytes(hidden_bytes, G);
   const int C = num_channels(config);
-  const int chunk = config.num_max_rdma_send_tokens;
-  const NetRing net{D, config.num_max_rdma_recv_tokens / chunk * chunk, chunk, record.net};
+  const NetRing net{D, config.num_max_rdma_recv_tokens, config.num_max_rdma_send_tokens, record.net};
   const NvlSubRing nvl{G, D, config.num_max_recv_tokens / D, record.nvl};
   InternodeSizes s;
   s.rdma_bytes = align_up(net.bytes(C), kAlign);

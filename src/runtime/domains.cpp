@@ -38,8 +38,8 @@ DomainChoice choose_domains(const std::vector<std::string>& hosts, int requested
   EPX_REQUIRE(R >= 1, "no ranks");
   DomainChoice c;
   if (requested > 0) {
-    EPX_REQUIRE(requested <= kMaxNvlRanks, "an NVLink domain holds at most ", kMaxNvlRanks, " ranks, got num_nvl_ranks ",
-                requested);
+    EPX_REQUIRE(requested <= kMaxNvlRanks, "an NVLink domain holds at most ", kMaxNvlRanks,
+                " ranks, got num_nvl_ranks ", requested);
     EPX_REQUIRE(R % requested == 0, "num_nvl_ranks (", requested, ") must divide the number of ranks (", R, ")");
     c.num_nvl_ranks = requested;
   } else {
@@ -49,7 +49,8 @@ DomainChoice choose_domains(const std::vector<std::string>& hosts, int requested
       const int first = r / g * g;
       EPX_REQUIRE(R % g == 0 && hosts[r] == hosts[first] && (r % g != 0 || r == 0 || hosts[r] != hosts[r - 1]),
                   "the ranks of one host must be consecutive and every host must hold the same number of them (rank ",
-                  r, " is on '", hosts[r], "'); set num_nvl_ranks (or EPX_NUM_NVL_RANKS) to say how ranks form domains");
+                  r, " is on '", hosts[r],
+                  "'); set num_nvl_ranks (or EPX_NUM_NVL_RANKS) to say how ranks form domains");
     }
     EPX_REQUIRE(g <= kMaxNvlRanks, g, " ranks share host '", hosts[0], "' but an NVLink domain holds at most ",
                 kMaxNvlRanks, ": set num_nvl_ranks (or EPX_NUM_NVL_RANKS)");
@@ -63,7 +64,8 @@ DomainChoice choose_domains(Bootstrap& bs, const BufferOptions& options) {
   Request mine{};
   mine.magic = kMagic;
   mine.num_nvl_ranks = options.num_nvl_ranks > 0 ? options.num_nvl_ranks : requested_from_env();
-  mine.force = options.force_internode != 0 || parse_env_switch("EPX_FORCE_INTERNODE", std::getenv("EPX_FORCE_INTERNODE"));
+  mine.force =
+      options.force_internode != 0 || parse_env_switch("EPX_FORCE_INTERNODE", std::getenv("EPX_FORCE_INTERNODE"));
   gethostname(mine.hostname, sizeof(mine.hostname) - 1);
   std::vector<Request> all(size_t(bs.size()));
   bs.all_gather(&mine, all.data(), sizeof(Request));
@@ -75,7 +77,8 @@ DomainChoice choose_domains(Bootstrap& bs, const BufferOptions& options) {
     EPX_REQUIRE(q.num_nvl_ranks == mine.num_nvl_ranks && q.force == mine.force,
                 "ranks disagree on the NVLink domains: rank ", r, " asked for num_nvl_ranks ", q.num_nvl_ranks,
                 q.force ? " (internode forced)" : "", ", rank ", bs.rank(), " for ", mine.num_nvl_ranks,
-                mine.force ? " (internode forced)" : "", " (options and EPX_NUM_NVL_RANKS / EPX_FORCE_INTERNODE must be "
+                mine.force ? " (internode forced)" : "",
+                " (options and EPX_NUM_NVL_RANKS / EPX_FORCE_INTERNODE must be "
                 "the same on every rank)");
     hosts.emplace_back(q.hostname, strnlen(q.hostname, sizeof(q.hostname)));
   }

@@ -10,7 +10,7 @@
 namespace epx {
 
 struct DomainChoice {
-  int num_nvl_ranks = 1;  // G
+  int num_nvl_ranks = 1;   // G
   bool internode = false;  // D > 1, or forced
 };
 

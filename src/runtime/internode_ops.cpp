@@ -25,17 +25,17 @@ int op_signature(int op_kind, int64_t record_bytes, const Config& c, int two_lev
   return int(h ^ (h >> 32));
 }
 
-// The network rings of one operation: the config's capacity, or as many whole chunks as num_rdma_bytes holds.
+// The network rings of one operation: the config's capacity, or as many slots as num_rdma_bytes holds (at least
+// two steps).
 NetRing net_ring(const Buffer::Impl& b, const Config& c, int64_t record_bytes, const char* op) {
   const int C = num_channels(c), D = b.num_domains, S = c.num_max_rdma_send_tokens;
   const int64_t stride = align_up(record_bytes, kAlign);
   const int64_t per_slot = int64_t(C) * D * 2 * stride;
-  const int64_t fit = b.options.num_rdma_bytes / per_slot;
-  const int cap = int(std::min<int64_t>(c.num_max_rdma_recv_tokens / S, fit / S)) * S;
+  const int cap = int(std::min<int64_t>(c.num_max_rdma_recv_tokens, b.options.num_rdma_bytes / per_slot));
   if (cap < 2 * S)
     raise(Status::kBufferTooSmall, op, ": num_rdma_bytes is ", b.options.num_rdma_bytes, " but the network rings need ",
-          per_slot * 2 * S, " at least (", C, " channels x ", D, " domains x send and receive halves x 2 chunks of ", S,
-          " records x ", stride, " bytes) and ", per_slot * (c.num_max_rdma_recv_tokens / S * S),
+          per_slot * 2 * S, " at least (", C, " channels x ", D, " domains x send and receive halves x 2 x ", S,
+          " records x ", stride, " bytes) and ", per_slot * c.num_max_rdma_recv_tokens,
           " for the config's capacity; create the Buffer with epx_config_internode_size_hints' rdma_bytes");
   return NetRing{D, cap, S, stride};
 }
@@ -48,9 +48,10 @@ NvlSubRing nvl_ring(const Buffer::Impl& b, const Config& c, int64_t record_bytes
   const int64_t per_slot = int64_t(C) * G * D * stride;
   const int cap = int(std::min<int64_t>(c.num_max_recv_tokens / D, b.options.num_nvl_bytes / per_slot));
   if (cap < 1)
-    raise(Status::kBufferTooSmall, op, ": num_nvl_bytes is ", b.options.num_nvl_bytes, " but the NVLink sub-rings need ",
-          per_slot, " at least (", C, " channels x ", G, " ranks x ", D, " domains x ", stride, " bytes) and ",
-          per_slot * (c.num_max_recv_tokens / D), " for the config's capacity; see epx_config_internode_size_hints");
+    raise(Status::kBufferTooSmall, op, ": num_nvl_bytes is ", b.options.num_nvl_bytes,
+          " but the NVLink sub-rings need ", per_slot, " at least (", C, " channels x ", G, " ranks x ", D,
+          " domains x ", stride, " bytes) and ", per_slot * (c.num_max_recv_tokens / D),
+          " for the config's capacity; see epx_config_internode_size_hints");
   return NvlSubRing{G, D, cap, stride};
 }
 
@@ -81,11 +82,13 @@ InternodeHandleView view_of(const DispatchHandle& h) {
 
 // The prefix matrices a notify fills: the caller allocates them with the shapes of epx.h.
 void require_matrices(const DispatchHandle& h, const char* op) {
-  EPX_REQUIRE(h.channel_prefix_matrix && h.recv_channel_prefix_matrix && h.rdma_channel_prefix_matrix &&
-                  h.recv_rdma_channel_prefix_matrix && h.recv_rdma_rank_prefix_sum && h.recv_gbl_rank_prefix_sum,
-              op, ": an internode handle needs channel_prefix_matrix and recv_channel_prefix_matrix [R, C], "
-              "rdma_channel_prefix_matrix and recv_rdma_channel_prefix_matrix [D, C], recv_rdma_rank_prefix_sum [D] and "
-              "recv_gbl_rank_prefix_sum [R], allocated by the caller");
+  EPX_REQUIRE(
+      h.channel_prefix_matrix && h.recv_channel_prefix_matrix && h.rdma_channel_prefix_matrix &&
+          h.recv_rdma_channel_prefix_matrix && h.recv_rdma_rank_prefix_sum && h.recv_gbl_rank_prefix_sum,
+      op,
+      ": an internode handle needs channel_prefix_matrix and recv_channel_prefix_matrix [R, C], "
+      "rdma_channel_prefix_matrix and recv_rdma_channel_prefix_matrix [D, C], recv_rdma_rank_prefix_sum [D] and "
+      "recv_gbl_rank_prefix_sum [R], allocated by the caller");
 }
 
 void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Config& c, int num_tokens, const char* op) {
@@ -118,7 +121,8 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   const InternodeRecord record = dispatch_record_of(a);
   const int rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : h.num_recv_tokens;
   const int rdma_rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : h.num_rdma_recv_tokens;
-  EPX_REQUIRE(rows >= 0 && rdma_rows >= 0, op, ": the handle does not know how many tokens arrive (notify_dispatch "
+  EPX_REQUIRE(rows >= 0 && rdma_rows >= 0, op,
+              ": the handle does not know how many tokens arrive (notify_dispatch "
               "not waited for); pass num_worst_tokens");
   EPX_REQUIRE(o.num_rows >= rows, op, ": outputs have ", o.num_rows, " rows, need ", rows);
   if (rows > 0) {
@@ -234,9 +238,9 @@ void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const Dispa
   check_config(b, c, op);
   validate_handle(h, b, c, h.num_tokens, op);
   validate_combine_args(a, o, h.num_tokens, h.num_recv_tokens, op);
-  EPX_REQUIRE(a.reduction == EPX_REDUCE_DEFAULT || a.reduction == EPX_REDUCE_FLAT || a.reduction == EPX_REDUCE_TWO_LEVEL,
-              op, ": reduction must be EPX_REDUCE_DEFAULT (0), EPX_REDUCE_FLAT (1) or EPX_REDUCE_TWO_LEVEL (2), got ",
-              a.reduction);
+  EPX_REQUIRE(
+      a.reduction == EPX_REDUCE_DEFAULT || a.reduction == EPX_REDUCE_FLAT || a.reduction == EPX_REDUCE_TWO_LEVEL, op,
+      ": reduction must be EPX_REDUCE_DEFAULT (0), EPX_REDUCE_FLAT (1) or EPX_REDUCE_TWO_LEVEL (2), got ", a.reduction);
   EPX_REQUIRE(h.num_rdma_recv_tokens >= 0 || h.send_nvl_head != nullptr, op, ": handle.send_nvl_head is null");
   const int two_level = a.reduction != EPX_REDUCE_FLAT ? 1 : 0;
   const int G = b.num_nvl_ranks;

@@ -69,54 +69,56 @@ std::vector<Case> internode_cases() {
                          intranode.destroy();
                          return err;
                        }});
-  cases.push_back(Case{"internode: one-record chunks and a two-chunk network ring (wrap-around), 2 SMs", [](Context& ctx) {
-                         Config cfg = ctx.dispatch_config;
-                         cfg.num_sms = 2;
-                         cfg.num_max_rdma_send_tokens = 1;
-                         cfg.num_max_rdma_recv_tokens = 2;
-                         cfg.num_max_recv_tokens = ctx.num_ranks;  // one NVLink slot per domain at most
-                         HtCase c = internode_case(300, 2048, 42);
-                         c.num_biases = 1;
-                         HtSession s(ctx.buffer, c, cfg, cfg, ctx.stream);
-                         s.layout();
-                         s.dispatch();
-                         std::string err = s.check_dispatch();
-                         for (int reduction : {EPX_REDUCE_TWO_LEVEL, EPX_REDUCE_FLAT}) {
-                           s.set_reduction(reduction);
-                           s.set_combine_inputs(43 + reduction);
-                           s.combine();
-                           err += s.check_combine();
-                         }
-                         return err;
-                       }});
-  cases.push_back(Case{"internode: worst-case overflow is reported by the rank that receives too much", [](Context& ctx) {
-                         HtCase c = internode_case(200, 2048, 44);
-                         c.worst_case = true;
-                         c.worst_tokens_override = 1;
-                         std::string err;
-                         {
-                           HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                           s.layout();
-                           s.dispatch();  // no host wait: the rank that overflows drops the rows that do not fit
-                           try {
-                             ctx.buffer.check(ctx.stream);
-                             if (s.num_recv_tokens() > 1 || s.num_rdma_recv_tokens() > 1)
-                               err = "expected check() to report num_worst_tokens on this rank\n";
-                           } catch (const Error& e) {
-                             if (e.status() != Status::kInvalidArgument ||
-                                 std::string(e.what()).find("num_worst_tokens") == std::string::npos)
-                               err = std::string("wrong error: ") + e.what() + "\n";
-                           }
-                         }
-                         c.worst_tokens_override = 0;
-                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                         s.layout();
-                         s.dispatch();
-                         err += s.check_dispatch();
-                         s.set_combine_inputs(3);
-                         s.combine();
-                         return err + s.check_combine();
-                       }});
+  cases.push_back(
+      Case{"internode: one-record chunks and a two-chunk network ring (wrap-around), 2 SMs", [](Context& ctx) {
+             Config cfg = ctx.dispatch_config;
+             cfg.num_sms = 2;
+             cfg.num_max_rdma_send_tokens = 1;
+             cfg.num_max_rdma_recv_tokens = 2;
+             cfg.num_max_recv_tokens = ctx.num_ranks;  // one NVLink slot per domain at most
+             HtCase c = internode_case(300, 2048, 42);
+             c.num_biases = 1;
+             HtSession s(ctx.buffer, c, cfg, cfg, ctx.stream);
+             s.layout();
+             s.dispatch();
+             std::string err = s.check_dispatch();
+             for (int reduction : {EPX_REDUCE_TWO_LEVEL, EPX_REDUCE_FLAT}) {
+               s.set_reduction(reduction);
+               s.set_combine_inputs(43 + reduction);
+               s.combine();
+               err += s.check_combine();
+             }
+             return err;
+           }});
+  cases.push_back(
+      Case{"internode: worst-case overflow is reported by the rank that receives too much", [](Context& ctx) {
+             HtCase c = internode_case(200, 2048, 44);
+             c.worst_case = true;
+             c.worst_tokens_override = 1;
+             std::string err;
+             {
+               HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+               s.layout();
+               s.dispatch();  // no host wait: the rank that overflows drops the rows that do not fit
+               try {
+                 ctx.buffer.check(ctx.stream);
+                 if (s.num_recv_tokens() > 1 || s.num_rdma_recv_tokens() > 1)
+                   err = "expected check() to report num_worst_tokens on this rank\n";
+               } catch (const Error& e) {
+                 if (e.status() != Status::kInvalidArgument ||
+                     std::string(e.what()).find("num_worst_tokens") == std::string::npos)
+                   err = std::string("wrong error: ") + e.what() + "\n";
+               }
+             }
+             c.worst_tokens_override = 0;
+             HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+             s.layout();
+             s.dispatch();
+             err += s.check_dispatch();
+             s.set_combine_inputs(3);
+             s.combine();
+             return err + s.check_combine();
+           }});
   cases.push_back(Case{"internode: a network ring that does not fit is reported before any launch", [](Context& ctx) {
                          Config big = ctx.dispatch_config;
                          big.num_max_rdma_send_tokens = 4096;

@@ -88,6 +88,13 @@ int suite(Bootstrap& bs, const Options& opt) {
       mine.fatal = e.status() == Status::kFailedState || e.status() == Status::kTimeout || e.status() == Status::kCuda;
     } catch (const std::exception& e) {
       msg = std::string("exception: ") + e.what();
+      // A CUDA error seen first by the test's own copies (a kernel trapped): the buffer's diagnostic says why.
+      try {
+        buffer.check(stream);
+      } catch (const Error& diag) {
+        msg += std::string("\n  diagnostic: ") + diag.what();
+        mine.fatal = 1;
+      }
     }
     mine.ok = msg.empty();
     mine.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

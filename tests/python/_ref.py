@@ -111,6 +111,93 @@ def gather_rows(tensors: List[torch.Tensor], src: List[tuple], width: int, dtype
     return torch.stack([tensors[s][t] for s, t in src])
 
 
+# ---- SPEC section 6: the internode dispatch handle ----------------------------------------------------------------
+def channel_of(num_tokens: int, num_channels: int, token: int) -> int:
+    """Channels take contiguous token ranges of ceil(T / C) tokens."""
+    return token // ((num_tokens + num_channels - 1) // num_channels)
+
+
+def internode_handle(in_ranks: List[torch.Tensor], rank: int, num_nvl_ranks: int, num_channels: int) -> List:
+    """deep_ep's internode handle elements 1..9 on `rank` (element 0 is its is_token_in_rank), from every rank's
+    is_token_in_rank [T_s, R] (domains of num_nvl_ranks consecutive ranks, C channels), int32 tensors:
+    [1] rdma_channel_prefix_matrix [D, C]: own tokens in channels <= c that need domain m;
+    [2] gbl_channel_prefix_matrix [R, C]: own tokens in channels <= c that go to rank j;
+    [3] recv_rdma_channel_prefix_matrix [D, C]: tokens of rank (m, g) in channels <= c that need this domain;
+    [4] recv_rdma_rank_prefix_sum [D]: inclusive prefix over m of [3][m][C - 1];
+    [5] recv_gbl_channel_prefix_matrix [R, C]: first recv_x row of (source, channel);
+    [6] recv_gbl_rank_prefix_sum [R]: rows from sources <= s;
+    [7] recv_src_meta [N, 2]: per recv_x row, the source's domain and its token's mask of this domain's ranks;
+    [8] send_rdma_head [T, D]: own token's position in its channel's stream to domain m, or -(count so far) - 1;
+    [9] send_nvl_head [N_rdma, G]: per network record (sources (m, g), m ascending, tokens ascending), its
+        position in its channel's stream to rank (d, j), or -(count so far) - 1."""
+    R, G, C = len(in_ranks), num_nvl_ranks, num_channels
+    D, d, g = R // G, rank // G, rank % G
+
+    def mask(src: int, t: int, m: int) -> int:
+        row = in_ranks[src][t, m * G:(m + 1) * G].tolist()
+        return sum(1 << j for j, v in enumerate(row) if v)
+
+    def prefix(src: int, pred) -> List[int]:
+        T = in_ranks[src].shape[0]
+        counts = [0] * C
+        for t in range(T):
+            if pred(t):
+                counts[channel_of(T, C, t)] += 1
+        return torch.tensor(counts).cumsum(0).tolist()
+
+    own = in_ranks[rank]
+    T = own.shape[0]
+    rdma_prefix = [prefix(rank, lambda t, m=m: mask(rank, t, m) != 0) for m in range(D)]
+    gbl_prefix = [prefix(rank, lambda t, j=j: bool(own[t, j])) for j in range(R)]
+    recv_rdma_prefix = [prefix(m * G + g, lambda t, m=m: mask(m * G + g, t, d) != 0) for m in range(D)]
+    recv_rdma_rank_prefix = torch.tensor([p[-1] for p in recv_rdma_prefix]).cumsum(0).tolist()
+    recv_gbl_prefix, recv_gbl_rank_prefix, meta, rows = [], [], [], 0
+    for s in range(R):
+        per_channel = [0] * C
+        for t in range(in_ranks[s].shape[0]):
+            if in_ranks[s][t, rank]:
+                per_channel[channel_of(in_ranks[s].shape[0], C, t)] += 1
+                meta.append([s // G, mask(s, t, d)])
+        starts = []
+        for n in per_channel:
+            starts.append(rows)
+            rows += n
+        recv_gbl_prefix.append(starts)
+        recv_gbl_rank_prefix.append(rows)
+    send_rdma_head, nxt = [], [[0] * D for _ in range(C)]
+    for t in range(T):
+        c = channel_of(T, C, t)
+        row = []
+        for m in range(D):
+            k = nxt[c][m]
+            row.append(k if mask(rank, t, m) else -k - 1)
+            nxt[c][m] += 1 if mask(rank, t, m) else 0
+        send_rdma_head.append(row)
+    send_nvl_head = []
+    for m in range(D):
+        src = m * G + g
+        Ts = in_ranks[src].shape[0]
+        nxt = [[0] * G for _ in range(C)]
+        for t in range(Ts):
+            if not mask(src, t, d):
+                continue
+            c = channel_of(Ts, C, t)
+            row = []
+            for j in range(G):
+                k = nxt[c][j]
+                goes = bool(in_ranks[src][t, d * G + j])
+                row.append(k if goes else -k - 1)
+                nxt[c][j] += 1 if goes else 0
+            send_nvl_head.append(row)
+
+    def i32(values, *shape):
+        return torch.tensor(values, dtype=torch.int32).reshape(*shape)
+
+    return [i32(rdma_prefix, D, C), i32(gbl_prefix, R, C), i32(recv_rdma_prefix, D, C), i32(recv_rdma_rank_prefix, D),
+            i32(recv_gbl_prefix, R, C), i32(recv_gbl_rank_prefix, R), i32(meta, -1, 2), i32(send_rdma_head, T, D),
+            i32(send_nvl_head, -1, G)]
+
+
 # ---- SPEC section 3: combine --------------------------------------------------------------------------------------
 def combine(rows_by_rank: List[Optional[torch.Tensor]], in_rank: torch.Tensor, biases=()) -> torch.Tensor:
     """rows_by_rank[j]: [T, H] bf16, the row rank j sends back for each token (used where in_rank[t, j]).
@@ -121,6 +208,30 @@ def combine(rows_by_rank: List[Optional[torch.Tensor]], in_rank: torch.Tensor, b
     for j, rows in enumerate(rows_by_rank):
         mask = in_rank[:, j:j + 1]
         acc = torch.where(mask, acc + rows.float(), acc)
+    for b in biases:
+        acc = acc + b.float()
+    return acc.to(torch.bfloat16)
+
+
+def combine_two_level(rows_by_rank: List[Optional[torch.Tensor]], in_rank: torch.Tensor, num_nvl_ranks: int,
+                      biases=()) -> torch.Tensor:
+    """SPEC section 6, the internode mode's default order over domains of num_nvl_ranks ranks. Per domain m:
+    P_m = the one row of m's receiving ranks unchanged, or bf16(sum of their rows in ascending rank order in
+    float32); then bf16(sum of the P_m in ascending domain order in float32 + biases), rounded once."""
+    T, R = in_rank.shape
+    G = num_nvl_ranks
+    H = next(r for r in rows_by_rank if r is not None).shape[1]
+    acc = torch.zeros(T, H)
+    for m in range(R // G):
+        part = torch.zeros(T, H)
+        single = torch.zeros(T, H, dtype=torch.bfloat16)
+        for j in range(m * G, (m + 1) * G):
+            mask = in_rank[:, j:j + 1]
+            part = torch.where(mask, part + rows_by_rank[j].float(), part)
+            single = torch.where(mask, rows_by_rank[j], single)
+        count = in_rank[:, m * G:(m + 1) * G].sum(1, keepdim=True)
+        partial = torch.where(count == 1, single, part.to(torch.bfloat16))
+        acc = torch.where(count > 0, acc + partial.float(), acc)
     for b in biases:
         acc = acc + b.float()
     return acc.to(torch.bfloat16)

@@ -26,6 +26,11 @@ epx_status epx_buffer_info(const epx_buffer* buffer, int* rank, int* num_ranks, 
   (void)buffer, (void)rank, (void)num_ranks, (void)device, (void)num_nvl_ranks;
   return EPX_OK;
 }
+epx_status epx_buffer_is_internode(const epx_buffer* buffer, int* internode) {
+  (void)buffer;
+  *internode = 0;
+  return EPX_OK;
+}
 epx_status epx_buffer_set_timeout(epx_buffer* buffer, double seconds) {
   (void)buffer, (void)seconds;
   return EPX_OK;
@@ -58,6 +63,7 @@ epx_status epx_config_num_channels(const epx_config* c, int* out) {
 epx_status epx_default_dispatch_config(int num_ranks, epx_config* out) {
   (void)num_ranks;
   out->num_sms = 24, out->num_max_send_tokens = 6, out->num_max_recv_tokens = 256;
+  out->num_max_rdma_send_tokens = 8, out->num_max_rdma_recv_tokens = 128;
   return EPX_OK;
 }
 epx_status epx_default_combine_config(int num_ranks, epx_config* out) {
@@ -66,6 +72,12 @@ epx_status epx_default_combine_config(int num_ranks, epx_config* out) {
 epx_status epx_config_nvl_size_hint(const epx_config* c, int64_t hidden_bytes, int num_ranks, int64_t* bytes) {
   (void)c, (void)hidden_bytes, (void)num_ranks;
   *bytes = 1 << 20;
+  return EPX_OK;
+}
+epx_status epx_config_internode_size_hints(const epx_config* c, int64_t hidden_bytes, int num_ranks, int num_nvl_ranks,
+                                           int64_t* nvl_bytes, int64_t* rdma_bytes) {
+  (void)c, (void)hidden_bytes, (void)num_ranks, (void)num_nvl_ranks;
+  *nvl_bytes = 1 << 20, *rdma_bytes = 1 << 20;
   return EPX_OK;
 }
 
@@ -78,6 +90,7 @@ epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args
                                epx_dispatch_handle* handle, epx_dispatch_counts* counts, void* stream) {
   (void)buffer, (void)args, (void)config, (void)handle, (void)stream;
   counts->num_recv_tokens = args->num_tokens;
+  counts->num_rdma_recv_tokens = args->num_tokens;
   counts->num_local_experts = 4;
   counts->num_recv_tokens_per_expert = g_counts;
   return EPX_OK;

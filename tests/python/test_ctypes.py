@@ -72,7 +72,7 @@ def test_failures_raise_the_status_class_with_the_message():
     assert info.value.status == 1
     assert isinstance(info.value, ValueError) and isinstance(info.value, epx.EpxError)
     with pytest.raises(epx.InvalidArgumentError, match="num_ranks"):
-        _lib.default_config("combine", 9)
+        _lib.default_config("combine", _lib.limits().max_ranks + 1)
     # success clears the message
     _lib.default_config("dispatch", 2)
     assert epx.lib().last_error() == ""
@@ -103,8 +103,7 @@ def test_default_configs_and_size_hints():
         c.get_nvl_buffer_size_hint(100, 4)
     with pytest.raises(epx.InvalidArgumentError, match="num_sms"):
         epx.Config(7, 6, 256).get_nvl_buffer_size_hint(4096, 4)
-    with pytest.raises(NotImplementedError):
-        c.get_rdma_buffer_size_hint(4096, 16)
+    assert c.get_rdma_buffer_size_hint(4096, 16) == _lib.internode_size_hints(c.to_c(), 4096, 16, 8)[1] > 0
     with pytest.raises(TypeError):
         epx.Config(24.0, 6, 256)
     assert _lib.ll_size_hint(128, 7168, 8, 256) > 0
@@ -112,6 +111,76 @@ def test_default_configs_and_size_hints():
         _lib.ll_size_hint(128, 7168, 8, 100)
     with pytest.raises(epx.InvalidArgumentError):
         _lib.ll_size_hint(0, 7168, 8, 256)
+
+
+def test_config_rdma_fields_reach_the_library_and_come_back():
+    c = epx.Config(24, 6, 256, 4, 96)
+    raw = c.to_c()
+    assert (raw.num_sms, raw.num_max_send_tokens, raw.num_max_recv_tokens, raw.num_max_rdma_send_tokens,
+            raw.num_max_rdma_recv_tokens) == (24, 6, 256, 4, 96)
+    assert epx.Config.from_c(raw) == c
+    assert epx.Config(24, 6, 256) != c  # the RDMA fields count in equality
+    with pytest.raises(TypeError, match="num_max_rdma_chunked_recv_tokens"):
+        epx.Config(24, 6, 256, 4, 96.0)
+    # The library's defaults carry its RDMA fields, which must make a valid internode config.
+    for kind in ("dispatch", "combine"):
+        for r in (2, 8, 16):
+            raw = _lib.default_config(kind, r)
+            d = epx.Config.from_c(raw)
+            assert d.num_max_rdma_chunked_send_tokens == raw.num_max_rdma_send_tokens >= 1
+            assert d.num_max_rdma_chunked_recv_tokens == raw.num_max_rdma_recv_tokens
+            assert raw.num_max_rdma_recv_tokens >= 2 * raw.num_max_rdma_send_tokens
+            assert d.get_rdma_buffer_size_hint(7168 * 2, r, num_nvl_ranks=1) > 0
+
+
+def test_internode_size_hints(monkeypatch):
+    monkeypatch.delenv("EPX_NUM_NVL_RANKS", raising=False)
+    monkeypatch.delenv("EPX_FORCE_INTERNODE", raising=False)
+    c = epx.Config.from_c(_lib.default_config("dispatch", 2))
+    hidden_bytes = 7168 * 2
+    nvl_1, rdma_1 = _lib.internode_size_hints(c.to_c(), hidden_bytes, 2, 1)  # 2 domains of 1 GPU
+    nvl_2, rdma_2 = _lib.internode_size_hints(c.to_c(), hidden_bytes, 2, 2)  # 1 domain of 2 (forced)
+    assert nvl_1 == 0 and rdma_1 > 0  # one GPU per domain forwards to itself only
+    assert nvl_2 > 0 and rdma_2 > 0
+    assert _lib.internode_size_hints(c.to_c(), hidden_bytes, 2, 0) == (nvl_2, rdma_2)  # 0: as many as one domain holds
+    # 2 ranks without a split: one domain, no RDMA buffer; the NVLink hint covers both modes.
+    assert c.get_rdma_buffer_size_hint(hidden_bytes, 2) == 0
+    assert c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=2) == 0
+    intranode = _lib.nvl_size_hint(c.to_c(), hidden_bytes, 2)
+    assert c.get_nvl_buffer_size_hint(hidden_bytes, 2) == max(intranode, nvl_2)
+    # 2 domains of 1 GPU: by argument, or by the environment as a Buffer would see it.
+    assert c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1) == rdma_1
+    assert c.get_nvl_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1) == intranode
+    monkeypatch.setenv("EPX_NUM_NVL_RANKS", "1")
+    assert c.get_rdma_buffer_size_hint(hidden_bytes, 2) == rdma_1
+    assert c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=2) == 0  # the argument wins
+    monkeypatch.setenv("EPX_NUM_NVL_RANKS", "9")
+    with pytest.raises(ValueError, match="EPX_NUM_NVL_RANKS"):
+        c.get_rdma_buffer_size_hint(hidden_bytes, 2)
+    monkeypatch.setenv("EPX_NUM_NVL_RANKS", "two")
+    with pytest.raises(ValueError, match="EPX_NUM_NVL_RANKS"):
+        c.get_nvl_buffer_size_hint(hidden_bytes, 2)
+    monkeypatch.delenv("EPX_NUM_NVL_RANKS")
+    # Forced internode inside one domain needs the network rings too.
+    monkeypatch.setenv("EPX_FORCE_INTERNODE", "1")
+    assert c.get_rdma_buffer_size_hint(hidden_bytes, 2) == rdma_2
+    monkeypatch.setenv("EPX_FORCE_INTERNODE", "yes")
+    with pytest.raises(ValueError, match="EPX_FORCE_INTERNODE"):
+        c.get_rdma_buffer_size_hint(hidden_bytes, 2)
+    monkeypatch.delenv("EPX_FORCE_INTERNODE")
+    # More ranks than one domain holds: the default domain is 8 ranks.
+    big = epx.Config.from_c(_lib.default_config("dispatch", 16))
+    want = _lib.internode_size_hints(big.to_c(), hidden_bytes, 16, 8)[1]
+    assert big.get_rdma_buffer_size_hint(hidden_bytes, 16) == want
+    # The library's checks come through.
+    with pytest.raises(epx.InvalidArgumentError, match="divide"):
+        c.get_rdma_buffer_size_hint(hidden_bytes, 12)
+    with pytest.raises(epx.InvalidArgumentError, match="divide"):
+        c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=4)
+    with pytest.raises(epx.InvalidArgumentError, match="num_max_rdma_recv_tokens"):
+        epx.Config(24, 6, 256, 8, 8).get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1)
+    with pytest.raises(TypeError, match="num_nvl_ranks"):
+        c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1.0)
 
 
 def test_operations_reject_a_null_buffer():
@@ -134,6 +203,7 @@ def test_operations_reject_a_null_buffer():
         "region": lambda: lib.epx_buffer_region(null, _lib.EPX_REGION_NVL, ctypes.byref(ctypes.c_void_p()),
                                                 ctypes.byref(ctypes.c_int64())),
         "ll_transport": lambda: lib.epx_buffer_ll_transport(null, _lib.LLTransportInfo()),
+        "is_internode": lambda: lib.epx_buffer_is_internode(null, ctypes.byref(ctypes.c_int())),
     }
     for name, call in calls.items():
         status = call()

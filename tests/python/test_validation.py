@@ -59,7 +59,7 @@ EXPECTED_SIGNATURES = {
                 "expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False, "
                 "allocate_on_comm_stream=False",
     "combine": "self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False, "
-               "allocate_on_comm_stream=False",
+               "allocate_on_comm_stream=False, reduction=None",
     "low_latency_dispatch": "self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
                             "cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, "
                             "use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False, "
@@ -105,6 +105,12 @@ def test_constructor_checks_come_first():
 
 def test_static_configs_and_num_sms():
     assert epx.Buffer.get_dispatch_config(R).num_sms == epx.Buffer.get_combine_config(R).num_sms
+    for kind, get in (("dispatch", epx.Buffer.get_dispatch_config), ("combine", epx.Buffer.get_combine_config)):
+        for r in (R, 16):  # the library's defaults, RDMA fields included
+            assert get(r) == epx.Config.from_c(_lib.default_config(kind, r))
+            raw = _lib.default_config(kind, r)
+            assert get(r).num_max_rdma_chunked_send_tokens == raw.num_max_rdma_send_tokens
+            assert get(r).num_max_rdma_chunked_recv_tokens == raw.num_max_rdma_recv_tokens
     with pytest.raises(ValueError, match="even"):
         epx.Buffer.set_num_sms(7)
     saved = epx.Buffer.num_sms
@@ -274,6 +280,57 @@ def test_combine_checks(buf):
         buf.combine(bf16(7, H), h, config=epx.Config(8, 6, 256))
     with pytest.raises(ValueError, match="hidden % 8"):
         buf.combine(bf16(7, 12), h)
+    # reduction: inside one NVLink domain only the flat order
+    for reduction in (None, "flat"):
+        with launched:
+            buf.combine(bf16(7, H), h, reduction=reduction)
+    with pytest.raises(ValueError, match="internode mode's order"):
+        buf.combine(bf16(7, H), h, reduction="two_level")
+    with pytest.raises(ValueError, match="reduction"):
+        buf.combine(bf16(7, H), h, reduction="Flat")
+    with pytest.raises(TypeError, match="reduction"):
+        buf.combine(bf16(7, H), h, reduction=1)
+    with pytest.raises(TypeError):
+        buf.combine(bf16(7, H), h, None, None, None, None, False, False, "flat")  # keyword-only
+
+
+# ---- internode --------------------------------------------------------------------------------------------------
+G = 2
+D = R // G
+
+
+def internode_handle(num_recv=7, num_rdma_recv=5, channels=12, tokens=T):
+    i32 = torch.int32
+    return (torch.zeros(tokens, R, dtype=torch.bool), torch.zeros(D, channels, dtype=i32),
+            torch.zeros(R, channels, dtype=i32), torch.zeros(D, channels, dtype=i32), torch.zeros(D, dtype=i32),
+            torch.zeros(R, channels, dtype=i32), torch.zeros(R, dtype=i32), torch.zeros(num_recv, 8, dtype=torch.uint8),
+            torch.zeros(tokens, D, dtype=i32), torch.zeros(num_rdma_recv, G, dtype=i32))
+
+
+def test_internode_checks():
+    buf = epx.Buffer._unlaunched(R, num_nvl_ranks=G, internode=True, low_latency_mode=False)
+    with launched:
+        buf.get_dispatch_layout(torch.zeros(T, K, dtype=torch.int64), E)
+    with launched:
+        buf.dispatch(bf16(T, H), **layout_args(), num_tokens_per_rdma_rank=torch.zeros(D, dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_tokens_per_rdma_rank"):
+        buf.dispatch(bf16(T, H), **layout_args(), num_tokens_per_rdma_rank=torch.zeros(R, dtype=torch.int32))
+    h = internode_handle()
+    with launched:
+        buf.dispatch(bf16(T, H), handle=h)
+    for reduction in (None, "two_level", "flat"):
+        with launched:
+            buf.combine(bf16(7, H), h, topk_weights=torch.zeros(7, K), bias=bf16(T, H), reduction=reduction)
+    with pytest.raises(ValueError, match="shape"):
+        buf.combine(bf16(5, H), h)  # rows of recv_x are recv_src_meta's, not send_nvl_head's
+    with pytest.raises(TypeError, match="10-tuple"):
+        buf.dispatch(bf16(T, H), handle=handle())
+    with pytest.raises(ValueError, match="tokens"):
+        buf.dispatch(bf16(T + 1, H), handle=h)
+    with pytest.raises(ValueError, match="num_sms"):
+        buf.combine(bf16(7, H), h, config=epx.Config(8, 6, 256))
+    with pytest.raises(ValueError, match=r"handle\[9\] \(send_nvl_head\)"):
+        buf.dispatch(bf16(T, H), handle=h[:9] + (torch.zeros(5, G + 1, dtype=torch.int32),))
 
 
 # ---- low latency -------------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 // epx-bench: benchmarks of epx on the GPUs of this machine, one process per GPU.
 //   epx-bench intranode [options]     (epx-bench SUBCOMMAND --help for the options)
-// Exit codes: 0 done, 1 a check or a rank failed, 2 bad command line, 3 no (or too few) GPUs here.
+// Exit codes: 0 done, 1 a check or a rank failed, 2 bad command line, 3 no (or too few) GPUs here, 4 this build
+// cannot run the mode (internode without NVSHMEM).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
+#include "internode_bench.hpp"
 #include "intranode_bench.hpp"
 
 namespace {
@@ -19,6 +21,8 @@ struct Subcommand {
 constexpr Subcommand kSubcommands[] = {
     {"intranode", "high-throughput dispatch / combine inside one NVLink domain, vs NCCL all-to-all",
      epx::bench::run_intranode},
+    {"internode", "high-throughput dispatch / combine over D NVLink domains (--domains), vs NCCL all-to-all",
+     epx::bench::run_internode},
     {"low-latency", "decoding-sized dispatch / combine latency (no CPU sync), vs NCCL all-to-all",
      epx::bench::run_low_latency},
 };

@@ -2,6 +2,7 @@
 
 #include <charconv>
 #include <climits>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -17,6 +18,59 @@ std::string describe(const Config& c) {
   std::ostringstream o;
   o << "sms " << c.num_sms << " chunk " << c.num_max_send_tokens << " ring " << c.num_max_recv_tokens;
   return o.str();
+}
+
+// An option every high-throughput mode has: parses it into *o (its value through value()) and returns true;
+// false for any other option.
+bool parse_ht_option(const std::string& a, const std::function<std::string()>& value, HtOptions* o) {
+  if (a == "--gpus") {
+    o->gpus = parse_int(a, value(), 1, 1024);
+    if (o->gpus < 2) throw UsageError{"--gpus 1: the benchmark needs at least 2 GPUs (it measures traffic)"};
+  } else if (a == "--tokens") {
+    o->tokens = parse_int(a, value(), 1, 1 << 20);
+  } else if (a == "--hidden") {
+    o->hidden = parse_int(a, value(), epx::limits().fp8_group_size, epx::limits().max_hidden);
+  } else if (a == "--topk") {
+    o->topk = parse_int(a, value(), 1, epx::limits().max_topk);
+  } else if (a == "--experts") {
+    o->experts = parse_int(a, value(), 1, 1 << 16);
+  } else if (a == "--sms") {
+    o->sms = parse_int_list(a, value(), 2, 1024);
+  } else if (a == "--iters") {
+    o->iters = parse_int(a, value(), 1, 1000000);
+  } else if (a == "--warmup") {
+    o->warmup = parse_int(a, value(), 0, 1000000);
+  } else if (a == "--refresh-every") {
+    o->refresh_every = parse_int(a, value(), 0, INT_MAX);
+  } else if (a == "--json") {
+    o->json_path = value();
+    if (o->json_path.empty()) throw UsageError{"--json needs a file name"};
+  } else if (a == "--no-nccl") {
+    o->nccl = false;
+  } else if (a == "--seed") {
+    o->seed = parse_u64(a, value());
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Checks between the options of HtOptions, once all are parsed. Throws UsageError.
+void check_ht_options(const HtOptions& o) {
+  // Hidden sizes whose FP8 scales (one per group) cover the row exactly.
+  const int fp8_group = epx::limits().fp8_group_size;
+  if (o.hidden % fp8_group != 0)
+    throw UsageError{"--hidden must be a multiple of " + std::to_string(fp8_group) +
+                     " (FP8 rows carry one scale per 128 values), got " + std::to_string(o.hidden)};
+  if (o.topk > o.experts)
+    throw UsageError{"--topk (" + std::to_string(o.topk) + ") must not exceed --experts (" + std::to_string(o.experts) +
+                     "): a token's experts are distinct"};
+}
+
+void check_experts_split(const HtOptions& o, int num_ranks) {
+  if (o.experts % num_ranks != 0)
+    throw UsageError{"--experts (" + std::to_string(o.experts) + ") must be a multiple of the rank count (" +
+                     std::to_string(num_ranks) + ")"};
 }
 
 }  // namespace
@@ -90,58 +144,22 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
     if (a == "--help" || a == "-h") {
       *help = true;
       return o;
-    } else if (a == "--gpus") {
-      o.gpus = parse_int(a, value(), 1, 1024);
-      if (o.gpus < 2) throw UsageError{"--gpus 1: the benchmark needs at least 2 GPUs (it measures traffic)"};
-    } else if (a == "--tokens") {
-      o.tokens = parse_int(a, value(), 1, 1 << 20);
-    } else if (a == "--hidden") {
-      o.hidden = parse_int(a, value(), epx::limits().fp8_group_size, epx::limits().max_hidden);
-    } else if (a == "--topk") {
-      o.topk = parse_int(a, value(), 1, epx::limits().max_topk);
-    } else if (a == "--experts") {
-      o.experts = parse_int(a, value(), 1, 1 << 16);
-    } else if (a == "--sms") {
-      o.sms = parse_int_list(a, value(), 2, 1024);
+    } else if (parse_ht_option(a, value, &o)) {  // the options every high-throughput mode has
     } else if (a == "--chunks") {
       o.chunks = parse_int_list(a, value(), 1, 1 << 20);
     } else if (a == "--ring") {
       o.rings = parse_int_list(a, value(), 1, 1 << 20);
-    } else if (a == "--iters") {
-      o.iters = parse_int(a, value(), 1, 1000000);
-    } else if (a == "--warmup") {
-      o.warmup = parse_int(a, value(), 0, 1000000);
-    } else if (a == "--refresh-every") {
-      o.refresh_every = parse_int(a, value(), 0, INT_MAX);
-    } else if (a == "--json") {
-      o.json_path = value();
-      if (o.json_path.empty()) throw UsageError{"--json needs a file name"};
-    } else if (a == "--no-nccl") {
-      o.nccl = false;
     } else if (a == "--check-all") {
       o.check_all = true;
-    } else if (a == "--seed") {
-      o.seed = parse_u64(a, value());
     } else {
       throw UsageError{"unknown option '" + a + "'"};
     }
   }
-  // Hidden sizes whose FP8 scales (one per group) cover the row exactly.
-  const int fp8_group = epx::limits().fp8_group_size;
-  if (o.hidden % fp8_group != 0)
-    throw UsageError{"--hidden must be a multiple of " + std::to_string(fp8_group) +
-                     " (FP8 rows carry one scale per 128 values), got " + std::to_string(o.hidden)};
-  if (o.topk > o.experts)
-    throw UsageError{"--topk (" + std::to_string(o.topk) + ") must not exceed --experts (" + std::to_string(o.experts) +
-                     "): a token's experts are distinct"};
+  check_ht_options(o);
   return o;
 }
 
-void validate_intranode_options(const IntranodeOptions& o, int num_ranks) {
-  if (o.experts % num_ranks != 0)
-    throw UsageError{"--experts (" + std::to_string(o.experts) + ") must be a multiple of the rank count (" +
-                     std::to_string(num_ranks) + ")"};
-}
+void validate_intranode_options(const IntranodeOptions& o, int num_ranks) { check_experts_split(o, num_ranks); }
 
 std::vector<Config> sweep_configs(const IntranodeOptions& o, int num_ranks, std::vector<std::string>* skipped) {
   const Config d = default_dispatch_config(num_ranks), dc = default_combine_config(num_ranks);
@@ -168,6 +186,97 @@ std::vector<Config> sweep_configs(const IntranodeOptions& o, int num_ranks, std:
           skipped->push_back(describe(cfg) + ": " + e.what());
         }
       }
+  return out;
+}
+
+const char* internode_usage() {
+  return "epx-bench internode [options]: dispatch / combine bandwidth of the internode kernels on the GPUs of this\n"
+         "machine, split into D NVLink domains of G = N / D GPUs (the hop between domains is the network one)\n"
+         "  --gpus N           ranks, one per GPU (default: every visible GPU; at least 2)\n"
+         "  --domains D        NVLink domains, a divisor of N (default N: every GPU its own domain); 1 runs the\n"
+         "                     internode kernels inside one domain (forced: the NVLink forwarding alone)\n"
+         "  --tokens T         tokens per rank (4096)\n"
+         "  --hidden H         hidden size, a multiple of 128 (7168)\n"
+         "  --topk K           experts per token (8)\n"
+         "  --experts E        experts in total, a multiple of the rank count (256)\n"
+         "  --sms LIST         num_sms values to time, e.g. 24 or 16,24 (the default config's, 24); chunks and\n"
+         "                     rings are the default configs' (dispatch's for dispatch, combine's for combine)\n"
+         "  --iters N          timed iterations per measurement (30)\n"
+         "  --warmup N         untimed iterations first (5)\n"
+         "  --refresh-every N  regenerate x every N timed iterations; 0: once per measurement (1)\n"
+         "  --json FILE        also write every row as JSON\n"
+         "  --no-nccl          skip the NCCL all-to-all baseline\n"
+         "  --seed S           routing and data seed (1)\n"
+         "Uniform random top-k routing. First BF16, FP8 and cached dispatch and combine in both orders (two-level,\n"
+         "flat) are checked against the reference model, then timed. GB/s = bytes this rank receives (own\n"
+         "included) / median time; net GB/s (dispatch rows) = bytes of the rows that crossed the network hop into\n"
+         "this rank (sent from another domain) / median time, 0 with one domain. The NCCL baseline is an\n"
+         "all-to-all of the same rows over all N ranks, loaded at run time from $EPX_NCCL_LIB, libnccl.so.2 or\n"
+         "the pip package. Needs a libepx built with NVSHMEM.\n";
+}
+
+InternodeOptions parse_internode_options(int argc, char** argv, bool* help) {
+  InternodeOptions o;
+  *help = false;
+  for (int i = 0; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw UsageError{a + " needs a value"};
+      return argv[++i];
+    };
+    if (a == "--help" || a == "-h") {
+      *help = true;
+      return o;
+    } else if (parse_ht_option(a, value, &o)) {  // the options every high-throughput mode has
+    } else if (a == "--domains") {
+      o.domains = parse_int(a, value(), 1, epx::limits().max_ranks);
+    } else {
+      throw UsageError{"unknown option '" + a + "'"};
+    }
+  }
+  check_ht_options(o);
+  if (o.gpus > 0) internode_domains(o, o.gpus);  // the split is known already: say now what is wrong with it
+  return o;
+}
+
+int internode_domains(const InternodeOptions& o, int num_ranks) {
+  const int D = o.domains > 0 ? o.domains : num_ranks;
+  if (num_ranks % D != 0)
+    throw UsageError{"--domains " + std::to_string(D) + " does not divide the " + std::to_string(num_ranks) +
+                     " ranks into domains of equal size"};
+  const int G = num_ranks / D, max_g = epx::limits().max_nvl_ranks;
+  if (G > max_g)
+    throw UsageError{"--domains " + std::to_string(D) + ": " + std::to_string(G) +
+                     " GPUs per domain; a domain has at most " + std::to_string(max_g)};
+  check_experts_split(o, num_ranks);
+  return D;
+}
+
+Config internode_combine_config(const Config& dispatch, int num_ranks) {
+  Config c = default_combine_config(num_ranks);
+  c.num_sms = dispatch.num_sms;
+  return c;
+}
+
+std::vector<Config> internode_sweep(const InternodeOptions& o, int num_ranks, int num_nvl_ranks,
+                                    std::vector<std::string>* skipped) {
+  const Config d = default_dispatch_config(num_ranks);
+  const std::vector<int> sms = o.sms.empty() ? std::vector<int>{d.num_sms} : o.sms;
+  std::vector<Config> out;
+  std::set<int> seen;  // a value listed twice is timed once
+  for (int s : sms) {
+    if (!seen.insert(s).second) continue;
+    Config cfg = d;
+    cfg.num_sms = s;
+    try {
+      const int64_t row = int64_t(o.hidden) * 2;
+      internode_size_hints(cfg, row, num_ranks, num_nvl_ranks);  // validates the config for D x G ranks
+      internode_size_hints(internode_combine_config(cfg, num_ranks), row, num_ranks, num_nvl_ranks);
+      out.push_back(cfg);
+    } catch (const Error& e) {
+      skipped->push_back(describe(cfg) + ": " + e.what());
+    }
+  }
   return out;
 }
 

@@ -1,4 +1,5 @@
-// Command-line options of `epx-bench intranode`, and the small parsers other subcommands can reuse.
+// Command-line options of `epx-bench intranode` and `epx-bench internode`, and the small parsers other
+// subcommands can reuse.
 #pragma once
 
 #include <cstdint>
@@ -20,20 +21,29 @@ uint64_t parse_u64(const std::string& name, const std::string& text);
 // "24,16,32" -> {24, 16, 32}; every item in [lo, hi].
 std::vector<int> parse_int_list(const std::string& name, const std::string& text, int lo, int hi);
 
-struct IntranodeOptions {
+// Options every high-throughput mode (intranode, internode) has.
+struct HtOptions {
   int gpus = 0;  // 0: every visible GPU
   int tokens = 4096;
   int hidden = 7168;
   int topk = 8;
   int experts = 256;
-  std::vector<int> sms, chunks, rings;  // empty: see sweep_configs
+  std::vector<int> sms;  // empty: the mode's default
   int iters = 30;
   int warmup = 5;
   int refresh_every = 1;  // timed iterations between two refreshes of x (0: once per series)
   std::string json_path;
   bool nccl = true;
-  bool check_all = false;  // also check the results of every swept config
   uint64_t seed = 1;
+};
+
+struct IntranodeOptions : HtOptions {
+  std::vector<int> chunks, rings;  // empty: see sweep_configs (with sms)
+  bool check_all = false;          // also check the results of every swept config
+};
+
+struct InternodeOptions : HtOptions {
+  int domains = 0;  // NVLink domains D (0: one per GPU); G = ranks / D GPUs each
 };
 
 const char* intranode_usage();
@@ -46,5 +56,20 @@ void validate_intranode_options(const IntranodeOptions& o, int num_ranks);
 // (d = the default chunk for num_ranks). With any of them: the lists given, the missing ones at their single
 // default value. Combinations the library rejects (ring < chunk, ...) are dropped and named in *skipped.
 std::vector<Config> sweep_configs(const IntranodeOptions& o, int num_ranks, std::vector<std::string>* skipped);
+
+const char* internode_usage();
+// Throws UsageError. Sets *help when --help was asked for.
+InternodeOptions parse_internode_options(int argc, char** argv, bool* help);
+// The domain count D for num_ranks GPUs (--domains, or one per GPU). Throws UsageError when D does not divide
+// num_ranks, a domain would hold more GPUs than the library allows, or the experts do not split over the ranks.
+int internode_domains(const InternodeOptions& o, int num_ranks);
+
+// The internode configs to time: per --sms value (default: the default config's) the default dispatch config
+// with that num_sms. Its combine config is internode_combine_config(). Configs the library rejects for D x G
+// ranks at this hidden size are dropped and named in *skipped.
+std::vector<Config> internode_sweep(const InternodeOptions& o, int num_ranks, int num_nvl_ranks,
+                                    std::vector<std::string>* skipped);
+// The default combine config at the dispatch config's num_sms (combine runs on the dispatch's channels).
+Config internode_combine_config(const Config& dispatch, int num_ranks);
 
 }  // namespace epx::bench

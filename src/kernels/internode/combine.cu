@@ -5,16 +5,19 @@
 //    from (i, s) in channel c go back, in order, into s's sub-ring for (this rank, i): row, then its top-k weights.
 //    Their coordinator publishes each sub-ring's tail at s.
 //  - network receivers: this rank's tokens of channel c, one warp per token in turn: for every domain m the token
-//    went to (send_rdma_head [8]), wait for the chunk that holds its record in the ring from (m, g), then reduce:
+//    went to (send_rdma_head [8]), wait until the ring from (m, g) holds its record (the tail), then reduce:
 //    two-level: acc = 0; += float(P_m) for m ascending (one partial per domain); flat: += float(row) for every row
 //    of every domain in ascending global rank order; then += bias0, += bias1; one rounding. Weights: the sum over the
 //    ranks that received the token, in ascending global order, in float32. Their coordinator returns network credit.
-// Block 2c + 1 (forwarders): the tokens that (i, g) sent here in channel c, in its network stream order; chunk k of
-//    domain i's stream belongs to forwarder warp (k * D + i) % forwarders, processed in (k, i) order. For each token
+// Block 2c + 1 (forwarders): the tokens that (i, g) sent here in channel c, in its network stream order. Each
+//    destination domain has its own group of forwarder warps (record p of its stream to warp p % group size): the
+//    receivers at the source need every domain's record of a token before they free any ring, so a warp waiting for
+//    one domain's credit must not hold back another domain's records. For each token
 //    and every rank j of this domain that received it (send_nvl_head [9]): its row from this rank's own x (j = g)
 //    or from j's sub-ring here. Two-level: one row passes unchanged, several are summed in ascending j in float32
-//    and rounded once; flat: the rows travel as they are. The chunk is put to (i, g) with a chunk signal. The
-//    forwarder coordinator returns NVLink credit (head) to every j.
+//    and rounded once; flat: the rows travel as they are. The record is put to (i, g); a warp completes its puts
+//    (quiet) and publishes its progress every few records and before it waits. The forwarder coordinator turns the
+//    progress into the ring's tail at (i, g) (a signal after a fence) and returns NVLink credit (head) to every j.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -59,7 +62,7 @@ struct NvlStreams {
 struct ReturnShared {
   int next[kMaxStreams > kWarps ? kMaxStreams : kWarps];  // NVLink senders: next ordinal per (stream, slice)
   uint64_t base[kMaxStreams];                             // NVLink senders: each sub-ring's start
-  int need[kWarps][kMaxDomains];  // network receivers: ring positions below this are no longer needed
+  int need[kWarps][kMaxDomains];               // network receivers: ring positions below this are no longer needed
   const uint8_t* record[kWarps][kMaxDomains];  // network receivers: the current token's record per domain
 };
 
@@ -68,19 +71,25 @@ struct ForwardShared {
   uint64_t nvl_base[kMaxNvlRanks][kMaxDomains];  // sub-ring (from j, domain i) positions at the start
 };
 
-__device__ __forceinline__ int chunk_owner(int chunk, int domain, int num_domains, int warps) {
-  return (chunk * num_domains + domain) % warps;
-}
+// The forwarder warps of destination domain i: warps [i * per, (i + 1) * per), per = warps / D (the rest idle).
+struct ForwardGroup {
+  int domain;  // -1: idle
+  int index;
+  int warps;
+  __device__ static ForwardGroup of(int warp, int warps, int num_domains) {
+    const int per = warps / num_domains;
+    if (warp >= per * num_domains) return {-1, 0, per};
+    return {warp / per, warp % per, per};
+  }
+};
 
-__device__ __forceinline__ int next_owned(int from_chunk, int i, int n, int D, int S, int w, int warps) {
-  for (int k = from_chunk; k * S < n; ++k)
-    if (chunk_owner(k, i, D, warps) == w) return k * S;
-  return n;
-}
+// Records a forwarder warp writes before it completes its puts and publishes its progress (and before any wait).
+constexpr int kAnnounceEvery = 4;
 
 // ---- NVLink senders -----------------------------------------------------------------------------------------------
 
-__device__ void nvl_sender(const InternodeCombineParams& p, int channel, int w, int warps, ReturnShared& sh) {
+__device__ __noinline__ void nvl_sender(const InternodeCombineParams& p, int channel, int w, int warps,
+                                        ReturnShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
@@ -148,7 +157,7 @@ __device__ void nvl_sender_coordinator(const InternodeCombineParams& p, int chan
         low = min(low, ld_acquire_cta(&sh.next[st * streams.slices + slice]));  // pairs with the senders' releases
       if (low > published[round]) {
         publish(&internode_nvl(p.peers, s)->combine_tail[channel][g][i], sh.base[st] + low);  // pairs with s's
-        published[round] = low;                                                            // forwarder's acquire
+        published[round] = low;                                                               // forwarder's acquire
         state = max(state, 1);
       } else if (low < n) {
         state = 2;
@@ -200,27 +209,26 @@ __device__ void reduce_token(const InternodeCombineParams& p, int t, const uint8
   }
 }
 
-__device__ void net_receiver(const InternodeCombineParams& p, int channel, int w, int warps, ReturnShared& sh) {
+__device__ __noinline__ void net_receiver(const InternodeCombineParams& p, int channel, int w, int warps,
+                                          ReturnShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
-  const int D = net.num_domains, C = p.num_channels, S = p.ring.chunk;
+  const int D = net.num_domains, C = p.num_channels;
   NetControl* ctrl = net_control(p.peers);
   const int warp = threadIdx.x / 32;
   const ChannelRange range = ChannelRange::of(p.num_tokens, C, channel);
-  uint64_t start = 0;
-  if (lane < D) start = p.ring.start(read_idle(&ctrl->combine_base[channel][lane]));
+  uint64_t base = 0, tail_seen = 0;  // lane m: the ring from domain m
+  if (lane < D) base = tail_seen = read_idle(&ctrl->combine_base[channel][lane]);
   for (int t = range.begin + w; t < range.end; t += warps) {
     if (lane < D) {
       const int pos = p.h.send_rdma_head[int64_t(t) * D + lane];
       st_release_cta(&sh.need[warp][lane], pos >= 0 ? pos : -pos - 1);  // positions below are no longer needed
       const uint8_t* rec = nullptr;
       if (pos >= 0) {
-        const uint64_t chunk_start = start + uint64_t(pos / S) * S;
-        const uint64_t v = p.ring.signal_value(chunk_start);
-        wait_until(&ctrl->combine_signal[channel][lane][p.ring.signal_slot(chunk_start)],
-                   [v](uint64_t x) { return x >= v; }, int64_t(v), p.fail,  // pairs with the forwarder's put with
-                   WaitSite{kRoleCombineNetReceiver, channel, lane, t});   // signal (or its release, own domain)
-        rec = p.ring.slot(ctrl, channel, lane, 1, start + pos);
+        if (tail_seen <= base + pos)  // pairs with the forwarder coordinator's signal (or release, own domain)
+          tail_seen = wait_at_least(&ctrl->combine_tail[channel][lane], base + pos + 1, p.fail,
+                                    WaitSite{kRoleCombineNetReceiver, channel, lane, t});
+        rec = p.ring.slot(ctrl, channel, lane, 1, base + pos);
       }
       sh.record[warp][lane] = rec;
     }
@@ -240,33 +248,30 @@ __device__ void net_receiver_coordinator(const InternodeCombineParams& p, int ch
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int m = lane;
-  uint64_t raw = 0, start = 0;
+  uint64_t base = 0;
   int n = 0;
   if (active) {
-    raw = read_idle(&ctrl->combine_base[channel][m]);
-    start = p.ring.start(raw);
+    base = read_idle(&ctrl->combine_base[channel][m]);
     n = channel_count(p.h.rdma_channel_prefix_matrix, m, channel, C);
   }
-  uint64_t credited = raw;  // the forwarder's head as this rank last raised it
+  int credited = 0;  // positions below this are credited to the forwarder
   coordinate(p.fail, kRoleCombineNetReceiverCoordinator, channel, [&](int& peer, int& a, int& b) {
-    if (!active) return 0;
+    if (!active || credited == n) return 0;
     int low = INT_MAX;
     for (int w = first_receiver; w < first_receiver + receivers; ++w) low = min(low, ld_acquire_cta(&sh.need[w][m]));
     if (low > n) low = n;
-    const uint64_t target = start + uint64_t(low);
-    if (target > credited && (target - credited >= uint64_t(p.ring.chunk) || low == n)) {
+    if (low > credited && (low - credited >= p.ring.step || low == n)) {
       if (m == net.domain)
-        publish(&ctrl->combine_head[channel][m], target);  // this rank's own forwarders (acquire)
+        publish(&ctrl->combine_head[channel][m], base + low);  // this rank's own forwarders (acquire)
       else
-        net_add(&ctrl->combine_head[channel][net.domain], target - credited, net.pe(m));
-      credited = target;
+        net_add(&ctrl->combine_head[channel][net.domain], uint64_t(low - credited), net.pe(m));
+      credited = low;
       return 1;
     }
-    if (credited == start + uint64_t(n)) return 0;
     peer = m, a = low, b = n;
     return 2;
   });
-  if (active) ctrl->combine_base[channel][m] = start + n;  // the next operation's raw start
+  if (active) ctrl->combine_base[channel][m] = base + n;  // where the next operation's ring starts
 }
 
 __device__ void return_block(const InternodeCombineParams& p, int channel) {
@@ -302,8 +307,9 @@ __device__ void return_block(const InternodeCombineParams& p, int channel) {
 
 // Writes the record of one token for domain i at dst: its partial (two-level) or its rows (flat), and every rank's
 // top-k weights (0 for ranks without the token). rows[j] / weights[j]: rank j's row and weights, null if absent.
-__device__ void write_combine_record(const InternodeCombineParams& p, uint8_t* dst, const int4* const (&rows)[kMaxNvlRanks],
-                                     const float* const (&weights)[kMaxNvlRanks], int lane) {
+__device__ __noinline__ void write_combine_record(const InternodeCombineParams& p, uint8_t* dst,
+                                                  const int4* const (&rows)[kMaxNvlRanks],
+                                                  const float* const (&weights)[kMaxNvlRanks], int lane) {
   const int G = p.peers.net.num_local, n = p.x_int4;
   int count = 0;
 #pragma unroll
@@ -335,117 +341,123 @@ __device__ void write_combine_record(const InternodeCombineParams& p, uint8_t* d
     float v = 0.f;
 #pragma unroll
     for (int jj = 0; jj < kMaxNvlRanks; ++jj)
-      if (jj == j && weights[jj] != nullptr) v = __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(weights[jj]) + k));
+      if (jj == j && weights[jj] != nullptr)
+        v = __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(weights[jj]) + k));
     w[x] = v;
   }
 }
 
-__device__ void forwarder(const InternodeCombineParams& p, int channel, int w, int warps, ForwardShared& sh) {
+__device__ __noinline__ void forwarder(const InternodeCombineParams& p, int channel, int w, int warps,
+                                       ForwardShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, d = net.domain, C = p.num_channels;
-  const int S = p.ring.chunk, cap = p.ring.capacity;
+  const uint64_t cap = p.ring.capacity;
+  const ForwardGroup group = ForwardGroup::of(w, warps, D);
+  if (group.domain < 0) return;
+  const int i = group.domain;
   NetControl* ctrl = net_control(p.peers);
   InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
-  uint64_t start = 0;
-  int total = 0, first_index = 0;
-  if (lane < D) {
-    start = p.ring.start(read_idle(&ctrl->combine_head[channel][lane]));  // idle: head == the receiver's base
-    total = channel_count(p.h.recv_rdma_channel_prefix_matrix, lane, channel, C);
-    first_index = net_record_base(p.h, lane, channel, C);
-  }
-  int max_total = total;
-  for (int o = 16; o > 0; o >>= 1) max_total = max(max_total, __shfl_xor_sync(kFullMask, max_total, o));
-  for (int k = 0; k * S < max_total; ++k) {
-    for (int i = 0; i < D; ++i) {
-      if (chunk_owner(k, i, D, warps) != w) continue;
-      const int n = __shfl_sync(kFullMask, total, i);
-      if (k * S >= n) continue;
-      const uint64_t chunk_start = __shfl_sync(kFullMask, start, i) + uint64_t(k) * S;
-      const int index0 = __shfl_sync(kFullMask, first_index, i);
-      if (lane == 0) {  // the chunk's slots are free at (i, g): pairs with its receiver coordinator's credit
-        const uint64_t need = chunk_start + S - cap;
-        if (chunk_start + S > uint64_t(cap) && acquire(&ctrl->combine_head[channel][i]) < need)
-          wait_at_least(&ctrl->combine_head[channel][i], need, p.fail,
-                        WaitSite{kRoleCombineForwarder, channel, i, k * S});
-      }
-      __syncwarp();
-      const int own_first = source_rows(p.h, i * G + g, channel, C).begin;
-      const int end = min((k + 1) * S, n);
-      for (int pos = k * S; pos < end; ++pos) {
-        const int index = index0 + pos;
-        const int head = lane < G ? p.h.send_nvl_head[int64_t(index) * G + lane] : -1;
-        const int4* rows[kMaxNvlRanks];
-        const float* weights[kMaxNvlRanks];
-#pragma unroll
-        for (int j = 0; j < kMaxNvlRanks; ++j) {
-          const int o = __shfl_sync(kFullMask, head, j);
-          rows[j] = nullptr;
-          weights[j] = nullptr;
-          if (j >= G || o < 0) continue;
-          if (j == g) {
-            const int row = own_first + o;
-            rows[j] = p.x + int64_t(row) * p.x_int4;
-            weights[j] = p.num_topk > 0 ? p.topk_weights + int64_t(row) * p.num_topk : nullptr;
-            continue;
-          }
-          const uint64_t nvl_pos = sh.nvl_base[j][i] + o;
-          if (lane == 0 && acquire(&nvl_ctrl->combine_tail[channel][j][i]) <= nvl_pos) {
-            st_release_cta(&sh.progress[w][i], pos);  // records below pos are done: their heads can pass them
-            wait_at_least(&nvl_ctrl->combine_tail[channel][j][i], nvl_pos + 1, p.fail,  // pairs with j's sender
-                          WaitSite{kRoleCombineForwarder, channel, j, -1});           // coordinator's release
-          }
-          __syncwarp();
-          const uint8_t* slot = p.nvl.slot(p.peers.nvl.local, channel, j, i, nvl_pos);
-          rows[j] = reinterpret_cast<const int4*>(slot);
-          weights[j] = p.num_topk > 0 ? reinterpret_cast<const float*>(slot + p.nvl_weight_offset) : nullptr;
-        }
-        uint8_t* dst = p.ring.slot(ctrl, channel, i, i == d ? 1 : 0, chunk_start + (pos - k * S));
-        write_combine_record(p, dst, rows, weights, lane);
-      }
-      // The chunk: put it to (i, g) with its signal, or release it here (own domain, written into the receive half).
-      uint64_t* signal = &ctrl->combine_signal[channel][d][p.ring.signal_slot(chunk_start)];
-      __syncwarp();
-      if (i == d) {
-        if (lane == 0) publish(signal, p.ring.signal_value(chunk_start));  // pairs with the receiver's acquire
-      } else {
-        net_put_signal_warp(p.ring.slot(ctrl, channel, d, 1, chunk_start), p.ring.slot(ctrl, channel, i, 0, chunk_start),
-                            size_t(end - k * S) * p.ring.stride, signal, p.ring.signal_value(chunk_start), net.pe(i));
-      }
-      if (lane == 0) st_release_cta(&sh.progress[w][i], next_owned(k + 1, i, n, D, S, w, warps));
+  int* progress = &sh.progress[w][i];
+  const uint64_t base = read_idle(&ctrl->combine_head[channel][i]);  // idle ring: head == the receiver's base
+  const int n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
+  const int index0 = net_record_base(p.h, i, channel, C);
+  const int own_first = source_rows(p.h, i * G + g, channel, C).begin;
+  uint64_t head_seen = base;
+  int pending = 0;  // records whose puts are not yet announced
+  // Completes this warp's puts, then says every record below `upto` that it owns has arrived.
+  auto announce = [&](int upto) {
+    if (pending > 0 && i != d) net_quiet();
+    pending = 0;
+    __syncwarp();
+    if (lane == 0) st_release_cta(progress, upto);  // pairs with the coordinator's acquire
+  };
+  for (int pos = group.index; pos < n; pos += group.warps) {
+    const uint64_t slot_pos = base + pos;
+    if (slot_pos + 1 > head_seen + cap) {  // the slot is free once (i, g) has consumed position pos - cap
+      announce(pos);
+      if (lane == 0)  // pairs with the receiver coordinator's credit
+        head_seen = wait_at_least(&ctrl->combine_head[channel][i], slot_pos + 1 - cap, p.fail,
+                                  WaitSite{kRoleCombineForwarder, channel, i, pos});
+      head_seen = __shfl_sync(kFullMask, head_seen, 0);
     }
+    const int index = index0 + pos;
+    const int head = lane < G ? p.h.send_nvl_head[int64_t(index) * G + lane] : -1;
+    const int4* rows[kMaxNvlRanks];
+    const float* weights[kMaxNvlRanks];
+#pragma unroll
+    for (int j = 0; j < kMaxNvlRanks; ++j) {
+      const int o = __shfl_sync(kFullMask, head, j);
+      rows[j] = nullptr;
+      weights[j] = nullptr;
+      if (j >= G || o < 0) continue;
+      if (j == g) {
+        const int row = own_first + o;
+        rows[j] = p.x + int64_t(row) * p.x_int4;
+        weights[j] = p.num_topk > 0 ? p.topk_weights + int64_t(row) * p.num_topk : nullptr;
+        continue;
+      }
+      const uint64_t nvl_pos = sh.nvl_base[j][i] + o;
+      uint64_t tail = 0;
+      if (lane == 0) tail = acquire(&nvl_ctrl->combine_tail[channel][j][i]);
+      if (__shfl_sync(kFullMask, tail, 0) <= nvl_pos) {
+        announce(pos);  // records below pos are done: their heads can pass them
+        if (lane == 0)
+          wait_at_least(&nvl_ctrl->combine_tail[channel][j][i], nvl_pos + 1, p.fail,  // pairs with j's sender
+                        WaitSite{kRoleCombineForwarder, channel, j, -1});             // coordinator's release
+        __syncwarp();
+      }
+      const uint8_t* slot = p.nvl.slot(p.peers.nvl.local, channel, j, i, nvl_pos);
+      rows[j] = reinterpret_cast<const int4*>(slot);
+      weights[j] = p.num_topk > 0 ? reinterpret_cast<const float*>(slot + p.nvl_weight_offset) : nullptr;
+    }
+    uint8_t* record = p.ring.slot(ctrl, channel, i, i == d ? 1 : 0, slot_pos);
+    write_combine_record(p, record, rows, weights, lane);
+    if (i != d) {
+      __syncwarp();  // the record's stores come before the put reads them
+      // At (i, g), its receive half for this rank's domain, the same slot.
+      net_put_warp(p.ring.slot(ctrl, channel, d, 1, slot_pos), record, size_t(p.net_record.bytes), net.pe(i));
+    }
+    if (++pending >= kAnnounceEvery || pos + group.warps >= n) announce(min(pos + group.warps, n));
   }
 }
 
-// Returns NVLink credit to every rank j of this domain: the rows of j's sub-ring for domain i below the first
-// unfinished token are consumed.
+// Publishes the tail of the ring to every domain i at (i, g) (a signal after a fence; own domain: a release) and
+// returns NVLink credit to every rank j of this domain (the rows of its sub-ring for i below the first unfinished
+// token are consumed).
 __device__ void forwarder_coordinator(const InternodeCombineParams& p, int channel, int warps, ForwardShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
+  NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int i = lane;
+  uint64_t base = 0;
   int n = 0, index0 = 0;
   if (active) {
+    base = read_idle(&ctrl->combine_head[channel][i]);  // idle ring: head == the receiver's base
     n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
     index0 = net_record_base(p.h, i, channel, C);
   }
   int done = 0;
   coordinate(p.fail, kRoleCombineForwarderCoordinator, channel, [&](int& peer, int& a, int& b) {
-    if (!active) return 0;
+    if (!active || done == n) return 0;
     int low = n;
     for (int w = 0; w < warps; ++w) low = min(low, ld_acquire_cta(&sh.progress[w][i]));  // pairs with the warps'
-    if (low == done) {                                                                   // releases
-      if (done == n) return 0;
+    if (low == done) {                                                                   // announcements
       peer = i, a = low, b = n;
       return 2;
     }
+    if (i == net.domain)
+      publish(&ctrl->combine_tail[channel][i], base + low);  // cumulative over the records the warps wrote here
+    else
+      net_signal(&ctrl->combine_tail[channel][net.domain], base + low, net.pe(i));  // their puts are complete
     for (int j = 0; j < G; ++j) {
       if (j == g) continue;
       const int head = p.h.send_nvl_head[int64_t(index0 + low - 1) * G + j];
       const int below = head >= 0 ? head + 1 : -head - 1;
       publish(&internode_nvl(p.peers, j)->combine_head[channel][g][i], sh.nvl_base[j][i] + below);  // pairs with
-    }                                                                                        // j's NVLink senders
+    }  // j's NVLink senders
     done = low;
     return 1;
   });
@@ -455,7 +467,7 @@ __device__ void forward_block(const InternodeCombineParams& p, int channel) {
   __shared__ ForwardShared sh;
   const int warp = threadIdx.x / 32;
   const NetworkMap& net = p.peers.net;
-  const int G = net.num_local, D = net.num_domains, C = p.num_channels, S = p.ring.chunk;
+  const int G = net.num_local, D = net.num_domains, C = p.num_channels;
   constexpr int kForwarders = kWarps - 1;
   InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
   for (int x = threadIdx.x; x < G * D; x += blockDim.x)
@@ -463,7 +475,8 @@ __device__ void forward_block(const InternodeCombineParams& p, int channel) {
   for (int x = threadIdx.x; x < kForwarders * D; x += blockDim.x) {
     const int w = x / D, i = x % D;
     const int n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
-    sh.progress[w][i] = next_owned(0, i, n, D, S, w, kForwarders);
+    const ForwardGroup group = ForwardGroup::of(w, kForwarders, D);
+    sh.progress[w][i] = group.domain == i ? min(group.index, n) : n;  // other groups never hold domain i back
   }
   __syncthreads();
   if (warp < kForwarders)

@@ -18,7 +18,9 @@ namespace epx::dev {
 // 16-byte loads in flight per lane in row copies.
 constexpr int kInternodeCopyUnroll = 4;
 
-__device__ __forceinline__ NetControl* net_control(const PeerMap& m) { return reinterpret_cast<NetControl*>(m.net.local); }
+__device__ __forceinline__ NetControl* net_control(const PeerMap& m) {
+  return reinterpret_cast<NetControl*>(m.net.local);
+}
 
 // Local rank r's internode NVLink control block as mapped here.
 __device__ __forceinline__ InternodeNvlControl* internode_nvl(const PeerMap& m, int r) {
@@ -44,7 +46,8 @@ __device__ __forceinline__ int channel_count(const int* matrix, int row, int cha
 }
 
 // The network-received index of the first record of (source domain m, channel c): [4][m - 1] + [3][m][c - 1].
-__device__ __forceinline__ int net_record_base(const InternodeHandleView& h, int domain, int channel, int num_channels) {
+__device__ __forceinline__ int net_record_base(const InternodeHandleView& h, int domain, int channel,
+                                               int num_channels) {
   return (domain > 0 ? h.recv_rdma_rank_prefix_sum[domain - 1] : 0) +
          (channel > 0 ? h.recv_rdma_channel_prefix_matrix[domain * num_channels + channel - 1] : 0);
 }

@@ -5,25 +5,26 @@
 // Block 2c (network side):
 //  - network senders: every sender warp scans the channel's tokens (is_token_in_rank) 32 at a time, so all know
 //    each token's position in the stream to every domain m and its ordinal among the tokens for each rank of m
-//    without talking. The stream to m is cut into chunks of ring.chunk records; chunk k belongs to sender warp
-//    (k * D + m) % senders, which writes its records (row, scales, meta: the G-bit mask of m's ranks that get the
-//    token and the token's ordinal for each, global top-k ids and weights) into its send slots, then puts the chunk
-//    to the peer (m, g) with a chunk signal (put with signal). Own-domain records go straight into this rank's
-//    receive half and are announced by a release of the signal. Also writes send_rdma_head [8].
-//  - the sender coordinator (warp 0): relays each ring's credit (the head, added to by the receiving peer) into
-//    shared memory, where the sender warps wait for room; pads the outputs in worst-case mode.
+//    without talking; the record at position p of a stream is written by sender warp p % senders: row, scales,
+//    meta (the G-bit mask of m's ranks that get the token and the token's ordinal for each), global top-k ids and
+//    weights, into its send slot, then put to the peer (m, g) (a nonblocking put; own-domain records go straight
+//    into this rank's receive half). After each window, and before it waits for ring room, a warp completes its
+//    puts (quiet) and publishes its progress per stream in shared memory: every position below it that the warp
+//    owns has arrived. Also writes send_rdma_head [8].
+//  - the sender coordinator (warp 0): turns the least progress over the sender warps into each ring's tail at the
+//    receiver (a signal after a fence; own domain: a release); pads the outputs in worst-case mode.
 //  - NVLink receivers (G > 1): read the sub-rings that the other ranks of this domain forward into (one per source
 //    domain and local rank s), copy each record to its recv_x row (recv_gbl_channel_prefix_matrix + ordinal) and its
 //    small fields; their coordinator (the block's last warp) returns NVLink credit (head) to each forwarder.
-// Block 2c + 1 (forwarders): the records of source domain i arrive in this rank's ring from (i, g); chunk k of it
-// belongs to forwarder warp (k * D + i) % forwarders, processed in (k, i) order. Each record goes to every rank j
-// of this domain its mask names: to this rank's own outputs directly, to the others into this rank's sub-ring in
-// j's buffer (slot = its ordinal for j). Also writes send_nvl_head [9]. The forwarder coordinator (last warp) turns
-// the warps' progress into the sub-rings' tails (ordinals below the first unfinished record, read from the record
-// before it) and into network credit for (i, g).
-// Ring positions never reset; an operation's network ring starts at a whole chunk (NetRing::start), both ends
-// computing it from the same raw position (the sender's head, the receiver's base), equal once the notify in
-// front of every operation has completed the previous one's credits.
+// Block 2c + 1 (forwarders): the records of source domain i arrive in this rank's ring from (i, g), announced by its
+// tail; domain i has its own group of forwarder warps, record p to warp p % group size. Each record goes to every
+// rank j of this domain its mask names: to this rank's own outputs directly, to the others into this rank's
+// sub-ring in j's buffer (slot = its ordinal for j). Also writes send_nvl_head [9]. The forwarder coordinator (last
+// warp) turns the warps' progress into the sub-rings' tails (ordinals below the first unfinished record, read from
+// the record before it) and into network credit for (i, g).
+// Ring positions never reset: an operation starts where the last one ended (the sender at its head, the receiver at
+// its base, equal once the notify in front of every operation has completed the previous one's credits).
+// No warp waits while it holds written records it has not announced, so no ring capacity can deadlock.
 #include <cuda_runtime.h>
 
 #include "kernels/internode/common.cuh"
@@ -50,28 +51,29 @@ struct SendRoles {
 };
 
 struct SendShared {
-  uint64_t head[kMaxDomains];  // network credit per domain, as the sender coordinator last read it
-  int senders_done;
+  int progress[kWarps][kMaxDomains];  // sender warp w: every position of stream m below this it owns has arrived
   // NVLink receivers: per (stream, slice) the next ordinal the slice has not copied, and each stream's base.
   int next[kMaxStreams > kWarps ? kMaxStreams : kWarps];
   uint64_t base[kMaxStreams];
 };
 
 struct ForwardShared {
-  int progress[kWarps][kMaxDomains];       // warp w: every record of domain i below this that w owns is done
+  int progress[kWarps][kMaxDomains];             // warp w: every record of domain i below this that w owns is done
   uint64_t nvl_base[kMaxNvlRanks][kMaxDomains];  // sub-ring (to j, domain i) positions at the start
 };
 
-__device__ __forceinline__ int chunk_owner(int chunk, int domain, int num_domains, int warps) {
-  return (chunk * num_domains + domain) % warps;
-}
-
-// The first chunk of domain i at or after `from` that warp w owns, as a position (n if none).
-__device__ __forceinline__ int next_owned(int from_chunk, int i, int n, int D, int S, int w, int warps) {
-  for (int k = from_chunk; k * S < n; ++k)
-    if (chunk_owner(k, i, D, warps) == w) return k * S;
-  return n;
-}
+// The forwarder warps of source domain i: warps [i * per, (i + 1) * per), per = warps / D (the rest idle). Each
+// stream has its own warps, so a warp waiting on one domain never holds back another's records.
+struct ForwardGroup {
+  int domain;  // -1: idle
+  int index;
+  int warps;
+  __device__ static ForwardGroup of(int warp, int warps, int num_domains) {
+    const int per = warps / num_domains;
+    if (warp >= per * num_domains) return {-1, 0, per};
+    return {warp / per, warp % per, per};
+  }
+};
 
 // Writes token t's record for one domain into a ring slot: row, scales, meta (mask, this lane's ordinal if
 // lane < G), global top-k ids and weights. Warp-collective.
@@ -93,40 +95,29 @@ __device__ __forceinline__ void write_record(const InternodeDispatchParams& p, i
   }
 }
 
-// Chunk [chunk_start, + n) of the ring to domain m is written: put it to the peer with its signal, or, for this
-// rank's own domain (written straight into the receive half), release the signal here.
-__device__ __forceinline__ void send_chunk(const InternodeDispatchParams& p, int channel, int m, uint64_t chunk_start,
-                                           int n, int lane) {
-  const NetworkMap& net = p.peers.net;
-  NetControl* ctrl = net_control(p.peers);
-  uint64_t* signal = &ctrl->dispatch_signal[channel][net.domain][p.ring.signal_slot(chunk_start)];
-  __syncwarp();  // every lane's record stores come before the put or the release
-  if (m == net.domain) {
-    if (lane == 0) publish(signal, p.ring.signal_value(chunk_start));  // pairs with the forwarder's acquire
-    return;
-  }
-  // At the peer, its receive half for this rank's domain, the same slots.
-  net_put_signal_warp(p.ring.slot(ctrl, channel, net.domain, 1, chunk_start),
-                      p.ring.slot(ctrl, channel, m, 0, chunk_start), size_t(n) * p.ring.stride, signal,
-                      p.ring.signal_value(chunk_start), net.pe(m));
+// A sender warp's announcement: its puts so far are complete at their peers, then lane m (< D) publishes
+// progress[m] = `upto` (every position of stream m below it that this warp owns has arrived).
+__device__ __forceinline__ void announce(int* progress, int num_domains, int upto, bool puts, int lane) {
+  if (puts) net_quiet();  // every lane: its share of the warp's puts is complete
+  __syncwarp();           // every lane's record stores (and completed puts) come before lane m's release
+  if (lane < num_domains) st_release_cta(progress + lane, upto);  // pairs with the coordinator's acquire
 }
 
 // Network sender warp w of `warps`.
 __device__ void net_sender(const InternodeDispatchParams& p, int channel, int w, int warps, SendShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
-  const int R = p.num_ranks, G = net.num_local, D = net.num_domains, C = p.num_channels;
-  const int S = p.ring.chunk, cap = p.ring.capacity;
+  const int R = p.num_ranks, G = net.num_local, D = net.num_domains, d = net.domain, C = p.num_channels;
+  const uint64_t cap = p.ring.capacity;
   NetControl* ctrl = net_control(p.peers);
+  int* progress = sh.progress[threadIdx.x / 32];
   const ChannelRange range = ChannelRange::of(p.num_tokens, C, channel);
-  // Lane m: the ring to domain m (its start and this channel's records) and the counts so far.
-  uint64_t start = 0;
-  int total = 0, pos = 0;
+  // Lane m: the ring to domain m (its start: the receiver's base), the credit last seen, the counts so far.
+  uint64_t base = 0, head_seen = 0;
+  int pos = 0;
   int count[kMaxNvlRanks] = {};  // lane m: tokens so far for rank m * G + j
-  if (lane < D) {
-    start = p.ring.start(read_idle(&ctrl->dispatch_head[channel][lane]));  // idle ring: head == receiver's base
-    total = channel_count(p.h.rdma_channel_prefix_matrix, lane, channel, C);
-  }
+  if (lane < D) base = head_seen = read_idle(&ctrl->dispatch_head[channel][lane]);  // idle ring: head == base
+  bool puts = false;  // puts issued since the last announcement
   for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
     const int t = cursor + lane;
     const bool valid = t < range.end;
@@ -144,7 +135,6 @@ __device__ void net_sender(const InternodeDispatchParams& p, int channel, int w,
       }
       const uint32_t routed = __ballot_sync(kFullMask, mask != 0);
       const int my_pos = __shfl_sync(kFullMask, pos, m) + __popc(routed & lanemask_lt());
-      int ordinal = 0;  // after the loop: lane j holds nothing; each lane keeps its own token's ordinals in turn
       int ordinals[kMaxNvlRanks];
 #pragma unroll
       for (int j = 0; j < kMaxNvlRanks; ++j) {
@@ -153,39 +143,49 @@ __device__ void net_sender(const InternodeDispatchParams& p, int channel, int w,
         ordinals[j] = __shfl_sync(kFullMask, count[j], m) + __popc(to_j & lanemask_lt());
         if (lane == m) count[j] += __popc(to_j);
       }
-      if (lane == m) pos += __popc(routed);
       if (window % warps == w && valid) p.h.send_rdma_head[int64_t(t) * D + m] = mask != 0 ? my_pos : -my_pos - 1;
-      uint32_t mine = __ballot_sync(kFullMask, mask != 0 && chunk_owner(my_pos / S, m, D, warps) == w);
-      const uint64_t m_start = __shfl_sync(kFullMask, start, m);
-      const int m_total = __shfl_sync(kFullMask, total, m);
-      for (; mine != 0; mine &= mine - 1) {
+      const uint64_t m_base = __shfl_sync(kFullMask, base, m);
+      for (uint32_t mine = __ballot_sync(kFullMask, mask != 0 && my_pos % warps == w); mine != 0; mine &= mine - 1) {
         const int l = __ffs(mine) - 1;
         const int rp = __shfl_sync(kFullMask, my_pos, l);
         const uint32_t rmask = __shfl_sync(kFullMask, mask, l);
+        int ordinal = 0;
 #pragma unroll
         for (int j = 0; j < kMaxNvlRanks; ++j) {
           if (j >= G) break;
           const int v = __shfl_sync(kFullMask, ordinals[j], l);
           if (lane == j) ordinal = v;
         }
-        const int k = rp / S;
-        const uint64_t chunk_end_pos = m_start + uint64_t(k) * S + S;
-        if (rp == k * S && lane == 0 && chunk_end_pos > uint64_t(cap)) {  // the chunk's first record: its slots
-          const uint64_t need = chunk_end_pos - cap;                        // must be free
-          SpinBudget budget;
-          for (uint64_t h; (h = ld_acquire_cta(&sh.head[m])) < need;)  // pairs with the coordinator's release
-            budget.tick(p.fail, WaitSite{kRoleNetSender, channel, m, rp}, int64_t(h), int64_t(need));
+        // Room: the slot of position rp is free once the receiver has consumed position rp - cap.
+        const uint64_t slot_pos = m_base + rp;
+        const uint64_t seen = __shfl_sync(kFullMask, head_seen, m);
+        if (slot_pos + 1 > seen + cap) {
+          // Announce first (this stream up to rp, the others as far as this window has gone), so that the tails
+          // can reach whatever the receiver needs to free the slot.
+          announce(progress, D, lane == m ? rp : pos, puts, lane);
+          puts = false;
+          uint64_t h = 0;
+          if (lane == 0)  // pairs with the receiver's credit (net_add, or its coordinator's release, own domain)
+            h = wait_at_least(&ctrl->dispatch_head[channel][m], slot_pos + 1 - cap, p.fail,
+                              WaitSite{kRoleNetSender, channel, m, rp});
+          h = __shfl_sync(kFullMask, h, 0);
+          if (lane == m) head_seen = h;
         }
-        __syncwarp();
-        uint8_t* slot = p.ring.slot(ctrl, channel, m, m == net.domain ? 1 : 0, m_start + rp);
+        const bool own = m == d;
+        uint8_t* slot = p.ring.slot(ctrl, channel, m, own ? 1 : 0, slot_pos);
         write_record(p, cursor + l, slot, rmask, ordinal, lane);
-        const int chunk_end = min((k + 1) * S, m_total);
-        if (rp == chunk_end - 1) send_chunk(p, channel, m, m_start + uint64_t(k) * S, chunk_end - k * S, lane);
+        if (!own) {
+          __syncwarp();  // the record's stores come before the put reads them
+          // At the peer, its receive half for this rank's domain, the same slot.
+          net_put_warp(p.ring.slot(ctrl, channel, d, 1, slot_pos), slot, size_t(p.record.bytes), net.pe(m));
+          puts = true;
+        }
       }
+      if (lane == m) pos += __popc(routed);
     }
+    announce(progress, D, pos, puts, lane);  // the window is done: every stream up to its count so far
+    puts = false;
   }
-  __syncwarp();
-  if (lane == 0) atomicAdd_block(&sh.senders_done, 1);
 }
 
 // Worst-case mode: rows [received, num_worst_tokens) of the outputs, this channel's share, hold no token.
@@ -206,24 +206,36 @@ __device__ void pad_rows(const InternodeDispatchParams& p, int channel) {
   }
 }
 
-// Sender coordinator: relays every ring's credit into shared memory until the sender warps are done.
-__device__ void sender_coordinator(const InternodeDispatchParams& p, int channel, int senders, SendShared& sh) {
+// Sender coordinator: lane m publishes the tail of the ring to domain m at its receiver = base + the least
+// progress over the sender warps, whenever it grows, until every record of the channel has arrived.
+__device__ void sender_coordinator(const InternodeDispatchParams& p, int channel, int first_sender, int senders,
+                                   SendShared& sh) {
   const int lane = threadIdx.x % 32;
   if (p.num_worst_tokens > 0) pad_rows(p, channel);
+  const NetworkMap& net = p.peers.net;
   NetControl* ctrl = net_control(p.peers);
-  const bool active = lane < p.peers.net.num_domains;
-  uint64_t seen = active ? sh.head[lane] : 0;
+  const bool active = lane < net.num_domains;
+  const int m = lane;
+  uint64_t base = 0;
+  int total = 0, published = 0;
+  if (active) {
+    base = read_idle(&ctrl->dispatch_head[channel][m]);  // idle ring: the receiver's base
+    total = channel_count(p.h.rdma_channel_prefix_matrix, m, channel, p.num_channels);
+  }
   coordinate(p.fail, kRoleNetSenderCoordinator, channel, [&](int& peer, int& a, int& b) {
-    if (ld_acquire_cta(&sh.senders_done) == senders) return 0;
-    if (!active) return 2;
-    const uint64_t h = acquire(&ctrl->dispatch_head[channel][lane]);  // the receiver's credit (net_add)
-    if (h == seen) {
-      peer = lane;
-      a = int(h);
+    if (!active || published == total) return 0;
+    int low = total;
+    for (int w = first_sender; w < first_sender + senders; ++w)
+      low = min(low, ld_acquire_cta(&sh.progress[w][m]));  // pairs with the senders' announcements
+    if (low == published) {
+      peer = m, a = published, b = total;
       return 2;
     }
-    seen = h;
-    st_release_cta(&sh.head[lane], h);  // pairs with the sender warps' acquire
+    if (m == net.domain)
+      publish(&ctrl->dispatch_tail[channel][m], base + low);  // cumulative over the records the warps wrote here
+    else
+      net_signal(&ctrl->dispatch_tail[channel][net.domain], base + low, net.pe(m));  // their puts are complete
+    published = low;
     return 1;
   });
 }
@@ -305,10 +317,11 @@ __device__ void nvl_receiver_coordinator(const InternodeDispatchParams& p, int c
       const RowRange rows = source_rows(p.h, i * G + s, channel, C);
       const int n = rows.end - rows.begin;
       int low = n;
-      for (int slice = 0; slice < streams.slices; ++slice) low = min(low, ld_acquire_cta(&sh.next[st * streams.slices + slice]));
+      for (int slice = 0; slice < streams.slices; ++slice)
+        low = min(low, ld_acquire_cta(&sh.next[st * streams.slices + slice]));
       if (low > published[round]) {
         publish(&internode_nvl(p.peers, s)->dispatch_head[channel][g][i], sh.base[st] + low);  // pairs with the
-        published[round] = low;                                                                  // forwarder's acquire
+        published[round] = low;                                                                // forwarder's acquire
         state = max(state, 1);
       } else if (low < n) {
         state = 2;
@@ -326,9 +339,8 @@ __device__ void send_block(const InternodeDispatchParams& p, int channel) {
   const int G = net.num_local, D = net.num_domains, g = net.local_rank;
   const SendRoles roles = SendRoles::of(G);
   const RecvStreams streams = RecvStreams::of(D, G, roles.receivers > 0 ? roles.receivers : 1);
-  NetControl* ctrl = net_control(p.peers);
-  if (threadIdx.x < D) sh.head[threadIdx.x] = read_idle(&ctrl->dispatch_head[channel][threadIdx.x]);
-  if (threadIdx.x == 0) sh.senders_done = 0;
+  for (int x = threadIdx.x; x < kWarps * kMaxDomains; x += blockDim.x)
+    sh.progress[x / kMaxDomains][x % kMaxDomains] = 0;
   if (roles.receivers > 0) {
     for (int item = threadIdx.x; item < streams.count * streams.slices; item += blockDim.x)
       sh.next[item] = item % streams.slices;
@@ -340,7 +352,7 @@ __device__ void send_block(const InternodeDispatchParams& p, int channel) {
   }
   __syncthreads();
   if (warp == 0) {
-    sender_coordinator(p, channel, roles.senders, sh);
+    sender_coordinator(p, channel, 1, roles.senders, sh);
   } else if (warp <= roles.senders) {
     net_sender(p, channel, warp - 1, roles.senders, sh);
   } else if (warp < kWarps - 1) {
@@ -356,72 +368,56 @@ __device__ void forwarder(const InternodeDispatchParams& p, int channel, int w, 
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
-  const int S = p.ring.chunk;
+  const ForwardGroup group = ForwardGroup::of(w, warps, D);
+  if (group.domain < 0) return;
+  const int i = group.domain;
   NetControl* ctrl = net_control(p.peers);
   InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
-  // Lane i: the ring from domain i.
-  uint64_t start = 0;
-  int total = 0, first_index = 0, max_total = 0;
-  if (lane < D) {
-    start = p.ring.start(read_idle(&ctrl->dispatch_base[channel][lane]));
-    total = channel_count(p.h.recv_rdma_channel_prefix_matrix, lane, channel, C);
-    first_index = net_record_base(p.h, lane, channel, C);
-  }
-  max_total = total;
-  for (int o = 16; o > 0; o >>= 1) max_total = max(max_total, __shfl_xor_sync(kFullMask, max_total, o));
-  for (int k = 0; k * S < max_total; ++k) {
-    for (int i = 0; i < D; ++i) {
-      if (chunk_owner(k, i, D, warps) != w) continue;
-      const int n = __shfl_sync(kFullMask, total, i);
-      if (k * S >= n) continue;
-      const uint64_t chunk_start = __shfl_sync(kFullMask, start, i) + uint64_t(k) * S;
-      const int index0 = __shfl_sync(kFullMask, first_index, i);
-      if (lane == 0)  // pairs with the sender's put with signal (or its release, own domain)
-        wait_until(&ctrl->dispatch_signal[channel][i][p.ring.signal_slot(chunk_start)],
-                   [v = p.ring.signal_value(chunk_start)](uint64_t x) { return x >= v; },
-                   int64_t(p.ring.signal_value(chunk_start)), p.fail, WaitSite{kRoleForwarder, channel, i, k * S});
-      __syncwarp();
-      const int end = min((k + 1) * S, n);
-      for (int pos = k * S; pos < end; ++pos) {
-        const uint8_t* rec = p.ring.slot(ctrl, channel, i, 1, chunk_start + (pos - k * S));
-        const int32_t* meta = reinterpret_cast<const int32_t*>(rec + p.record.meta_offset);
-        const uint32_t mask = uint32_t(ld_cg(meta));
-        const int ordinal = lane < G ? ld_cg(meta + 1 + lane) : 0;
-        const int index = index0 + pos;
-        if (lane < G && (p.num_worst_tokens == 0 || index < p.num_worst_tokens))
-          p.h.send_nvl_head[int64_t(index) * G + lane] = (mask >> lane) & 1u ? ordinal : -ordinal - 1;
-        for (uint32_t left = mask; left != 0; left &= left - 1) {
-          const int j = __ffs(left) - 1;
-          const int o = __shfl_sync(kFullMask, ordinal, j);
-          if (j == g) {
-            write_output_row(p, rec, source_rows(p.h, i * G + g, channel, C).begin + o, i, lane);
-            continue;
-          }
-          const uint64_t nvl_pos = sh.nvl_base[j][i] + o;
-          if (lane == 0) {
-            const uint64_t need = nvl_pos + 1 - p.nvl.capacity;
-            if (nvl_pos + 1 > uint64_t(p.nvl.capacity) && acquire(&nvl_ctrl->dispatch_head[channel][j][i]) < need) {
-              st_release_cta(&sh.progress[w][i], pos);  // records below pos are done: the tails can pass them
-              wait_at_least(&nvl_ctrl->dispatch_head[channel][j][i], need, p.fail,  // pairs with the receiver
-                            WaitSite{kRoleForwarder, channel, j, -1});             // coordinator's release
-            }
-          }
-          __syncwarp();
-          write_rows<kInternodeCopyUnroll>(
-              reinterpret_cast<int4*>(p.nvl.slot(p.peers.nvl.peer[j], channel, g, i, nvl_pos)),
-              reinterpret_cast<const int4*>(rec), int(p.record.bytes / 16), lane, LoadCg{});
-        }
+  const uint64_t base = read_idle(&ctrl->dispatch_base[channel][i]);
+  const int n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
+  const int index0 = net_record_base(p.h, i, channel, C);
+  const int own_first = source_rows(p.h, i * G + g, channel, C).begin;
+  uint64_t tail_seen = base;
+  for (int pos = group.index; pos < n; pos += group.warps) {
+    if (tail_seen <= base + pos) {  // pairs with the sender coordinator's signal (or release, own domain)
+      if (lane == 0)
+        tail_seen = wait_at_least(&ctrl->dispatch_tail[channel][i], base + pos + 1, p.fail,
+                                  WaitSite{kRoleForwarder, channel, i, pos});
+      tail_seen = __shfl_sync(kFullMask, tail_seen, 0);
+    }
+    const uint8_t* rec = p.ring.slot(ctrl, channel, i, 1, base + pos);
+    const int32_t* meta = reinterpret_cast<const int32_t*>(rec + p.record.meta_offset);
+    const uint32_t mask = uint32_t(ld_cg(meta));
+    const int ordinal = lane < G ? ld_cg(meta + 1 + lane) : 0;
+    const int index = index0 + pos;
+    if (lane < G && (p.num_worst_tokens == 0 || index < p.num_worst_tokens))
+      p.h.send_nvl_head[int64_t(index) * G + lane] = (mask >> lane) & 1u ? ordinal : -ordinal - 1;
+    for (uint32_t left = mask; left != 0; left &= left - 1) {
+      const int j = __ffs(left) - 1;
+      const int o = __shfl_sync(kFullMask, ordinal, j);
+      if (j == g) {
+        write_output_row(p, rec, own_first + o, i, lane);
+        continue;
+      }
+      const uint64_t nvl_pos = sh.nvl_base[j][i] + o;
+      if (lane == 0 && nvl_pos + 1 > uint64_t(p.nvl.capacity) &&
+          acquire(&nvl_ctrl->dispatch_head[channel][j][i]) < nvl_pos + 1 - p.nvl.capacity) {
+        st_release_cta(&sh.progress[w][i], pos);  // records below pos are done: the tails can pass them
+        wait_at_least(&nvl_ctrl->dispatch_head[channel][j][i], nvl_pos + 1 - p.nvl.capacity, p.fail,  // pairs with
+                      WaitSite{kRoleForwarder, channel, j, -1});  // the receiver coordinator's release
       }
       __syncwarp();
-      if (lane == 0)  // pairs with the forwarder coordinator's acquire
-        st_release_cta(&sh.progress[w][i], next_owned(k + 1, i, n, D, S, w, warps));
+      write_rows<kInternodeCopyUnroll>(reinterpret_cast<int4*>(p.nvl.slot(p.peers.nvl.peer[j], channel, g, i, nvl_pos)),
+                                       reinterpret_cast<const int4*>(rec), int(p.record.bytes / 16), lane, LoadCg{});
     }
+    __syncwarp();
+    if (lane == 0) st_release_cta(&sh.progress[w][i], min(pos + group.warps, n));  // pairs with the coordinator
   }
 }
 
 // Turns the forwarders' progress into NVLink tails (for every rank j of this domain) and network credit (for the
 // peer of every domain), until every record is forwarded and credited; then records where the next operation's
-// rings start.
+// ring starts.
 __device__ void forwarder_coordinator(const InternodeDispatchParams& p, int channel, int warps, ForwardShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
@@ -429,54 +425,51 @@ __device__ void forwarder_coordinator(const InternodeDispatchParams& p, int chan
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int i = lane;
-  uint64_t raw = 0, start = 0;
+  uint64_t base = 0;
   int n = 0;
   if (active) {
-    raw = read_idle(&ctrl->dispatch_base[channel][i]);
-    start = p.ring.start(raw);
+    base = read_idle(&ctrl->dispatch_base[channel][i]);
     n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
   }
-  uint64_t credited = raw;  // the sender's head as this rank last raised it
-  int forwarded = 0;        // records below this are forwarded (tails published)
+  int forwarded = 0, credited = 0;  // records below these are forwarded (tails published) / credited
   coordinate(p.fail, kRoleForwarderCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active) return 0;
     int low = n;
     for (int w = 0; w < warps; ++w) low = min(low, ld_acquire_cta(&sh.progress[w][i]));  // pairs with the warps'
-    int state = low == n && credited == start + n ? 0 : 2;                               // releases
+    int state = low == n && credited == n ? 0 : 2;                                       // releases
     if (low > forwarded) {
       // Tails: the ordinals below record `low` for rank j, from the record before it (still in the ring: its
       // credit is returned below, after this).
-      const uint8_t* prev = p.ring.slot(ctrl, channel, i, 1, start + low - 1);
+      const uint8_t* prev = p.ring.slot(ctrl, channel, i, 1, base + low - 1);
       const int32_t* meta = reinterpret_cast<const int32_t*>(prev + p.record.meta_offset);
       const uint32_t mask = uint32_t(ld_cg(meta));
       for (int j = 0; j < G; ++j) {
         if (j == g) continue;
         const int below = ld_cg(meta + 1 + j) + int((mask >> j) & 1u);
         publish(&internode_nvl(p.peers, j)->dispatch_tail[channel][g][i], sh.nvl_base[j][i] + below);  // pairs with
-      }                                                                                           // the receiver
+      }                                                                                                // the receiver
       forwarded = low;
       state = 1;
     }
-    const uint64_t target = start + uint64_t(forwarded);
-    if (target > credited && (target - credited >= uint64_t(p.ring.chunk) || forwarded == n)) {
+    if (forwarded > credited && (forwarded - credited >= p.ring.step || forwarded == n)) {
       if (i == net.domain)
-        publish(&ctrl->dispatch_head[channel][i], target);  // this rank's own senders (acquire)
+        publish(&ctrl->dispatch_head[channel][i], base + forwarded);  // this rank's own senders (acquire)
       else
-        net_add(&ctrl->dispatch_head[channel][net.domain], target - credited, net.pe(i));
-      credited = target;
+        net_add(&ctrl->dispatch_head[channel][net.domain], uint64_t(forwarded - credited), net.pe(i));
+      credited = forwarded;
       state = 1;
     }
     if (state == 2) peer = i, a = low, b = n;
     return state;
   });
-  if (active) ctrl->dispatch_base[channel][i] = start + n;  // the next operation's raw start
+  if (active) ctrl->dispatch_base[channel][i] = base + n;  // where the next operation's ring starts
 }
 
 __device__ void forward_block(const InternodeDispatchParams& p, int channel) {
   __shared__ ForwardShared sh;
   const int warp = threadIdx.x / 32;
   const NetworkMap& net = p.peers.net;
-  const int G = net.num_local, D = net.num_domains, C = p.num_channels, S = p.ring.chunk;
+  const int G = net.num_local, D = net.num_domains, C = p.num_channels;
   constexpr int kForwarders = kWarps - 1;
   InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
   for (int x = threadIdx.x; x < G * D; x += blockDim.x)
@@ -484,7 +477,8 @@ __device__ void forward_block(const InternodeDispatchParams& p, int channel) {
   for (int x = threadIdx.x; x < kForwarders * D; x += blockDim.x) {
     const int w = x / D, i = x % D;
     const int n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
-    sh.progress[w][i] = next_owned(0, i, n, D, S, w, kForwarders);
+    const ForwardGroup group = ForwardGroup::of(w, kForwarders, D);
+    sh.progress[w][i] = group.domain == i ? min(group.index, n) : n;  // other groups never hold domain i back
   }
   __syncthreads();
   if (warp < kForwarders)

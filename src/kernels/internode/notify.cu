@@ -25,7 +25,7 @@ using namespace dev;
 constexpr int kNotifyThreads = 1024;
 
 struct Shared {
-  int counts[kMaxRanks][kMaxChannels];         // this rank's tokens to rank j in channel c
+  int counts[kMaxRanks][kMaxChannels];           // this rank's tokens to rank j in channel c
   int domain_counts[kMaxDomains][kMaxChannels];  // this rank's tokens that need domain m in channel c
   int error, error_rank;
   uint32_t epoch;

@@ -1,0 +1,359 @@
+"""epx.Buffer's internode (hierarchical) mode on 2 GPUs, as 2 NVLink domains of 1 GPU (EPX_NUM_NVL_RANKS=1) and as
+1 domain of 2 forced through the internode kernels (EPX_FORCE_INTERNODE=1), and on 4 GPUs as 2 domains of 2,
+against the torch reference (_ref.py): the per-domain layout counts, dispatch (bit-exact) with deep_ep's 10-tuple
+handle, element by element, cached and worst-case dispatch, FP8, combine in the two-level and the flat order
+(bit-identical), biases, a small config, async and previous-event variants. Each case runs on every rank (see
+_dist.py). Skipped without the GPUs or without a libepx built with NVSHMEM."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import _dist  # noqa: E402
+import _ref  # noqa: E402
+from _common import Ctx, assert_bitwise  # noqa: E402
+
+H = 512            # hidden of most cases
+H_MAX = 1024
+E = 32             # experts
+K = 4              # top-k
+SMALL = None       # 2 channels, small NVLink sub-rings, network rings of 4 chunks of 2 records (built in setup)
+
+
+def setup(rank, world):
+    import epx
+    global SMALL
+    SMALL = epx.Config(4, 4, 32, 2, 8)
+    configs = [epx.Buffer.get_dispatch_config(world), epx.Buffer.get_combine_config(world), SMALL]
+    # The hints read the split from EPX_NUM_NVL_RANKS / EPX_FORCE_INTERNODE, as the Buffer does.
+    nvl_bytes = max(c.get_nvl_buffer_size_hint(H_MAX * 2, world) for c in configs)
+    rdma_bytes = max(c.get_rdma_buffer_size_hint(H_MAX * 2, world) for c in configs)
+    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes)
+    buffer.set_timeout(30.0)
+    G = int(os.environ.get("EPX_NUM_NVL_RANKS", world))  # the test runs on one host: all ranks otherwise
+    return Ctx(rank, world, torch.device("cuda", rank), buffer, {"G": G})
+
+
+def teardown(ctx):
+    ctx.buffer.destroy()
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+def tokens_of(ctx, seed, base=96):
+    """Token counts differ per rank (and by seed) so that uneven traffic is the normal case."""
+    return [base + (seed * 13 + 29 * s) % 57 for s in range(ctx.world)]
+
+
+def inputs(ctx, seed, counts, hidden=H, topk=K, empty_prob=0.1):
+    return [_ref.make_inputs(seed, s, counts[s], hidden, E, topk, empty_prob) for s in range(ctx.world)]
+
+
+def cuda(t, ctx):
+    return None if t is None else t.to(ctx.device)
+
+
+def in_ranks_of(all_inputs, world):
+    return [_ref.layout(i.topk_idx, E, world)[2] for i in all_inputs]
+
+
+def layout_and_dispatch(ctx, all_inputs, with_topk=True, with_weights=True, fp8_scales=0, **kwargs):
+    """Runs layout + dispatch of this rank's inputs; -> (dispatch outputs, the reference)."""
+    mine = all_inputs[ctx.rank]
+    idx = cuda(mine.topk_idx, ctx)
+    ntr, nrr, nte, itr, _ = ctx.buffer.get_dispatch_layout(idx, E)
+    x = cuda(mine.x, ctx)
+    if fp8_scales:
+        x = (cuda(_ref.as_fp8(mine.x), ctx), cuda(_ref.make_scales(7, ctx.rank, mine.x.shape[0], fp8_scales), ctx))
+    out = ctx.buffer.dispatch(
+        x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=itr,
+        num_tokens_per_expert=nte if with_topk else None, topk_idx=idx if with_topk else None,
+        topk_weights=cuda(mine.topk_weights, ctx) if with_weights else None, **kwargs)
+    ref = _ref.dispatch([i.topk_idx for i in all_inputs],
+                        [i.topk_weights if with_weights else None for i in all_inputs], ctx.rank, E,
+                        kwargs.get("expert_alignment", 1))
+    return out, ref
+
+
+def check_recv_x(recv_x, ref, all_inputs, fp8_scales=0, rows=None):
+    if fp8_scales:
+        data, scales = recv_x
+        want = _ref.gather_rows([_ref.as_fp8(i.x) for i in all_inputs], ref.src, H, torch.float8_e4m3fn)
+        want_scales = _ref.gather_rows([_ref.make_scales(7, s, i.x.shape[0], fp8_scales)
+                                        for s, i in enumerate(all_inputs)], ref.src, fp8_scales, torch.float32)
+        assert_bitwise("recv_x data", data[:rows], want)
+        assert_bitwise("recv_x scales", scales[:rows], want_scales)
+    else:
+        want = _ref.gather_rows([i.x for i in all_inputs], ref.src, all_inputs[0].x.shape[1], torch.bfloat16)
+        assert_bitwise("recv_x", recv_x[:rows], want)
+
+
+def check_handle(ctx, handle, all_inputs, ref, num_channels, worst=0):
+    """deep_ep's internode handle: shapes and dtypes, then every element against the reference."""
+    R, G = ctx.world, ctx.extra["G"]
+    D, T, N = R // G, all_inputs[ctx.rank].x.shape[0], len(ref.src)
+    want = _ref.internode_handle(in_ranks_of(all_inputs, R), ctx.rank, G, num_channels)
+    rows, rdma_rows = (worst, worst) if worst else (N, want[8].shape[0])
+    assert isinstance(handle, tuple) and len(handle) == 10
+    shapes = [(torch.bool, (T, R)), (torch.int32, (D, num_channels)), (torch.int32, (R, num_channels)),
+              (torch.int32, (D, num_channels)), (torch.int32, (D,)), (torch.int32, (R, num_channels)),
+              (torch.int32, (R,)), (torch.uint8, (rows, 8)), (torch.int32, (T, D)), (torch.int32, (rdma_rows, G))]
+    for i, (t, (dtype, shape)) in enumerate(zip(handle, shapes)):
+        assert t.dtype == dtype and tuple(t.shape) == shape, (i, t.dtype, tuple(t.shape), dtype, shape)
+    # Element 6: rows of recv_x from source ranks 0..s (inclusive), the source-major order of recv_x.
+    per_source = [sum(1 for s, _ in ref.src if s == j) for j in range(R)]
+    assert handle[6].cpu().tolist() == torch.tensor(per_source).cumsum(0).tolist()
+    names = ["rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix", "recv_rdma_channel_prefix_matrix",
+             "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum"]
+    for i, name in enumerate(names, start=1):
+        assert_bitwise(f"handle[{i}] {name}", handle[i], want[i - 1])
+    meta = handle[7].view(torch.int32)  # [rows, 2]: source domain, mask of this domain's receiving ranks
+    assert_bitwise("handle[7] recv_src_meta", meta[:N], want[6])
+    if worst:
+        assert bool((meta[N:, 0] == -1).all()), "padding rows of recv_src_meta have source domain -1"
+    assert_bitwise("handle[8] send_rdma_head", handle[8], want[7])
+    assert_bitwise("handle[9] send_nvl_head", handle[9][:want[8].shape[0]], want[8])
+
+
+def expert_outputs(ctx, recv_x):
+    """Stand-in expert: rank j scales its rows by (1 + j / 4); bit-reproducible on the reference side."""
+    return _ref.scale_rows(recv_x, 1.0 + ctx.rank / 4)
+
+
+def combine_reference(ctx, all_inputs, reduction="two_level", biases=()):
+    mine = all_inputs[ctx.rank]
+    in_rank = _ref.layout(mine.topk_idx, E, ctx.world)[2]
+    rows = [_ref.scale_rows(mine.x, 1.0 + j / 4) for j in range(ctx.world)]
+    if reduction == "flat":
+        return _ref.combine(rows, in_rank, biases)
+    return _ref.combine_two_level(rows, in_rank, ctx.extra["G"], biases)
+
+
+def check_combine_orders(ctx, y, handle, all_inputs, biases=(), **kwargs):
+    """Combine in the default order (two-level), explicitly two-level, and flat, each against its reference."""
+    bias = tuple(cuda(b, ctx) for b in biases) or None
+    default, _, _ = ctx.buffer.combine(y, handle, bias=bias, **kwargs)
+    assert_bitwise("combined_x (default: two-level)", default, combine_reference(ctx, all_inputs, "two_level", biases))
+    two_level, _, _ = ctx.buffer.combine(y, handle, bias=bias, reduction="two_level", **kwargs)
+    assert_bitwise("combined_x (two_level)", two_level, default)
+    flat, _, _ = ctx.buffer.combine(y, handle, bias=bias, reduction="flat", **kwargs)
+    assert_bitwise("combined_x (flat)", flat, combine_reference(ctx, all_inputs, "flat", biases))
+
+
+# ---- cases ---------------------------------------------------------------------------------------------------------
+def case_mode(ctx):
+    buf, G = ctx.buffer, ctx.extra["G"]
+    assert buf.is_internode_available()
+    assert buf.get_num_rdma_ranks() == ctx.world // G and buf.get_rdma_rank() == ctx.rank // G
+    assert buf.get_root_rdma_rank(True) == ctx.rank % G and buf.get_root_rdma_rank(False) == 0
+    assert buf.get_local_device_id() == ctx.rank
+
+
+def case_layout(ctx):
+    all_inputs = inputs(ctx, 1, tokens_of(ctx, 1), empty_prob=0.3)
+    idx = cuda(all_inputs[ctx.rank].topk_idx, ctx)
+    ntr, nrr, nte, itr, event = ctx.buffer.get_dispatch_layout(idx, E)
+    want = _ref.layout(all_inputs[ctx.rank].topk_idx, E, ctx.world)
+    assert event.event is None
+    assert_bitwise("num_tokens_per_rank", ntr, want[0])
+    assert_bitwise("num_tokens_per_expert", nte, want[1])
+    assert_bitwise("is_token_in_rank", itr, want[2])
+    G = ctx.extra["G"]
+    D = ctx.world // G
+    if D == 1:
+        assert nrr is None
+    else:
+        T = want[2].shape[0]
+        assert_bitwise("num_tokens_per_rdma_rank", nrr, want[2].view(T, D, G).any(2).sum(0).to(torch.int32))
+
+
+def case_dispatch_combine_bf16(ctx):
+    all_inputs = inputs(ctx, 2, tokens_of(ctx, 2))
+    (recv_x, recv_idx, recv_w, per_expert, handle, event), ref = layout_and_dispatch(ctx, all_inputs)
+    assert event.event is None
+    check_recv_x(recv_x, ref, all_inputs)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert_bitwise("recv_topk_weights", recv_w, ref.recv_topk_weights)
+    assert per_expert == ref.per_expert, (per_expert, ref.per_expert)
+    check_handle(ctx, handle, all_inputs, ref, ctx.buffer.get_dispatch_config(ctx.world).num_sms // 2)
+
+    y = expert_outputs(ctx, recv_x)
+    check_combine_orders(ctx, y, handle, all_inputs)
+    mine = all_inputs[ctx.rank]
+    in_rank = _ref.layout(mine.topk_idx, E, ctx.world)[2]
+    # Rank j sends back the weights it received: the source weight where the expert is on j, else 0. Summed flat
+    # in either order.
+    L = E // ctx.world
+    per_rank_w = [torch.where(mine.topk_idx // L == j, mine.topk_weights, torch.zeros_like(mine.topk_weights))
+                  for j in range(ctx.world)]
+    for reduction in ("two_level", "flat"):
+        _, combined_w, _ = ctx.buffer.combine(y, handle, topk_weights=recv_w, reduction=reduction)
+        assert_bitwise(f"combined_topk_weights ({reduction})", combined_w, _ref.combine_weights(per_rank_w, in_rank))
+    # Deterministic: the same call gives the same bits.
+    again, _, _ = ctx.buffer.combine(y, handle)
+    assert_bitwise("combined_x (second run)", again, combine_reference(ctx, all_inputs))
+
+
+def case_dispatch_fp8(ctx):
+    all_inputs = inputs(ctx, 3, tokens_of(ctx, 3))
+    (recv_x, recv_idx, _, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=H // 128)
+    assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn
+    check_recv_x(recv_x, ref, all_inputs, fp8_scales=H // 128)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert per_expert == ref.per_expert
+    mine = all_inputs[ctx.rank]
+    x2 = _ref.as_fp8(_ref.scale_rows(mine.x, -2.0))
+    s2 = _ref.make_scales(8, ctx.rank, mine.x.shape[0], H // 128)
+    cached = ctx.buffer.dispatch((cuda(x2, ctx), cuda(s2, ctx)), handle=handle)
+    assert cached[1:5] == (None, None, None, None)
+    want = _ref.gather_rows([_ref.as_fp8(_ref.scale_rows(i.x, -2.0)) for i in all_inputs], ref.src, H,
+                            torch.float8_e4m3fn)
+    assert_bitwise("cached fp8 data", cached[0][0], want)
+    want_s = _ref.gather_rows([_ref.make_scales(8, s, i.x.shape[0], H // 128) for s, i in enumerate(all_inputs)],
+                              ref.src, H // 128, torch.float32)
+    assert_bitwise("cached fp8 scales", cached[0][1], want_s)
+
+
+def case_cached_dispatch_bf16(ctx):
+    all_inputs = inputs(ctx, 8, tokens_of(ctx, 8))
+    (_, _, _, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
+    for step in range(2):
+        new = [_ref.scale_rows(i.x, 3.0 + step) for i in all_inputs]
+        recv, a, b, c, d, event = ctx.buffer.dispatch(cuda(new[ctx.rank], ctx), handle=handle)
+        assert (a, b, c, d) == (None, None, None, None) and event.event is None
+        assert_bitwise(f"cached recv_x step {step}", recv, _ref.gather_rows(new, ref.src, H, torch.bfloat16))
+    # The handle is unchanged by the cached dispatches: combine still sums in both orders.
+    recv, *_ = ctx.buffer.dispatch(cuda(all_inputs[ctx.rank].x, ctx), handle=handle)
+    check_combine_orders(ctx, expert_outputs(ctx, recv), handle, all_inputs)
+
+
+def case_worst_case_mode(ctx):
+    counts = tokens_of(ctx, 7)
+    all_inputs = inputs(ctx, 7, counts)
+    worst = sum(counts)
+    (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs,
+                                                                               num_worst_tokens=worst)
+    N = len(ref.src)
+    assert recv_x.shape[0] == worst and per_expert == []
+    check_handle(ctx, handle, all_inputs, ref, ctx.buffer.get_dispatch_config(ctx.world).num_sms // 2, worst=worst)
+    check_recv_x(recv_x, ref, all_inputs, rows=N)
+    assert_bitwise("recv_topk_idx", recv_idx[:N], ref.recv_topk_idx)
+    assert bool((recv_idx[N:] == -1).all()), "padding rows must have no experts"
+    assert bool((recv_w[N:] == 0).all())
+    check_combine_orders(ctx, expert_outputs(ctx, recv_x), handle, all_inputs)
+    cached = ctx.buffer.dispatch(cuda(all_inputs[ctx.rank].x, ctx), handle=handle)[0]
+    assert cached.shape[0] == worst
+    check_recv_x(cached, ref, all_inputs, rows=N)
+
+
+def case_combine_biases(ctx):
+    all_inputs = inputs(ctx, 9, tokens_of(ctx, 9))
+    (recv_x, _, _, _, handle, _), _ = layout_and_dispatch(ctx, all_inputs)
+    T = all_inputs[ctx.rank].x.shape[0]
+    g = _ref.generator(9, ctx.rank, salt=3)
+    b0 = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    b1 = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    y = expert_outputs(ctx, recv_x)
+    check_combine_orders(ctx, y, handle, all_inputs, (b0,))
+    check_combine_orders(ctx, y, handle, all_inputs, (b0, b1))
+
+
+def case_small_config_and_wide_rows(ctx):
+    all_inputs = inputs(ctx, 12, tokens_of(ctx, 12, base=300), hidden=H_MAX)
+    (recv_x, _, _, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs, config=SMALL)
+    assert handle[1].shape[1] == SMALL.num_sms // 2
+    check_handle(ctx, handle, all_inputs, ref, SMALL.num_sms // 2)
+    check_recv_x(recv_x, ref, all_inputs)
+    # combine's default config takes the dispatch's num_sms from the handle; SMALL itself works too
+    y = expert_outputs(ctx, recv_x)
+    check_combine_orders(ctx, y, handle, all_inputs)
+    check_combine_orders(ctx, y, handle, all_inputs, config=SMALL)
+
+
+def case_no_topk(ctx):
+    all_inputs = inputs(ctx, 5, tokens_of(ctx, 5))
+    (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(
+        ctx, all_inputs, with_topk=False, with_weights=False)
+    assert recv_idx is None and recv_w is None and per_expert == []
+    check_recv_x(recv_x, ref, all_inputs)
+    combined, combined_w, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle)
+    assert combined_w is None
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs))
+
+
+def case_async_and_previous_event(ctx):
+    import epx
+    all_inputs = inputs(ctx, 10, tokens_of(ctx, 10))
+    mine = all_inputs[ctx.rank]
+    idx = cuda(mine.topk_idx, ctx)
+    before = epx.Buffer.capture()
+    ntr, nrr, nte, itr, event = ctx.buffer.get_dispatch_layout(idx, E, previous_event=before, async_finish=True,
+                                                               allocate_on_comm_stream=True)
+    assert isinstance(event, epx.EventOverlap) and event.event is not None
+    x = cuda(mine.x, ctx)
+    recv_x, recv_idx, _, _, handle, event = ctx.buffer.dispatch(
+        x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=itr, num_tokens_per_expert=nte,
+        topk_idx=idx, topk_weights=cuda(mine.topk_weights, ctx), previous_event=event, async_finish=True,
+        allocate_on_comm_stream=True)
+    with event:  # overlap window: work here runs while the dispatch may still be in flight
+        side = torch.ones(64, 64, device=ctx.device) @ torch.ones(64, 64, device=ctx.device)
+    ref = _ref.dispatch([i.topk_idx for i in all_inputs], [i.topk_weights for i in all_inputs], ctx.rank, E)
+    check_recv_x(recv_x, ref, all_inputs)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    combined, _, event = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, previous_event=epx.Buffer.capture(),
+                                            async_finish=True)
+    event.current_stream_wait()
+    assert_bitwise("combined_x (async)", combined, combine_reference(ctx, all_inputs))
+    cached, _, _, _, _, event = ctx.buffer.dispatch(x, handle=handle, async_finish=True)
+    combined, _, event = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, previous_event=event,
+                                            async_finish=True, reduction="flat")
+    event.current_stream_wait()
+    check_recv_x(cached, ref, all_inputs)
+    assert_bitwise("combined_x (chained events, flat)", combined, combine_reference(ctx, all_inputs, "flat"))
+    assert float(side[0, 0]) == 64.0
+
+
+def case_zero_tokens_on_rank0(ctx):
+    counts = tokens_of(ctx, 11)
+    counts[0] = 0
+    all_inputs = inputs(ctx, 11, counts)
+    (recv_x, _, recv_w, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
+    check_recv_x(recv_x, ref, all_inputs)
+    assert_bitwise("recv_topk_weights", recv_w, ref.recv_topk_weights)
+    check_handle(ctx, handle, all_inputs, ref, ctx.buffer.get_dispatch_config(ctx.world).num_sms // 2)
+    y = expert_outputs(ctx, recv_x)
+    combined, _, _ = ctx.buffer.combine(y, handle, topk_weights=recv_w)
+    assert combined.shape == (counts[ctx.rank], H)
+    check_combine_orders(ctx, y, handle, all_inputs)
+
+
+CASES = [name for name in list(globals()) if name.startswith("case_")]
+
+
+# ---- pytest side ---------------------------------------------------------------------------------------------------
+# (ranks, NVLink domain size G): 2 domains of 1 GPU, 1 domain of 2 forced through the internode kernels, 2 x 2.
+SPLITS = [(2, 1), (2, 2), (4, 2)]
+
+
+@pytest.fixture(scope="module", params=SPLITS, ids=lambda s: f"{s[0] // s[1]}x{s[1]}")
+def results(request):
+    world, G = request.param
+    _dist.require_gpus(world)
+    import epx
+    if not epx.lib().epx_built_with_nvshmem():
+        pytest.skip(f"the internode mode needs a libepx built with NVSHMEM ({epx.lib().path} is not)")
+    with pytest.MonkeyPatch.context() as env:  # the spawned ranks inherit the split
+        env.delenv("EPX_NUM_NVL_RANKS", raising=False)
+        env.delenv("EPX_FORCE_INTERNODE", raising=False)
+        if G < world:
+            env.setenv("EPX_NUM_NVL_RANKS", str(G))
+        else:
+            env.setenv("EPX_FORCE_INTERNODE", "1")
+        return _dist.run_cases(os.path.abspath(__file__), CASES, world, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_internode(results, case):
+    results.check(case)
