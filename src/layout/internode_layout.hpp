@@ -83,13 +83,18 @@ struct InternodeNvlControl {
   // Phase-2 flags and messages: notify_flag[s] = epoch of the last message from local rank s.
   uint32_t notify_flag[kMaxNvlRanks];
   int32_t notify_msg[2][kMaxNvlRanks][NvlNetMsg::kInts];
-  // Sub-ring positions, per (channel, local rank, domain). Dispatch: records forwarded by local rank s for sources
-  // of domain i. tail at the reader j ([c][s][i], advanced by s), head at the forwarder s ([c][j][i], by j).
+  // Sub-ring positions, per (channel, local rank, domain); they only grow. Each side starts an operation from an
+  // index only it writes: the writer from its head (credit comes only after it writes), the reader from its base
+  // (its own record of where the last operation ended; the tail may already be moving when it starts).
+  // Dispatch: records forwarded by local rank s for sources of domain i. At the reader j ([c][s][i]): tail
+  // (advanced by s) and base; at the forwarder s ([c][j][i]): head (advanced by j).
   uint64_t dispatch_tail[kMaxChannels][kMaxNvlRanks][kMaxDomains];
+  uint64_t dispatch_base[kMaxChannels][kMaxNvlRanks][kMaxDomains];
   uint64_t dispatch_head[kMaxChannels][kMaxNvlRanks][kMaxDomains];
-  // Combine: rows local rank j returns to forwarder s for domain i. tail at s ([c][j][i], advanced by j), head at
-  // j ([c][s][i], by s).
+  // Combine: rows local rank j returns to forwarder s for domain i. At the reader s ([c][j][i]): tail (advanced by j)
+  // and base; at j ([c][s][i]): head (advanced by s).
   uint64_t combine_tail[kMaxChannels][kMaxNvlRanks][kMaxDomains];
+  uint64_t combine_base[kMaxChannels][kMaxNvlRanks][kMaxDomains];
   uint64_t combine_head[kMaxChannels][kMaxNvlRanks][kMaxDomains];
 };
 

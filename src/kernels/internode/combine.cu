@@ -461,6 +461,13 @@ __device__ void forwarder_coordinator(const InternodeCombineParams& p, int chann
     done = low;
     return 1;
   });
+  if (!active || n == 0) return;
+  for (int j = 0; j < G; ++j) {  // where the next operation's sub-rings start: every row of this one is consumed
+    if (j == g) continue;
+    const int head = p.h.send_nvl_head[int64_t(index0 + n - 1) * G + j];
+    internode_nvl(p.peers, p.peers.rank)->combine_base[channel][j][i] =
+        sh.nvl_base[j][i] + (head >= 0 ? head + 1 : -head - 1);
+  }
 }
 
 __device__ void forward_block(const InternodeCombineParams& p, int channel) {
@@ -471,7 +478,7 @@ __device__ void forward_block(const InternodeCombineParams& p, int channel) {
   constexpr int kForwarders = kWarps - 1;
   InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
   for (int x = threadIdx.x; x < G * D; x += blockDim.x)
-    sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->combine_tail[channel][x / D][x % D]);  // idle sub-rings
+    sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->combine_base[channel][x / D][x % D]);
   for (int x = threadIdx.x; x < kForwarders * D; x += blockDim.x) {
     const int w = x / D, i = x % D;
     const int n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);

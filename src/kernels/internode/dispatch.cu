@@ -330,6 +330,12 @@ __device__ void nvl_receiver_coordinator(const InternodeDispatchParams& p, int c
     }
     return state;
   });
+  for (int st = lane; st < streams.count; st += 32) {  // where the next operation's sub-rings start
+    int i, s;
+    RecvStreams::source(st, g, G, i, s);
+    const RowRange rows = source_rows(p.h, i * G + s, channel, C);
+    internode_nvl(p.peers, p.peers.rank)->dispatch_base[channel][s][i] = sh.base[st] + (rows.end - rows.begin);
+  }
 }
 
 __device__ void send_block(const InternodeDispatchParams& p, int channel) {
@@ -347,7 +353,7 @@ __device__ void send_block(const InternodeDispatchParams& p, int channel) {
     for (int st = threadIdx.x; st < streams.count; st += blockDim.x) {
       int i, s;
       RecvStreams::source(st, g, G, i, s);
-      sh.base[st] = read_idle(&internode_nvl(p.peers, p.peers.rank)->dispatch_tail[channel][s][i]);  // idle
+      sh.base[st] = read_idle(&internode_nvl(p.peers, p.peers.rank)->dispatch_base[channel][s][i]);
     }
   }
   __syncthreads();
