@@ -13,6 +13,10 @@
 # (--expect-transport). Append -2 or -all for one rank count (ll-ipc-2, ll-nvshmem-forced-all, ...);
 # ll-transports is all three. The NVSHMEM ones say SKIPPED on a build without NVSHMEM. ll-nvshmem is the
 # low-latency benchmark with EPX_LL_FORCE_NVSHMEM=1 (ll is the same with the default transport).
+#
+# Internode (needs an NVSHMEM build): internode-DxG runs the high-throughput suite on D NVLink domains of G
+# GPUs each (D*G ranks; the timeout suite too), e.g. internode-2x1, internode-1x2, internode-2x2;
+# bench-internode-D runs epx-bench internode on all local GPUs split into D domains.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -69,6 +73,18 @@ run_ll_counts() {  # transport [2|all]
   [ "$which" = all ] && [ "$ngpu" -le 2 ] && run_ll "$1" "$ngpu"
   return 0
 }
+run_internode() {  # DxG
+  local split=$1 log="$OUT/internode-$1.log" start=$SECONDS
+  local r=$(( ${split%x*} * ${split#*x} ))
+  if [ "$has_nvshmem" != 1 ]; then
+    summary+=("internode $split SKIPPED: $BUILD_DIR was built without NVSHMEM"); return
+  fi
+  timeout ${TEST_TIMEOUT:-280} "$BUILD_DIR/tests/epx_gpu_tests" --gpus "$r" --internode "$split" >"$log" 2>&1
+  local rc=$?
+  local line; line=$(grep -E "suite on .* cases passed" "$log" | tail -1)
+  summary+=("internode $split  rc=$rc  ${line:-no summary}  ($((SECONDS - start)) s)")
+  grep -E -A6 "^\[FAIL\]" "$log" | head -40
+}
 run_bench() {  # ranks mode [args]
   local r=$1 mode=$2; shift 2
   local tag=${BENCH_TAG:-} log="$OUT/bench-$mode${BENCH_TAG:-}-$r.log" start=$SECONDS
@@ -108,6 +124,13 @@ for step in $STEPS; do
     ll-ipc|ll-nvshmem-ptr|ll-nvshmem-forced) run_ll_counts "${step#ll-}" ;;
     ll-ipc-2|ll-nvshmem-ptr-2|ll-nvshmem-forced-2) t=${step#ll-}; run_ll_counts "${t%-2}" 2 ;;
     ll-ipc-all|ll-nvshmem-ptr-all|ll-nvshmem-forced-all) t=${step#ll-}; run_ll_counts "${t%-all}" all ;;
+    internode-*x*) run_internode "${step#internode-}" ;;
+    bench-internode-*)
+      if [ "$has_nvshmem" = 1 ]; then
+        BENCH_TAG=-d${step#bench-internode-} run_bench "$ngpu" internode --domains "${step#bench-internode-}"
+      else
+        summary+=("bench    internode SKIPPED: $BUILD_DIR was built without NVSHMEM")
+      fi ;;
     *) echo "unknown step $step" ;;
   esac
 done
