@@ -38,14 +38,16 @@ class Config:
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_nvl_ranks: Optional[int] = None) -> int:
         """num_nvl_bytes this config needs for rows of hidden_bytes (pass hidden * 2, the BF16 row; that
-        also covers FP8 rows of the same hidden with their scales): the larger of what the rings inside one NVLink
-        domain need (min(num_ranks, 8) ranks) and what the internode mode's NVLink sub-rings need, for domains of
-        G ranks (num_nvl_ranks: as get_rdma_buffer_size_hint)."""
+        also covers FP8 rows of the same hidden with their scales): what the rings inside one NVLink domain need
+        (min(num_ranks, 8) ranks) or, where the internode mode applies (see get_rdma_buffer_size_hint, which takes
+        num_nvl_ranks alike), the larger of that and what its NVLink sub-rings need."""
         num_ranks = _int("num_ranks", num_ranks)
         c = self.to_c()
         intranode = _lib.nvl_size_hint(c, hidden_bytes, min(num_ranks, _lib.limits().max_nvl_ranks))
-        internode, _ = _lib.internode_size_hints(c, hidden_bytes, num_ranks, _domain_size(num_ranks, num_nvl_ranks))
-        return max(intranode, internode)
+        G = _domain_size(num_ranks, num_nvl_ranks)
+        if G == num_ranks and not _force_internode():
+            return intranode
+        return max(intranode, _lib.internode_size_hints(c, hidden_bytes, num_ranks, G)[0])
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_nvl_ranks: Optional[int] = None) -> int:
         """num_rdma_bytes the internode mode's network rings need under this config for rows of hidden_bytes; 0 when

@@ -143,11 +143,11 @@ def test_internode_size_hints(monkeypatch):
     assert nvl_1 == 0 and rdma_1 > 0  # one GPU per domain forwards to itself only
     assert nvl_2 > 0 and rdma_2 > 0
     assert _lib.internode_size_hints(c.to_c(), hidden_bytes, 2, 0) == (nvl_2, rdma_2)  # 0: as many as one domain holds
-    # 2 ranks without a split: one domain, no RDMA buffer; the NVLink hint covers both modes.
+    # 2 ranks without a split: one domain, no RDMA buffer, the NVLink rings of one domain.
     assert c.get_rdma_buffer_size_hint(hidden_bytes, 2) == 0
     assert c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=2) == 0
     intranode = _lib.nvl_size_hint(c.to_c(), hidden_bytes, 2)
-    assert c.get_nvl_buffer_size_hint(hidden_bytes, 2) == max(intranode, nvl_2)
+    assert c.get_nvl_buffer_size_hint(hidden_bytes, 2) == intranode  # as before the internode mode
     # 2 domains of 1 GPU: by argument, or by the environment as a Buffer would see it.
     assert c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1) == rdma_1
     assert c.get_nvl_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1) == intranode
@@ -164,6 +164,7 @@ def test_internode_size_hints(monkeypatch):
     # Forced internode inside one domain needs the network rings too.
     monkeypatch.setenv("EPX_FORCE_INTERNODE", "1")
     assert c.get_rdma_buffer_size_hint(hidden_bytes, 2) == rdma_2
+    assert c.get_nvl_buffer_size_hint(hidden_bytes, 2) == max(intranode, nvl_2)
     monkeypatch.setenv("EPX_FORCE_INTERNODE", "yes")
     with pytest.raises(ValueError, match="EPX_FORCE_INTERNODE"):
         c.get_rdma_buffer_size_hint(hidden_bytes, 2)
@@ -177,8 +178,12 @@ def test_internode_size_hints(monkeypatch):
         c.get_rdma_buffer_size_hint(hidden_bytes, 12)
     with pytest.raises(epx.InvalidArgumentError, match="divide"):
         c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=4)
+    odd = epx.Config(24, 6, 256, 8, 8)  # one network chunk: fine inside one domain, refused for the internode mode
+    assert odd.get_nvl_buffer_size_hint(hidden_bytes, 2) == _lib.nvl_size_hint(odd.to_c(), hidden_bytes, 2)
     with pytest.raises(epx.InvalidArgumentError, match="num_max_rdma_recv_tokens"):
-        epx.Config(24, 6, 256, 8, 8).get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1)
+        odd.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1)
+    with pytest.raises(epx.InvalidArgumentError, match="num_max_rdma_recv_tokens"):
+        odd.get_nvl_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1)
     with pytest.raises(TypeError, match="num_nvl_ranks"):
         c.get_rdma_buffer_size_hint(hidden_bytes, 2, num_nvl_ranks=1.0)
 

@@ -3,7 +3,10 @@
 against the torch reference (_ref.py): the per-domain layout counts, dispatch (bit-exact) with deep_ep's 10-tuple
 handle, element by element, cached and worst-case dispatch, FP8, combine in the two-level and the flat order
 (bit-identical), biases, a small config, async and previous-event variants. Each case runs on every rank (see
-_dist.py). Skipped without the GPUs or without a libepx built with NVSHMEM."""
+_dist.py). Skipped without the GPUs or without a libepx built with NVSHMEM.
+
+The two combine orders give different bits only where a domain has several receiving ranks: at 2 x 1 they agree
+(each partial is its one row), at 1 x 2 they differ with biases, at 2 x 2 in general."""
 
 import os
 
@@ -131,15 +134,24 @@ def combine_reference(ctx, all_inputs, reduction="two_level", biases=()):
     return _ref.combine_two_level(rows, in_rank, ctx.extra["G"], biases)
 
 
-def check_combine_orders(ctx, y, handle, all_inputs, biases=(), **kwargs):
-    """Combine in the default order (two-level), explicitly two-level, and flat, each against its reference."""
+# The cases make their collective calls before their checks, so that a mismatch on one rank does not leave the
+# others waiting in a call it never makes.
+def combine_orders(ctx, y, handle, biases=(), **kwargs):
+    """-> combined_x in the default order (two-level), explicitly two-level, and flat."""
     bias = tuple(cuda(b, ctx) for b in biases) or None
-    default, _, _ = ctx.buffer.combine(y, handle, bias=bias, **kwargs)
+    return tuple(ctx.buffer.combine(y, handle, bias=bias, reduction=r, **kwargs)[0]
+                 for r in (None, "two_level", "flat"))
+
+
+def check_orders(ctx, combined, all_inputs, biases=()):
+    default, two_level, flat = combined
     assert_bitwise("combined_x (default: two-level)", default, combine_reference(ctx, all_inputs, "two_level", biases))
-    two_level, _, _ = ctx.buffer.combine(y, handle, bias=bias, reduction="two_level", **kwargs)
     assert_bitwise("combined_x (two_level)", two_level, default)
-    flat, _, _ = ctx.buffer.combine(y, handle, bias=bias, reduction="flat", **kwargs)
     assert_bitwise("combined_x (flat)", flat, combine_reference(ctx, all_inputs, "flat", biases))
+
+
+def check_combine_orders(ctx, y, handle, all_inputs, biases=(), **kwargs):
+    check_orders(ctx, combine_orders(ctx, y, handle, biases, **kwargs), all_inputs, biases)
 
 
 # ---- cases ---------------------------------------------------------------------------------------------------------
@@ -172,15 +184,18 @@ def case_layout(ctx):
 def case_dispatch_combine_bf16(ctx):
     all_inputs = inputs(ctx, 2, tokens_of(ctx, 2))
     (recv_x, recv_idx, recv_w, per_expert, handle, event), ref = layout_and_dispatch(ctx, all_inputs)
+    y = expert_outputs(ctx, recv_x)
+    combined = combine_orders(ctx, y, handle)
+    weights = {r: ctx.buffer.combine(y, handle, topk_weights=recv_w, reduction=r)[1] for r in ("two_level", "flat")}
+    again, _, _ = ctx.buffer.combine(y, handle)
+
+    check_orders(ctx, combined, all_inputs)
     assert event.event is None
     check_recv_x(recv_x, ref, all_inputs)
     assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
     assert_bitwise("recv_topk_weights", recv_w, ref.recv_topk_weights)
     assert per_expert == ref.per_expert, (per_expert, ref.per_expert)
     check_handle(ctx, handle, all_inputs, ref, ctx.buffer.get_dispatch_config(ctx.world).num_sms // 2)
-
-    y = expert_outputs(ctx, recv_x)
-    check_combine_orders(ctx, y, handle, all_inputs)
     mine = all_inputs[ctx.rank]
     in_rank = _ref.layout(mine.topk_idx, E, ctx.world)[2]
     # Rank j sends back the weights it received: the source weight where the expert is on j, else 0. Summed flat
@@ -188,25 +203,23 @@ def case_dispatch_combine_bf16(ctx):
     L = E // ctx.world
     per_rank_w = [torch.where(mine.topk_idx // L == j, mine.topk_weights, torch.zeros_like(mine.topk_weights))
                   for j in range(ctx.world)]
-    for reduction in ("two_level", "flat"):
-        _, combined_w, _ = ctx.buffer.combine(y, handle, topk_weights=recv_w, reduction=reduction)
+    for reduction, combined_w in weights.items():
         assert_bitwise(f"combined_topk_weights ({reduction})", combined_w, _ref.combine_weights(per_rank_w, in_rank))
     # Deterministic: the same call gives the same bits.
-    again, _, _ = ctx.buffer.combine(y, handle)
     assert_bitwise("combined_x (second run)", again, combine_reference(ctx, all_inputs))
 
 
 def case_dispatch_fp8(ctx):
     all_inputs = inputs(ctx, 3, tokens_of(ctx, 3))
     (recv_x, recv_idx, _, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=H // 128)
-    assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn
-    check_recv_x(recv_x, ref, all_inputs, fp8_scales=H // 128)
-    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
-    assert per_expert == ref.per_expert
     mine = all_inputs[ctx.rank]
     x2 = _ref.as_fp8(_ref.scale_rows(mine.x, -2.0))
     s2 = _ref.make_scales(8, ctx.rank, mine.x.shape[0], H // 128)
     cached = ctx.buffer.dispatch((cuda(x2, ctx), cuda(s2, ctx)), handle=handle)
+    assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn
+    check_recv_x(recv_x, ref, all_inputs, fp8_scales=H // 128)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert per_expert == ref.per_expert
     assert cached[1:5] == (None, None, None, None)
     want = _ref.gather_rows([_ref.as_fp8(_ref.scale_rows(i.x, -2.0)) for i in all_inputs], ref.src, H,
                             torch.float8_e4m3fn)
@@ -219,14 +232,14 @@ def case_dispatch_fp8(ctx):
 def case_cached_dispatch_bf16(ctx):
     all_inputs = inputs(ctx, 8, tokens_of(ctx, 8))
     (_, _, _, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
-    for step in range(2):
-        new = [_ref.scale_rows(i.x, 3.0 + step) for i in all_inputs]
-        recv, a, b, c, d, event = ctx.buffer.dispatch(cuda(new[ctx.rank], ctx), handle=handle)
-        assert (a, b, c, d) == (None, None, None, None) and event.event is None
-        assert_bitwise(f"cached recv_x step {step}", recv, _ref.gather_rows(new, ref.src, H, torch.bfloat16))
+    new = [[_ref.scale_rows(i.x, 3.0 + step) for i in all_inputs] for step in range(2)]
+    outs = [ctx.buffer.dispatch(cuda(n[ctx.rank], ctx), handle=handle) for n in new]
     # The handle is unchanged by the cached dispatches: combine still sums in both orders.
     recv, *_ = ctx.buffer.dispatch(cuda(all_inputs[ctx.rank].x, ctx), handle=handle)
     check_combine_orders(ctx, expert_outputs(ctx, recv), handle, all_inputs)
+    for step, (n, (recv, a, b, c, d, event)) in enumerate(zip(new, outs)):
+        assert (a, b, c, d) == (None, None, None, None) and event.event is None
+        assert_bitwise(f"cached recv_x step {step}", recv, _ref.gather_rows(n, ref.src, H, torch.bfloat16))
 
 
 def case_worst_case_mode(ctx):
@@ -236,14 +249,14 @@ def case_worst_case_mode(ctx):
     (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs,
                                                                                num_worst_tokens=worst)
     N = len(ref.src)
+    cached = ctx.buffer.dispatch(cuda(all_inputs[ctx.rank].x, ctx), handle=handle)[0]
+    check_combine_orders(ctx, expert_outputs(ctx, recv_x), handle, all_inputs)
     assert recv_x.shape[0] == worst and per_expert == []
     check_handle(ctx, handle, all_inputs, ref, ctx.buffer.get_dispatch_config(ctx.world).num_sms // 2, worst=worst)
     check_recv_x(recv_x, ref, all_inputs, rows=N)
     assert_bitwise("recv_topk_idx", recv_idx[:N], ref.recv_topk_idx)
     assert bool((recv_idx[N:] == -1).all()), "padding rows must have no experts"
     assert bool((recv_w[N:] == 0).all())
-    check_combine_orders(ctx, expert_outputs(ctx, recv_x), handle, all_inputs)
-    cached = ctx.buffer.dispatch(cuda(all_inputs[ctx.rank].x, ctx), handle=handle)[0]
     assert cached.shape[0] == worst
     check_recv_x(cached, ref, all_inputs, rows=N)
 
@@ -256,29 +269,31 @@ def case_combine_biases(ctx):
     b0 = torch.randn(T, H, generator=g).to(torch.bfloat16)
     b1 = torch.randn(T, H, generator=g).to(torch.bfloat16)
     y = expert_outputs(ctx, recv_x)
-    check_combine_orders(ctx, y, handle, all_inputs, (b0,))
-    check_combine_orders(ctx, y, handle, all_inputs, (b0, b1))
+    one, two = (combine_orders(ctx, y, handle, biases) for biases in ((b0,), (b0, b1)))
+    check_orders(ctx, one, all_inputs, (b0,))
+    check_orders(ctx, two, all_inputs, (b0, b1))
 
 
 def case_small_config_and_wide_rows(ctx):
     all_inputs = inputs(ctx, 12, tokens_of(ctx, 12, base=300), hidden=H_MAX)
     (recv_x, _, _, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs, config=SMALL)
+    # combine's default config takes the dispatch's num_sms from the handle; SMALL itself works too
+    y = expert_outputs(ctx, recv_x)
+    default_config, small = combine_orders(ctx, y, handle), combine_orders(ctx, y, handle, config=SMALL)
+    check_orders(ctx, default_config, all_inputs)
+    check_orders(ctx, small, all_inputs)
     assert handle[1].shape[1] == SMALL.num_sms // 2
     check_handle(ctx, handle, all_inputs, ref, SMALL.num_sms // 2)
     check_recv_x(recv_x, ref, all_inputs)
-    # combine's default config takes the dispatch's num_sms from the handle; SMALL itself works too
-    y = expert_outputs(ctx, recv_x)
-    check_combine_orders(ctx, y, handle, all_inputs)
-    check_combine_orders(ctx, y, handle, all_inputs, config=SMALL)
 
 
 def case_no_topk(ctx):
     all_inputs = inputs(ctx, 5, tokens_of(ctx, 5))
     (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(
         ctx, all_inputs, with_topk=False, with_weights=False)
+    combined, combined_w, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle)
     assert recv_idx is None and recv_w is None and per_expert == []
     check_recv_x(recv_x, ref, all_inputs)
-    combined, combined_w, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle)
     assert combined_w is None
     assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs))
 
@@ -299,19 +314,20 @@ def case_async_and_previous_event(ctx):
         allocate_on_comm_stream=True)
     with event:  # overlap window: work here runs while the dispatch may still be in flight
         side = torch.ones(64, 64, device=ctx.device) @ torch.ones(64, 64, device=ctx.device)
-    ref = _ref.dispatch([i.topk_idx for i in all_inputs], [i.topk_weights for i in all_inputs], ctx.rank, E)
-    check_recv_x(recv_x, ref, all_inputs)
-    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
     combined, _, event = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, previous_event=epx.Buffer.capture(),
                                             async_finish=True)
     event.current_stream_wait()
-    assert_bitwise("combined_x (async)", combined, combine_reference(ctx, all_inputs))
+    # async without allocate_on_comm_stream, previous event from an earlier async op
     cached, _, _, _, _, event = ctx.buffer.dispatch(x, handle=handle, async_finish=True)
-    combined, _, event = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, previous_event=event,
-                                            async_finish=True, reduction="flat")
+    flat, _, event = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, previous_event=event, async_finish=True,
+                                        reduction="flat")
     event.current_stream_wait()
+    ref = _ref.dispatch([i.topk_idx for i in all_inputs], [i.topk_weights for i in all_inputs], ctx.rank, E)
+    check_recv_x(recv_x, ref, all_inputs)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert_bitwise("combined_x (async)", combined, combine_reference(ctx, all_inputs))
     check_recv_x(cached, ref, all_inputs)
-    assert_bitwise("combined_x (chained events, flat)", combined, combine_reference(ctx, all_inputs, "flat"))
+    assert_bitwise("combined_x (chained events, flat)", flat, combine_reference(ctx, all_inputs, "flat"))
     assert float(side[0, 0]) == 64.0
 
 
@@ -320,13 +336,13 @@ def case_zero_tokens_on_rank0(ctx):
     counts[0] = 0
     all_inputs = inputs(ctx, 11, counts)
     (recv_x, _, recv_w, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
+    y = expert_outputs(ctx, recv_x)
+    combined, _, _ = ctx.buffer.combine(y, handle, topk_weights=recv_w)
+    check_combine_orders(ctx, y, handle, all_inputs)
+    assert combined.shape == (counts[ctx.rank], H)
     check_recv_x(recv_x, ref, all_inputs)
     assert_bitwise("recv_topk_weights", recv_w, ref.recv_topk_weights)
     check_handle(ctx, handle, all_inputs, ref, ctx.buffer.get_dispatch_config(ctx.world).num_sms // 2)
-    y = expert_outputs(ctx, recv_x)
-    combined, _, _ = ctx.buffer.combine(y, handle, topk_weights=recv_w)
-    assert combined.shape == (counts[ctx.rank], H)
-    check_combine_orders(ctx, y, handle, all_inputs)
 
 
 CASES = [name for name in list(globals()) if name.startswith("case_")]
