@@ -64,10 +64,12 @@ struct ReturnShared {
   uint64_t base[kMaxStreams];                             // NVLink senders: each sub-ring's start
   int need[kWarps][kMaxDomains];               // network receivers: ring positions below this are no longer needed
   const uint8_t* record[kWarps][kMaxDomains];  // network receivers: the current token's record per domain
+  const int4* rows[kWarps][kMaxRanks];         // network receivers: the current token's rows in summation order
 };
 
 struct ForwardShared {
   int progress[kWarps][kMaxDomains];
+  const int4* rows[kWarps][kMaxNvlRanks];        // forwarders: the current token's rows in ascending j
   uint64_t nvl_base[kMaxNvlRanks][kMaxDomains];  // sub-ring (from j, domain i) positions at the start
 };
 
@@ -170,33 +172,41 @@ __device__ void nvl_sender_coordinator(const InternodeCombineParams& p, int chan
 
 // ---- network receivers --------------------------------------------------------------------------------------------
 
-// Token t's reduction from the records in sh.record[warp] (null where the token did not go), into combined_x.
-__device__ void reduce_token(const InternodeCombineParams& p, int t, const uint8_t* const* records, int lane) {
+// Token t's reduction from the records in records[m] (null where the token did not go), into combined_x. rows:
+// this warp's list (shared), filled here with the rows to sum in the order SPEC section 6 names: two-level, one
+// partial per domain in ascending m; flat, every rank's row in ascending global rank.
+__device__ void reduce_token(const InternodeCombineParams& p, int t, const uint8_t* const* records, const int4** rows,
+                             int lane) {
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, R = p.num_ranks;
   const uint8_t* in = p.h.is_token_in_rank + int64_t(t) * R;
   const int n = p.x_int4;
-  int4* out = p.combined_x + int64_t(t) * n;
+  int count = 0;
+  if (p.two_level) {
+    const bool present = lane < D && records[lane] != nullptr;
+    const uint32_t bits = __ballot_sync(kFullMask, present);
+    if (present) rows[__popc(bits & ((1u << lane) - 1))] = reinterpret_cast<const int4*>(records[lane]);
+    count = __popc(bits);
+  } else {
+    const int row_int4 = int(p.net_record.row_bytes / 16);
+    for (int r0 = 0; r0 < R; r0 += 32) {  // ranks r0 + lane; a domain's rows sit in its record in ascending j
+      const int r = r0 + lane;
+      const bool present = r < R && in[r] != 0;
+      const uint32_t bits = __ballot_sync(kFullMask, present);
+      if (present) {
+        const int m = r / G, j = r % G;
+        int before = 0;  // ranks of domain m below j that received the token: rows ahead of r's in m's record
+        for (int jj = 0; jj < j; ++jj) before += in[m * G + jj] != 0 ? 1 : 0;
+        rows[count + __popc(bits & ((1u << lane) - 1))] =
+            reinterpret_cast<const int4*>(records[m]) + int64_t(before) * row_int4;
+      }
+      count += __popc(bits);
+    }
+  }
+  __syncwarp();
   const int4* b0 = p.bias0 != nullptr ? p.bias0 + int64_t(t) * n : nullptr;
   const int4* b1 = p.bias1 != nullptr ? p.bias1 + int64_t(t) * n : nullptr;
-  const int row_int4 = int(p.net_record.row_bytes / 16);
-  for (int v = lane; v < n; v += 32) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int m = 0; m < D; ++m) {
-      const int4* rec = reinterpret_cast<const int4*>(records[m]);
-      if (rec == nullptr) continue;
-      if (p.two_level) {
-        add_bf16x8(acc, ld_cg(rec + v));
-      } else {
-        int row = 0;
-        for (int j = 0; j < G; ++j)
-          if (in[m * G + j]) add_bf16x8(acc, ld_cg(rec + int64_t(row++) * row_int4 + v));
-      }
-    }
-    if (b0 != nullptr) add_bf16x8(acc, ld_nc(b0 + v));
-    if (b1 != nullptr) add_bf16x8(acc, ld_nc(b1 + v));
-    st_na(out + v, pack_bf16x8(acc));
-  }
+  sum_rows_bf16<kReduceBatch, kReduceVectors>(p.combined_x + int64_t(t) * n, rows, count, n, b0, b1, lane);
   if (p.combined_topk_weights != nullptr && lane < p.num_topk) {
     float acc = 0.f;
     for (int m = 0; m < D; ++m) {
@@ -233,7 +243,7 @@ __device__ __noinline__ void net_receiver(const InternodeCombineParams& p, int c
       sh.record[warp][lane] = rec;
     }
     __syncwarp();
-    reduce_token(p, t, sh.record[warp], lane);
+    reduce_token(p, t, sh.record[warp], sh.rows[warp], lane);
     __syncwarp();  // this token's records are consumed before the next need is published
   }
   if (lane < D) st_release_cta(&sh.need[warp][lane], INT_MAX);
@@ -306,10 +316,12 @@ __device__ void return_block(const InternodeCombineParams& p, int channel) {
 // ---- forwarders ---------------------------------------------------------------------------------------------------
 
 // Writes the record of one token for domain i at dst: its partial (two-level) or its rows (flat), and every rank's
-// top-k weights (0 for ranks without the token). rows[j] / weights[j]: rank j's row and weights, null if absent.
+// top-k weights (0 for ranks without the token). rows[j] / weights[j]: rank j's row and weights, null if absent;
+// list: this warp's scratch list (shared).
 __device__ __noinline__ void write_combine_record(const InternodeCombineParams& p, uint8_t* dst,
                                                   const int4* const (&rows)[kMaxNvlRanks],
-                                                  const float* const (&weights)[kMaxNvlRanks], int lane) {
+                                                  const float* const (&weights)[kMaxNvlRanks], const int4** list,
+                                                  int lane) {
   const int G = p.peers.net.num_local, n = p.x_int4;
   int count = 0;
 #pragma unroll
@@ -323,17 +335,14 @@ __device__ __noinline__ void write_combine_record(const InternodeCombineParams& 
       warp_copy<kInternodeCopyUnroll>(out + int64_t(r++) * n, rows[j], n, lane, LoadCg{}, StoreNa{});
     }
   } else {  // one partial: ascending j in float32 from 0, one rounding
-    for (int v = lane; v < n; v += 32) {
-      int4 x[kMaxNvlRanks];
+    if (lane == 0) {
+      int r = 0;
 #pragma unroll
       for (int j = 0; j < kMaxNvlRanks; ++j)
-        if (rows[j] != nullptr) x[j] = ld_cg(rows[j] + v);
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < kMaxNvlRanks; ++j)
-        if (rows[j] != nullptr) add_bf16x8(acc, x[j]);
-      st_na(out + v, pack_bf16x8(acc));
+        if (rows[j] != nullptr) list[r++] = rows[j];
     }
+    __syncwarp();
+    sum_rows_bf16<kReduceBatch, kReduceVectors>(out, list, count, n, nullptr, nullptr, lane);
   }
   float* w = reinterpret_cast<float*>(dst + p.net_record.weight_offset);
   for (int x = lane; x < G * p.num_topk; x += 32) {
@@ -412,7 +421,7 @@ __device__ __noinline__ void forwarder(const InternodeCombineParams& p, int chan
       weights[j] = p.num_topk > 0 ? reinterpret_cast<const float*>(slot + p.nvl_weight_offset) : nullptr;
     }
     uint8_t* record = p.ring.slot(ctrl, channel, i, i == d ? 1 : 0, slot_pos);
-    write_combine_record(p, record, rows, weights, lane);
+    write_combine_record(p, record, rows, weights, sh.rows[w], lane);
     if (i != d) {
       __syncwarp();  // the record's stores come before the put reads them
       // At (i, g), its receive half for this rank's domain, the same slot.

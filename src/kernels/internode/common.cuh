@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "device/bf16.cuh"
 #include "device/ptx.cuh"
 #include "device/report.cuh"
 #include "device/transport.cuh"
@@ -87,6 +88,52 @@ __device__ __forceinline__ void write_output_row(const InternodeDispatchParams& 
     p.h.recv_src_meta[2 * int64_t(row) + 1] = mask;
   }
 }
+
+// out[v] = bf16(float(rows[0][v]) + float(rows[1][v]) + ... + float(rows[count - 1][v]) + b0[v] + b1[v]) for the n
+// 16-byte positions v of a row: float32 from 0, the rows in list order, then the biases (null: none), one rounding.
+// Each lane loads kVectors positions of kBatch rows before it adds them, so kBatch * kVectors loads are in flight;
+// the additions keep the list order. Warp-collective; rows is this warp's list (shared memory).
+template <int kBatch, int kVectors>
+__device__ __forceinline__ void sum_rows_bf16(int4* out, const int4* const* rows, int count, int n, const int4* b0,
+                                              const int4* b1, int lane) {
+  for (int base = lane; base < n; base += 32 * kVectors) {
+    float acc[kVectors][8];
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+    for (int r0 = 0; r0 < count; r0 += kBatch) {
+      int4 v[kBatch][kVectors];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (r0 + b >= count) continue;
+        const int4* row = rows[r0 + b];
+#pragma unroll
+        for (int u = 0; u < kVectors; ++u)
+          if (base + 32 * u < n) v[b][u] = ld_cg(row + base + 32 * u);
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (r0 + b >= count) continue;
+#pragma unroll
+        for (int u = 0; u < kVectors; ++u)
+          if (base + 32 * u < n) add_bf16x8(acc[u], v[b][u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kVectors; ++u) {
+      const int i = base + 32 * u;
+      if (i >= n) break;
+      if (b0 != nullptr) add_bf16x8(acc[u], ld_nc(b0 + i));
+      if (b1 != nullptr) add_bf16x8(acc[u], ld_nc(b1 + i));
+      st_na(out + i, pack_bf16x8(acc[u]));
+    }
+  }
+}
+
+// Rows of a combine reduction loaded together per lane (sum_rows_bf16's kBatch and kVectors).
+constexpr int kReduceBatch = 2;
+constexpr int kReduceVectors = 2;
 
 // A coordinator's loop: until done(), call step(); spin with a budget only while a step made no progress.
 template <typename Step>
