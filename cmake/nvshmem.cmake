@@ -1,15 +1,14 @@
-# NVSHMEM (optional): the low-latency region in NVSHMEM symmetric memory, NVSHMEM puts for peers that a peer
-# pointer cannot reach (docs/design.md, "Low-latency transports"). Without it everything builds as before and
-# the low-latency mode works inside one NVLink domain through the CUDA IPC buffer.
+# NVSHMEM: the internode mode's network rings, and the low-latency region in NVSHMEM symmetric memory with puts
+# for peers that a peer pointer cannot reach (docs/design.md, "Low-latency transports"). Without it the internode
+# mode reports EPX_ERR_NOT_SUPPORTED and the low-latency mode works inside one NVLink domain through the CUDA IPC
+# buffer.
 #
-#   -DEPX_NVSHMEM=OFF (default): never use it (an NVSHMEM build still has a known defect on the GPU machines:
-#    docs/design.md, "Low-latency transports")
-#   -DEPX_NVSHMEM=ON: require it;  -DEPX_NVSHMEM=AUTO: use NVSHMEM when EPX_NVSHMEM_DIR or python3's
-#    site-packages has it
+#   -DEPX_NVSHMEM=AUTO (default): use NVSHMEM when EPX_NVSHMEM_DIR or python3's site-packages has it
+#   -DEPX_NVSHMEM=ON: require it;  -DEPX_NVSHMEM=OFF: never use it
 #   -DEPX_NVSHMEM_DIR=<root with include/ and lib/>, e.g. .../site-packages/nvidia/nvshmem (the pip package
 #    nvidia-nvshmem-cu13)
 # Sets EPX_HAVE_NVSHMEM and the imported targets epx::nvshmem_host and epx::nvshmem_device.
-set(EPX_NVSHMEM OFF CACHE STRING "Build the NVSHMEM transport of the low-latency mode: OFF, ON or AUTO")
+set(EPX_NVSHMEM AUTO CACHE STRING "Build with NVSHMEM (internode mode, low-latency NVSHMEM transport): AUTO, ON or OFF")
 set_property(CACHE EPX_NVSHMEM PROPERTY STRINGS AUTO ON OFF)
 set(EPX_NVSHMEM_DIR "" CACHE PATH "NVSHMEM root (include/, lib/): e.g. site-packages/nvidia/nvshmem")
 # Where the GPU machines keep NVSHMEM: binaries are built on CPU machines and carried there, so libepx.so

@@ -2,11 +2,11 @@
 # Installs what the build needs when it is missing (Debian packages, PyPI), then configures and builds epx.
 # Uses what is already installed; on machines without network (the GPU machines) it installs nothing.
 #   scripts/setup.sh [BUILD_DIR]      (default: build)
-# NVSHMEM (optional, the low-latency mode's NVSHMEM transport) is opt-in: EPX_NVSHMEM=1 requires it (found in
-# EPX_NVSHMEM_DIR, .nvshmem/ of an earlier run, python3's site-packages or the GPU machines' torch venv, else
-# installed into .nvshmem/ from PyPI when the network allows); EPX_NVSHMEM=auto uses it when found. The default
-# (0) builds without it: an NVSHMEM build still has a known defect on the GPU machines (docs/design.md,
-# "Low-latency transports"), and inside one NVLink domain the CUDA IPC buffer does the same job.
+# NVSHMEM (the internode mode needs it; the low-latency mode can use it) is used wherever it is found: in
+# EPX_NVSHMEM_DIR, .nvshmem/ of an earlier run, python3's site-packages or the GPU machines' torch venv; else it is
+# installed into .nvshmem/ from PyPI (nvidia-nvshmem-cu13, the GPU machines' version) when the network allows, and
+# the build goes without it when that fails. EPX_NVSHMEM=0 builds without it; EPX_NVSHMEM=1 fails unless it is
+# found or installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build}
@@ -47,18 +47,17 @@ print(list(s.submodule_search_locations)[0] if s and s.submodule_search_location
   return 1
 }
 nvshmem_dir=""
-case "${EPX_NVSHMEM:-0}" in
+case "${EPX_NVSHMEM:-auto}" in
   0|off|OFF) ;;
   *)
     nvshmem_dir=$(find_nvshmem || true)
-    if [ -z "$nvshmem_dir" ] && [ "${EPX_NVSHMEM}" = 1 ] &&
-       command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then
+    if [ -z "$nvshmem_dir" ] && command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then
       echo "setup: installing $NVSHMEM_PIP into .nvshmem/"
       timeout 600 python3 -m pip install --quiet --disable-pip-version-check --target .nvshmem "$NVSHMEM_PIP" \
         >/dev/null 2>&1 || echo "setup: could not install $NVSHMEM_PIP (no network?); building without NVSHMEM"
       nvshmem_dir=$(find_nvshmem || true)
     fi
-    if [ -z "$nvshmem_dir" ] && [ "${EPX_NVSHMEM}" = 1 ]; then
+    if [ -z "$nvshmem_dir" ] && [ "${EPX_NVSHMEM:-auto}" = 1 ]; then
       echo "setup: EPX_NVSHMEM=1 but NVSHMEM was not found (set EPX_NVSHMEM_DIR)" >&2
       exit 1
     fi ;;
@@ -69,7 +68,7 @@ if [ -n "$nvshmem_dir" ]; then
   nvshmem_flags=(-DEPX_NVSHMEM=ON "-DEPX_NVSHMEM_DIR=$nvshmem_dir")
 else
   nvshmem_mode=OFF
-  echo "setup: building without NVSHMEM (the low-latency mode uses the CUDA IPC buffer; EPX_NVSHMEM=1 opts in)"
+  echo "setup: building without NVSHMEM (no internode mode; the low-latency mode uses the CUDA IPC buffer)"
   nvshmem_flags=(-DEPX_NVSHMEM=OFF -DEPX_NVSHMEM_DIR=)
 fi
 

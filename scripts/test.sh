@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# Sets up, builds and runs every test this machine can run: the CPU tests always; the GPU suite on all local
-# GPUs when there are at least two; the Python binding tests when python3 is there.
+# Sets up, builds and runs every test this machine can run, for both variants of the build: with NVSHMEM (found or
+# installed by the set-up; the internode mode needs it) in BUILD_DIR, and without it in BUILD_DIR-no-nvshmem. The CPU
+# tests and the Python binding tests (when python3 is there) run against each; the GPU suite, on all local GPUs when
+# there are at least two, against the first (intranode, low-latency and every internode split it can form).
+# In CI (CI set) the NVSHMEM variant is required: EPX_NVSHMEM=1 unless set otherwise.
 #   scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BUILD_DIR=${EPX_BUILD_DIR:-build}
+[ -n "${CI:-}" ] && export EPX_NVSHMEM=${EPX_NVSHMEM:-1}
 scripts/setup.sh "$BUILD_DIR"
+variants=("$BUILD_DIR")
+if grep -qx "EPX_NVSHMEM:STRING=ON" "$BUILD_DIR/CMakeCache.txt"; then
+  echo "== Build without NVSHMEM ($BUILD_DIR-no-nvshmem)"
+  EPX_NVSHMEM=0 scripts/setup.sh "$BUILD_DIR-no-nvshmem"
+  variants+=("$BUILD_DIR-no-nvshmem")
+fi
 
 echo "== Format"
 if command -v clang-format >/dev/null 2>&1; then
@@ -18,20 +28,21 @@ else
   echo "format check skipped: clang-format is not installed here"
 fi
 
-echo "== CPU tests"
-if [ -x "$BUILD_DIR/tests/epx_cpu_tests" ]; then
-  "$BUILD_DIR/tests/epx_cpu_tests" --gtest_brief=1
-elif [ -n "${CI:-}" ]; then
-  echo "CPU tests were not built (GoogleTest missing)" >&2
-  exit 1
-else
-  echo "CPU tests skipped: GoogleTest is not installed here (the GPU machines have none)"
-fi
-
-if [ -f python/tests/run.sh ]; then
-  echo "== Python tests"
-  EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" bash python/tests/run.sh
-fi
+for dir in "${variants[@]}"; do
+  echo "== CPU tests ($dir)"
+  if [ -x "$dir/tests/epx_cpu_tests" ]; then
+    "$dir/tests/epx_cpu_tests" --gtest_brief=1
+  elif [ -n "${CI:-}" ]; then
+    echo "CPU tests were not built (GoogleTest missing)" >&2
+    exit 1
+  else
+    echo "CPU tests skipped: GoogleTest is not installed here (the GPU machines have none)"
+  fi
+  if [ -f python/tests/run.sh ]; then
+    echo "== Python tests ($dir)"
+    EPX_LIBRARY="$PWD/$dir/libepx.so" bash python/tests/run.sh
+  fi
+done
 
 echo "== GPU tests"
 "$BUILD_DIR/tests/epx_gpu_tests"
