@@ -293,7 +293,8 @@ std::vector<Case> high_throughput_cases(bool internode) {
 
     cases.push_back(Case{"buffer too small is reported before any launch", [](Context& ctx) {
                            auto c = base_case({64}, 7168, 34);
-                           Config big{ctx.dispatch_config.num_sms, ctx.dispatch_config.num_max_send_tokens, 1 << 20};
+                           Config big = ctx.dispatch_config;
+                           big.num_max_recv_tokens = 1 << 20;
                            HtSession s(ctx.buffer, c, big, big, ctx.stream);
                            s.layout();
                            try {
