@@ -28,9 +28,9 @@ from ._memory import Views, itemsize
 from ._streams import Streams, check_stream_flags
 from .bootstrap import AllGather, from_mpi_comm, from_torch_group
 from .config import Config
-from .errors import FailedStateError, InternalError, error_for
+from .errors import FailedStateError, InternalError, NotSupportedError, error_for
 from .event import EventOverlap
-from .low_latency import LowLatencyMixin
+from .low_latency import LowLatencyMixin, _rank_masking_unsupported
 
 Handle = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # deep_ep's internode handle: (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
@@ -99,21 +99,27 @@ class _Native:
 
 
 class Buffer(LowLatencyMixin):
-    """Communication buffer of one rank for MoE dispatch and combine (deep_ep.Buffer's API).
+    """Communication buffer of one rank for MoE dispatch and combine, with deep_ep.Buffer's API.
 
-    group: a torch.distributed process group (gloo or NCCL; used only to exchange bytes at creation and
-    destruction), or comm: an mpi4py communicator. Every rank must create its Buffer with the same sizes,
-    with its own GPU as the current device. num_nvl_bytes: high-throughput ring buffers (see
-    Config.get_nvl_buffer_size_hint); num_rdma_bytes: the low-latency area (get_low_latency_rdma_size_hint), or
-    in the internode mode the network rings (Config.get_rdma_buffer_size_hint). num_qps_per_rank,
-    allow_nvlink_for_low_latency_mode and allow_mnnvl are accepted for compatibility and have no effect: epx
-    reaches every peer of one NVLink domain through CUDA IPC. With explicitly_destroy=False the buffer is
-    destroyed (collectively) when it is garbage collected or at exit; otherwise call destroy() on every rank.
+    One Buffer per process (one process per GPU) and per group of ranks that exchange tokens. It holds:
+    - the NVLink area (num_nvl_bytes): the rings of the high-throughput dispatch and combine inside one NVLink
+      domain, mapped into every rank of the domain through CUDA IPC;
+    - the RDMA area (num_rdma_bytes): the low-latency mode's send and receive slots, or in the internode mode the
+      network rings between NVLink domains (NVSHMEM symmetric memory where libepx has NVSHMEM; the low-latency
+      slots of a libepx without it are CUDA IPC memory).
 
-    The library chooses the mode at creation: ranks form NVLink domains of the ranks that share a host (or of
-    $EPX_NUM_NVL_RANKS ranks); over several domains, or with EPX_FORCE_INTERNODE=1, the Buffer runs the
-    internode (hierarchical) kernels, which need a libepx built with NVSHMEM. Then dispatch returns deep_ep's
-    internode handle (a 10-tuple) and combine sums in the two-level order by default.
+    Modes. The library chooses the high-throughput mode at creation: the ranks that share a host form an NVLink
+    domain ($EPX_NUM_NVL_RANKS=G sets the domain size instead); with one domain the intranode kernels run, with
+    several (or with EPX_FORCE_INTERNODE=1) the internode (hierarchical) kernels, which need a libepx built with
+    NVSHMEM. dispatch then returns deep_ep's internode handle (a 10-tuple) and combine sums in the two-level
+    order by default. The low-latency methods work inside one NVLink domain and need low_latency_mode=True.
+
+    Collective calls: creation, destroy, dispatch, combine, the low-latency calls and clean_low_latency_buffer.
+    Every rank of the group must make them, in the same order; get_dispatch_layout and the queries are local.
+
+    Attributes (read-only by convention): rank, group_size, group (the process group, or the mpi4py communicator
+    when only comm was given), comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy,
+    enable_shrink; the class attribute num_sms (set by set_num_sms; None: the library's default, 24).
     """
 
     # SMs of the high-throughput kernels, set by set_num_sms(); None means the library's default.
@@ -121,18 +127,65 @@ class Buffer(LowLatencyMixin):
 
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
-                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, comm=None):
+                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm=None):
+        """Collective: creates this rank's buffer and connects it with every other rank's.
+
+        Every rank must call it with the same sizes and flags, each with its own GPU as the current CUDA device.
+        The arguments, names, order and defaults are deep_ep.Buffer's, so positional calls mean the same thing.
+
+        Arguments:
+            group: the torch.distributed process group of the ranks that exchange tokens (gloo or NCCL: it only
+                carries a few bytes at creation and destruction). May be None when comm is given; when both are
+                given, group is used (as in deep_ep).
+            num_nvl_bytes: int >= 0, default 0. Bytes of the NVLink area, which the high-throughput dispatch and
+                combine need (size it with `Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(hidden * 2,
+                R)`, and the same for the combine config; take the larger). 0: no high-throughput calls.
+            num_rdma_bytes: int >= 0, default 0. Bytes of the RDMA area: with low_latency_mode, the low-latency
+                slots (get_low_latency_rdma_size_hint); in the internode mode, the network rings
+                (Config.get_rdma_buffer_size_hint). 0 inside one NVLink domain without low-latency calls.
+            low_latency_mode: bool, default False. Lays out the RDMA area for the low-latency calls
+                (low_latency_dispatch / low_latency_combine).
+            num_qps_per_rank: int >= 1, default 24. deep_ep's count of RDMA queue pairs per peer; checked for
+                type and range, no effect here: epx sets up its transports (CUDA IPC, NVSHMEM) itself.
+            allow_nvlink_for_low_latency_mode: bool, default True. No effect (checked for type): epx's low-latency
+                mode runs inside one NVLink domain, whose ranks talk over NVLink.
+            allow_mnnvl: bool, default False. deep_ep's multi-node NVLink switch; no effect (checked for type).
+            use_fabric: bool, default False. deep_ep's allocation of its buffers through the CUDA fabric memory API
+                (multi-node NVLink systems); no effect (checked for type): epx allocates its own memory (cudaMalloc
+                shared through CUDA IPC inside a domain, NVSHMEM symmetric memory where it uses NVSHMEM).
+            explicitly_destroy: bool, default False. True: you must call destroy() on every rank (a warning is
+                issued if the Buffer is collected without it). False: the Buffer is destroyed when it is garbage
+                collected or at interpreter exit; destruction is collective, so do not let one rank drop it early.
+            enable_shrink: bool, default False. deep_ep's rank masking ("shrink" mode, SPEC section 9). Not
+                supported yet: True raises epx.NotSupportedError (nothing is created).
+            comm: an mpi4py communicator (anything with Get_rank(), Get_size() and allgather(obj)), default None;
+                used to exchange the set-up bytes when group is None.
+
+        Raises:
+            TypeError / ValueError: an argument of the wrong type or out of range, or neither group nor comm.
+            epx.NotSupportedError: enable_shrink=True.
+            RuntimeError: no CUDA device. epx.EpxError subclasses for failures of the library (BootstrapError
+                when the exchange of set-up bytes fails, RemoteError when another rank failed).
+        """
         num_nvl_bytes = _checks.integer("num_nvl_bytes", num_nvl_bytes, 0)
         num_rdma_bytes = _checks.integer("num_rdma_bytes", num_rdma_bytes, 0)
-        _checks.integer("num_qps_per_rank", num_qps_per_rank, 1)
         low_latency_mode = _checks.flag("low_latency_mode", low_latency_mode)
+        _checks.integer("num_qps_per_rank", num_qps_per_rank, 1)
+        _checks.flag("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode)
+        _checks.flag("allow_mnnvl", allow_mnnvl)
+        _checks.flag("use_fabric", use_fabric)
         explicitly_destroy = _checks.flag("explicitly_destroy", explicitly_destroy)
+        if _checks.flag("enable_shrink", enable_shrink):
+            raise _rank_masking_unsupported("Buffer(enable_shrink=True)")
         if group is None and comm is None:
             raise ValueError("epx.Buffer needs group (a torch.distributed process group) or comm (an mpi4py comm)")
+        if group is None:
+            _check_comm(comm)
         if not torch.cuda.is_available():
             raise RuntimeError("epx.Buffer needs a CUDA device")
         device_index = torch.cuda.current_device()
-        boot = from_mpi_comm(comm) if comm is not None else from_torch_group(group, device_index)
+        boot = from_torch_group(group, device_index) if group is not None else from_mpi_comm(comm)
 
         comm_stream = torch.cuda.Stream(device=device_index)
         lib = _lib.lib()
@@ -157,8 +210,9 @@ class Buffer(LowLatencyMixin):
     def _init_state(self, native, group, comm, rank, size, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
                     explicitly_destroy, num_nvl_ranks, internode):
         self._native = native
-        self.group = group
+        self.group = group if group is not None else comm  # deep_ep keeps the communicator there when no group
         self.comm = comm
+        self.enable_shrink = False  # rank masking is not supported yet (enable_shrink=True raises)
         self.rank = rank
         self.group_size = size
         self._device = device
@@ -199,7 +253,15 @@ class Buffer(LowLatencyMixin):
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Collective: every rank must call it. Frees the buffer; safe to call twice."""
+        """Collective: frees this rank's buffer (every rank must call it, in the same order as its other
+        collective calls). Needed with explicitly_destroy=True; allowed either way (deep_ep asserts that
+        explicitly_destroy was set, epx does not). A second call does nothing. Tensors handed out by
+        get_local_buffer_tensor or get_next_low_latency_combine_buffer must not be used afterwards (a warning
+        is issued if one is still alive).
+
+        Raises epx.EpxError subclasses when the library reports a failure (after the memory is released as far
+        as possible; the Buffer is unusable afterwards either way).
+        """
         if self._native is None:
             return
         if self._finalizer is not None:
@@ -218,58 +280,95 @@ class Buffer(LowLatencyMixin):
             raise FailedStateError("this epx.Buffer was destroyed (or never created)", 7)
         return native.ptr
 
+    def is_available(self) -> bool:
+        """True while the Buffer can run operations: created and not destroyed (deep_ep's
+        runtime.is_available())."""
+        native = self._native
+        return native is not None and native.ptr is not None
+
     def set_timeout(self, seconds: float) -> None:
-        """epx extension: the budget of every device and host wait of this buffer (default 100 s)."""
+        """epx extension (local): the budget of every device and host wait of this Buffer's operations.
+
+        Arguments:
+            seconds: float > 0, the new budget (default at creation: 100 s). A wait that runs out fails its
+                call with epx.TimeoutError (naming rank, role, channel and queue positions) instead of hanging.
+        """
         lib = _lib.lib()
         lib.check(lib.epx_buffer_set_timeout(self._ptr(), float(seconds)))
 
     def check(self) -> None:
-        """epx extension: waits for the current and the communication stream (low-latency hooks run on the
-        former), then raises any error a kernel of this buffer recorded (a timeout, or invalid input found on
-        the device, such as an out-of-range expert id)."""
+        """epx extension (local, synchronizing): waits for the current stream and the communication stream
+        (low-latency calls with a receive hook run on the former), then raises any error a kernel of this
+        Buffer recorded since the last check: epx.TimeoutError for a wait that ran out, or the error for invalid
+        input found on the device (for example an expert id out of range). Returns None when there is none.
+        """
         ptr = self._ptr()
         lib = _lib.lib()
         for stream in (torch.cuda.current_stream(self._device), self._comm_stream):
             lib.check(lib.epx_buffer_check(ptr, stream.cuda_stream))
 
+    # ---- topology queries (local; deep_ep has them on its runtime object) -------------------------------------
     def is_internode_available(self) -> bool:
-        """True when this Buffer runs the internode (hierarchical) kernels: its ranks span several NVLink
-        domains, or EPX_FORCE_INTERNODE=1 was set at creation."""
+        """Returns True when this Buffer runs the internode (hierarchical) kernels: its ranks span several NVLink
+        domains, or EPX_FORCE_INTERNODE=1 was set when it was created. False inside one domain."""
         return self._internode
 
     def get_num_rdma_ranks(self) -> int:
-        """The number of NVLink domains D (1 inside one domain)."""
+        """Returns the number of NVLink domains D = group_size / G (deep_ep's "RDMA ranks", its nodes): 1 when
+        every rank is in one domain."""
         return self.group_size // self._num_nvl_ranks
 
     def get_rdma_rank(self) -> int:
-        """This rank's NVLink domain: rank // num_nvl_ranks."""
+        """Returns this rank's NVLink domain index in [0, D): rank // G, G being the domain size (ranks are
+        numbered domain by domain). 0 inside one domain."""
         return self.rank // self._num_nvl_ranks
 
     def get_root_rdma_rank(self, global_: bool) -> int:
-        """As deep_ep: this rank's position in its NVLink domain (rank % num_nvl_ranks) with global_=True, else 0."""
+        """Returns the root of this rank's inter-domain group (the ranks with the same position in every domain),
+        which is that group's member in domain 0.
+
+        Arguments:
+            global_: bool. True: the root's global rank, which is this rank's position in its domain
+                (rank % G). False: the root's index inside the group, always 0.
+        """
         return self.rank % self._num_nvl_ranks if _checks.flag("global_", global_) else 0
 
     def get_local_device_id(self) -> int:
-        """The CUDA device of this Buffer."""
+        """Returns the index of the CUDA device this Buffer was created on (the current device at creation)."""
         return self._device.index
 
     def get_comm_stream(self) -> torch.cuda.Stream:
+        """Returns the Buffer's communication stream (a torch.cuda.Stream on its device), on which dispatch,
+        combine and the low-latency calls without a receive hook run.
+
+        Once this has been called, every operation runs through that stream (the current-stream shortcut of
+        synchronous calls is turned off), so that work you queue on it stays ordered with the operations.
+        """
         self._streams.exposed = True  # the caller may queue work on it: every operation goes through it again
         return self._comm_stream
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        """A tensor over this rank's part of the buffer's memory, without a copy: the NVLink ring area
-        (num_nvl_bytes), or with use_rdma_buffer=True the low-latency area or, in the internode mode, the network
-        rings (num_rdma_bytes), from byte `offset`, of `dtype`. size: its shape (a torch.Size, a tuple of ints,
-        or an int); by default the rest of the area as a 1-D tensor. offset must be a multiple of the dtype's
-        size, and the tensor must fit.
+        """A tensor over this rank's part of the Buffer's memory, without a copy (local).
 
-        The memory is the library's working space: the operations of that area's mode (dispatch and combine
-        for the NVLink area and the network rings, the low-latency calls for the low-latency area) overwrite
-        it, so what is put there lasts
-        until the next one. The tensor keeps the Buffer from being garbage-collected; destroy() frees the
-        memory regardless (it is collective) and warns if such a tensor is still alive: do not use it after.
+        Arguments:
+            dtype: torch.dtype of the tensor's elements.
+            size: the tensor's shape: a torch.Size, a tuple of ints or an int; default None, the rest of the area
+                from offset as a 1-D tensor. It must fit in the area.
+            offset: int >= 0, default 0: where the tensor starts, in bytes from the start of the area; a
+                multiple of dtype's size.
+            use_rdma_buffer: bool, default False. False: the NVLink area (num_nvl_bytes); True: the RDMA area
+                (num_rdma_bytes: the low-latency slots, or the internode mode's network rings).
+
+        Returns:
+            tensor: of dtype and size, on the Buffer's device, over that memory.
+
+        The memory is the library's working space: the next operation of the area's mode (dispatch and combine
+        for the NVLink area and the network rings, the low-latency calls for the low-latency slots) overwrites
+        it, and writing into the low-latency slots clobbers their signals (call clean_low_latency_buffer before
+        the next low-latency call). The tensor keeps the Buffer from being garbage-collected; destroy() frees
+        the memory regardless and warns if such a tensor is still alive: do not use it after. A size that does
+        not fit, a misaligned offset, or an area created with 0 bytes is a ValueError.
         """
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
@@ -301,8 +400,21 @@ class Buffer(LowLatencyMixin):
 
     # ---- static helpers ---------------------------------------------------------------------------------------
     @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Returns True: libepx is built for Hopper (sm_90) only. Its CMake build sets CMAKE_CUDA_ARCHITECTURES
+        to 90-real and the kernels are written for that architecture; the C ABI has no architecture query, so
+        this does not load the library."""
+        return True
+
+    @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """SMs the high-throughput kernels use by default (even: half send, half receive)."""
+        """Sets the SMs (thread blocks) the high-throughput kernels use by default, for every Buffer of the process:
+        the num_sms of get_dispatch_config / get_combine_config and of the defaults of dispatch and combine.
+
+        Arguments:
+            new_num_sms: even int >= 2 (half the blocks send, half receive: new_num_sms / 2 channels). The
+                library checks the upper bound (its channel limit) when a config is used.
+        """
         _checks.integer("new_num_sms", new_num_sms, 2)
         if new_num_sms % 2 != 0:
             raise ValueError(f"new_num_sms must be even, got {new_num_sms}")
@@ -310,7 +422,8 @@ class Buffer(LowLatencyMixin):
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event on the current stream, to pass as previous_event."""
+        """Returns an EventOverlap holding a CUDA event just recorded on the current stream: pass it as
+        previous_event to make an operation wait for the work queued so far."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream())
         return EventOverlap(event)
@@ -325,15 +438,40 @@ class Buffer(LowLatencyMixin):
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
+        """Returns the library's recommended Config for dispatch over num_ranks ranks, with the num_sms of
+        set_num_sms if it was called (else the library's default, 24).
+
+        Arguments:
+            num_ranks: int, the number of ranks of the group (any count the library supports, not only deep_ep's
+                table of rank counts).
+        """
         return Buffer._library_config("dispatch", num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
+        """Returns the library's recommended Config for combine over num_ranks ranks, with the num_sms of
+        set_num_sms if it was called (else the library's default, 24).
+
+        Arguments:
+            num_ranks: int, the number of ranks of the group.
+        """
         return Buffer._library_config("combine", num_ranks)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
+        """Returns the num_rdma_bytes a low-latency Buffer needs for these shapes: both buffer sets (a dispatch
+        and a combine may overlap), BF16 rows (which also cover FP8 with its scales).
+
+        Arguments:
+            num_max_dispatch_tokens_per_rank: int, M, the most tokens any rank dispatches in one call (the same
+                on every rank).
+            hidden: int, H, the hidden size (a multiple of 8).
+            num_ranks: int, R, the number of ranks.
+            num_experts: int, E, the number of experts over all ranks (a multiple of num_ranks).
+
+        Raises epx.InvalidArgumentError for shapes the low-latency kernels do not support.
+        """
         return _lib.ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     # ---- internals shared by the operations ---------------------------------------------------------------------
@@ -350,8 +488,31 @@ class Buffer(LowLatencyMixin):
     # ---- layout -------------------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """-> (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [D] int32 (tokens per NVLink domain; None
-        when the ranks are one domain), num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)."""
+        """Counts where this rank's tokens go (SPEC section 1), as dispatch needs it. Local (not collective): runs
+        on the communication stream, with no CPU sync.
+
+        Arguments:
+            topk_idx: int64 [T, K] (epx.topk_idx_t), contiguous, on the Buffer's device: the experts each of the T
+                tokens selected, K in [1, 32]; -1 means no expert in that slot. Values below -1 or >= num_experts
+                are an error the library reports (recorded on the device; at the latest check() raises it).
+            num_experts: int E >= 1, the number of experts over all ranks, a multiple of the number of ranks R
+                (expert e lives on rank e // (E / R)).
+            previous_event: EventOverlap or None (default): the call first waits for it (else for the current
+                stream).
+            async_finish: bool, default False. False: the results are ready on the current stream when the call
+                returns. True: the current stream does not wait; wait on the returned event before using them.
+            allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
+                stream (needs previous_event and async_finish).
+
+        Returns:
+            num_tokens_per_rank: int32 [R], tokens with at least one expert on each rank (a token counts once
+                per rank).
+            num_tokens_per_rdma_rank: int32 [D], tokens with at least one expert in each NVLink domain, in the
+                internode mode; None inside one domain.
+            num_tokens_per_expert: int32 [E], tokens that selected each expert.
+            is_token_in_rank: bool [T, R], whether each token goes to each rank.
+            event: EventOverlap, holding an event only with async_finish.
+        """
         R = self.group_size
         D = R // self._num_nvl_ranks
         _checks.tensor("topk_idx", topk_idx, _INT64, (None, None), self._device)
@@ -530,23 +691,66 @@ class Buffer(LowLatencyMixin):
                  topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False):
-        """Sends each token to the ranks of its experts (SPEC section 2; section 6 in the internode mode).
+        """Collective: sends each token to the ranks that hold its experts (SPEC section 2; section 6 in the
+        internode mode). Runs on the communication stream; without handle and num_worst_tokens, the CPU waits for
+        the received counts (the outputs' sizes) before it returns.
 
-        -> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event);
-        recv_x is a tensor, or (data, scales) for an FP8 x. With handle= (cached mode: same routing, new
-        data, no CPU sync) -> (recv_x, None, None, None, None, event). num_worst_tokens > 0: outputs of that
-        many rows (extra rows: recv_topk_idx -1), no CPU sync, and an empty per-expert list.
+        Arguments:
+            x: the T tokens of this rank (T may be 0 and differ between ranks), on the Buffer's device: a bf16
+                tensor [T, H] (H a multiple of 8, 16-byte aligned), or for FP8 a tuple (data, scales): data
+                float8_e4m3fn [T, H] (H a multiple of 16), scales [T, S] float32 (S >= 1, usually H / 128: one
+                scale per 128 elements) or int32 words (packed UE8M0 exponents). Rows and scales are copied as
+                they are, never requantized.
+            handle: default None. The handle of an earlier dispatch of this Buffer to repeat its routing for new
+                data (cached mode: no layout arguments, no CPU sync); x must have that dispatch's T tokens.
+                num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                topk_weights, expert_alignment and num_worst_tokens are then not used.
+            num_tokens_per_rank: int32 [R] from get_dispatch_layout; needed without handle.
+            num_tokens_per_rdma_rank: int32 [D] from get_dispatch_layout, or None (default). Optional in the
+                internode mode (the library counts on the device); must be None inside one NVLink domain.
+            is_token_in_rank: bool [T, R] from get_dispatch_layout; needed without handle.
+            num_tokens_per_expert: int32 [E] from get_dispatch_layout (E a positive multiple of R), or None
+                (default). Needed with topk_idx (its length gives the expert count).
+            topk_idx: int64 [T, K] or None (default): each token's experts (K in [1, 32], -1 for none), to
+                receive them rebased to this rank's local expert ids.
+            topk_weights: float32 [T, K] or None (default): the matching weights; needs topk_idx (topk_idx without
+                topk_weights is allowed).
+            expert_alignment: int >= 1, default 1: each entry of num_recv_tokens_per_expert_list is rounded up to
+                a multiple of it.
+            num_worst_tokens: int >= 0, default 0. > 0: the worst-case number of rows this rank can receive; the
+                outputs get exactly that many rows (rows past the received ones are unspecified, their
+                recv_topk_idx -1), the CPU does not wait, and the call can be captured in a CUDA graph.
+            config: epx.Config or None (default: get_dispatch_config(R)). A combine or cached dispatch with this
+                call's handle must use the same num_sms.
+            previous_event: EventOverlap or None (default): the call first waits for it (else for the current
+                stream).
+            async_finish: bool, default False. False: the results are ready on the current stream when the call
+                returns. True: the current stream does not wait; wait on the returned event before using them.
+            allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
+                stream (needs previous_event and async_finish).
 
-        handle, inside one NVLink domain: (rank_prefix_matrix [R, R], channel_prefix_matrix [R, C],
-        recv_channel_prefix_matrix [R, C], recv_src_idx [N], is_token_in_rank [T, R] bool, send_head [T, R]),
-        int32 unless said, C = config.num_sms / 2 channels, N rows of recv_x. In the internode mode, deep_ep's
-        10-tuple over D domains of G ranks: (is_token_in_rank [T, R] bool, rdma_channel_prefix_matrix [D, C],
-        gbl_channel_prefix_matrix [R, C], recv_rdma_channel_prefix_matrix [D, C], recv_rdma_rank_prefix_sum [D],
-        recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum [R] (rows of recv_x from source ranks
-        0..s, inclusive), recv_src_meta [N, 8] uint8 (per row: source domain and mask of this domain's receiving
-        ranks, two int32), send_rdma_head [T, D], send_nvl_head [N_rdma, G] (N_rdma: records this rank's network
-        rings receive)). num_tokens_per_rdma_rank ([D] int32 from get_dispatch_layout) is optional there and
-        must be None inside one domain: the library counts on the device.
+        Returns (without handle):
+            recv_x: the N received tokens, ordered by source rank, then by token index on the source: a bf16
+                tensor [N, H], or (data [N, H] float8_e4m3fn, scales [N, S] of x's scale dtype) for an FP8 x.
+            recv_topk_idx: int64 [N, K]: the expert ids on this rank rebased to local ids (e - rank * E / R), -1
+                for the others; None without topk_idx.
+            recv_topk_weights: float32 [N, K]: the weights of those experts, 0 for the others; None without
+                topk_weights.
+            num_recv_tokens_per_expert_list: list of E / R ints: the received tokens that selected each local
+                expert, each rounded up to expert_alignment; empty without num_tokens_per_expert or with
+                num_worst_tokens.
+            handle: what combine (and a cached dispatch) needs, a tuple of tensors on the Buffer's device, int32
+                unless said, with C = config.num_sms / 2 channels. Inside one NVLink domain: (rank_prefix_matrix
+                [R, R], channel_prefix_matrix [R, C], recv_channel_prefix_matrix [R, C], recv_src_idx [N],
+                is_token_in_rank [T, R] bool, send_head [T, R]). In the internode mode, deep_ep's 10-tuple over D
+                domains of G ranks: (is_token_in_rank [T, R] bool, rdma_channel_prefix_matrix [D, C],
+                gbl_channel_prefix_matrix [R, C], recv_rdma_channel_prefix_matrix [D, C],
+                recv_rdma_rank_prefix_sum [D], recv_gbl_channel_prefix_matrix [R, C], recv_gbl_rank_prefix_sum
+                [R] (rows of recv_x from source ranks 0..s, inclusive), recv_src_meta [N, 8] uint8 (per row: the
+                source domain and the mask of this domain's receiving ranks, two int32), send_rdma_head [T, D],
+                send_nvl_head [N_rdma, G] (N_rdma: records this rank's network rings received)).
+            event: EventOverlap, holding an event only with async_finish.
+        With handle: (recv_x, None, None, None, None, event).
         """
         data, scales, dtype = self._check_x(x)
         async_finish = _checks.flag("async_finish", async_finish)
@@ -705,20 +909,40 @@ class Buffer(LowLatencyMixin):
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
                 reduction: Optional[str] = None):
-        """Sums each token's rows back on its source rank (SPEC section 3): float32 over the receiving ranks
-        in ascending order, plus the biases, rounded once to bf16.
+        """Collective: sums each token's rows from the ranks it was dispatched to, back on its source rank (SPEC
+        section 3; section 6 in the internode mode): float32 over the receiving ranks in ascending order, plus the
+        biases, rounded once to bf16. Deterministic (the same bits on every run). Runs on the communication
+        stream, with no CPU sync.
 
-        -> (combined_x [T, H] bf16, combined_topk_weights [T, K] float32 or None, event).
-        x: bf16 [N, H], the rows of the dispatch's recv_x; topk_weights: float32 [N, K]; bias: bf16 [T, H] or a
-        tuple of up to two. config: defaults to get_combine_config with the dispatch's num_sms (the handle's
-        channel count); a config with another num_sms is an error.
+        Arguments:
+            x: bf16 [N, H] (H a multiple of 8, 16-byte aligned), on the Buffer's device: one row per row of the
+                dispatch's recv_x (typically the experts' outputs, already weighted: the sum has no weights).
+            handle: the handle returned by the dispatch whose rows x holds (a 6-tuple inside one NVLink domain,
+                deep_ep's 10-tuple in the internode mode).
+            topk_weights: float32 [N, K] or None (default): per-row weights to sum back the same way (e.g. the
+                dispatch's recv_topk_weights).
+            bias: None (default), a bf16 [T, H] tensor, or a tuple of up to two: added to every combined row.
+            config: epx.Config or None (default: get_combine_config(R) with the dispatch's num_sms, which a given
+                config must also have).
+            previous_event: EventOverlap or None (default): the call first waits for it (else for the current
+                stream).
+            async_finish: bool, default False. False: the results are ready on the current stream when the call
+                returns. True: the current stream does not wait; wait on the returned event before using them.
+            allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
+                stream (needs previous_event and async_finish).
+            reduction: keyword-only epx extension (SPEC section 6): the summation order of an internode Buffer.
+                None (default) or "two_level" there: per NVLink domain, the rows of that domain's receiving ranks
+                summed in float32 in ascending rank order and rounded to bf16 (a single row passes unchanged),
+                then those partials summed in ascending domain order in float32 with the biases, rounded once.
+                "flat": the single-domain order over every rank (bit-identical to a one-domain run). Inside one
+                NVLink domain the order is always flat: None and "flat" are accepted, "two_level" is a
+                ValueError.
 
-        reduction (epx extension, SPEC section 6): the summation order of an internode Buffer. "two_level" (its
-        default, None): per NVLink domain, the rows of that domain's receiving ranks summed in float32 in
-        ascending rank order and rounded to bf16 (a single row passes unchanged), then those partials summed in
-        ascending domain order in float32 with the biases, rounded once. "flat": the order above over every
-        rank. Inside one NVLink domain the order is always flat: None and "flat" are accepted, "two_level" is a
-        ValueError. combined_topk_weights are summed flat in either order.
+        Returns:
+            combined_x: bf16 [T, H], T the dispatch's token count on this rank.
+            combined_topk_weights: float32 [T, K], the summed topk_weights (summed flat in either order); None
+                without topk_weights.
+            event: EventOverlap, holding an event only with async_finish.
         """
         d = self._device
         code = _lib.EPX_REDUCE_DEFAULT if reduction is None else self._reduction_code(reduction)
@@ -768,6 +992,51 @@ class Buffer(LowLatencyMixin):
             event = streams.end_sync(compute) if compute is not None else streams.end_direct()
         return combined_x, combined_weights, event
 
+    # ---- deep_ep's internode entry points -------------------------------------------------------------------------
+    def internode_dispatch(self, x, handle: Optional[InternodeHandle] = None,
+                           num_tokens_per_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                           is_token_in_rank: Optional[torch.Tensor] = None,
+                           num_tokens_per_expert: Optional[torch.Tensor] = None,
+                           topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Collective: dispatch on a Buffer that runs the internode mode (deep_ep's entry point, which its
+        dispatch calls over several domains; call dispatch instead, which picks the mode).
+
+        Arguments and returns: those of dispatch, in the same order and with the same defaults (config may be
+        None here too); the handle is deep_ep's internode 10-tuple.
+
+        Raises epx.NotSupportedError on a Buffer that runs inside one NVLink domain (is_internode_available()
+        is False).
+        """
+        self._require_internode("internode_dispatch", "dispatch")
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                             previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: torch.Tensor, handle: InternodeHandle, topk_weights: Optional[torch.Tensor] = None,
+                          bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None,
+                          config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False, *, reduction: Optional[str] = None):
+        """Collective: combine on a Buffer that runs the internode mode (deep_ep's entry point, which its
+        combine calls over several domains; call combine instead).
+
+        Arguments and returns: those of combine, in the same order and with the same defaults, reduction
+        included; handle is the internode 10-tuple of the dispatch.
+
+        Raises epx.NotSupportedError on a Buffer that runs inside one NVLink domain (is_internode_available()
+        is False).
+        """
+        self._require_internode("internode_combine", "combine")
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream, reduction=reduction)
+
+    def _require_internode(self, name: str, instead: str) -> None:
+        if not self._internode:
+            raise NotSupportedError(f"{name}: this Buffer runs inside one NVLink domain (the intranode kernels); "
+                                    f"call {instead}, which runs the Buffer's mode", 6)
+
     def _reduction_code(self, reduction) -> int:
         """combine's reduction (not None) -> epx_combine_args.reduction."""
         code = _REDUCTIONS.get(reduction) if isinstance(reduction, str) else None
@@ -779,6 +1048,14 @@ class Buffer(LowLatencyMixin):
             raise ValueError("reduction='two_level' is the internode mode's order: inside one NVLink domain combine "
                              "sums in the flat order (pass 'flat' or None)")
         return code
+
+
+def _check_comm(comm) -> None:
+    """comm must be usable as an mpi4py communicator by the bootstrap (bootstrap.from_mpi_comm)."""
+    missing = [name for name in ("Get_rank", "Get_size", "allgather") if not callable(getattr(comm, name, None))]
+    if missing:
+        raise TypeError(f"comm must be an mpi4py communicator (with Get_rank, Get_size and allgather), got "
+                        f"{type(comm).__name__} without {', '.join(missing)}")
 
 
 def _ptr_or_none(t: Optional[torch.Tensor]):

@@ -16,6 +16,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import _checks, _lib
+from .errors import NotSupportedError
 from .event import EventOverlap
 
 _FP8_GROUP = 128      # elements per FP8 scale
@@ -27,6 +28,13 @@ _SEND, _RECV, _BOTH = _lib.EPX_LL_SEND, _lib.EPX_LL_RECV, _lib.EPX_LL_BOTH
 
 def _noop() -> None:
     return None
+
+
+def _rank_masking_unsupported(what: str) -> NotSupportedError:
+    """The error of every rank-masking entry point (enable_shrink, the low_latency_*_mask_buffer methods) until
+    the library implements it."""
+    return NotSupportedError(f"{what}: rank masking (deep_ep's enable_shrink mode, SPEC section 9) is not supported "
+                             f"by epx yet", NotSupportedError.status)
 
 
 class _RecvHook:
@@ -73,8 +81,16 @@ class LowLatencyMixin:
 
     # ---- buffer management -------------------------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: zeroes this rank's low-latency signals (both buffer sets), then a barrier, on the current
-        stream. Needed after a failure, or before switching to other shapes."""
+        """Collective: zeroes this rank's low-latency signals (both buffer sets), then a barrier of every rank, on
+        the current stream. Needed after a failed call, after writing into the low-latency slots through
+        get_local_buffer_tensor, or before switching to other shapes.
+
+        Arguments:
+            num_max_dispatch_tokens_per_rank: int M in [1, 4096], as the next low-latency calls will pass it.
+            hidden: int H, a multiple of 8.
+            num_experts: int E, a multiple of the number of ranks.
+        The shapes must fit num_rdma_bytes (get_low_latency_rdma_size_hint), else epx.BufferTooSmallError.
+        """
         self._ll_check_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         need = self.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size,
                                                    num_experts)
@@ -87,8 +103,17 @@ class LowLatencyMixin:
         lib.check(lib.epx_ll_clean(ptr, torch.cuda.current_stream(self._device).cuda_stream))
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
-        """The bf16 [L, R*M, H] area the next low_latency_combine(..., zero_copy=True) reads expert outputs
-        from: write them there instead of into a tensor of your own, and skip one copy."""
+        """Returns the area the next low_latency_combine(..., zero_copy=True) of this handle reads the expert
+        outputs from (local): write them there instead of into a tensor of your own, and skip one copy.
+
+        Arguments:
+            handle: the handle returned by low_latency_dispatch.
+
+        Returns:
+            buffer: bf16 [L, R*M, H] tensor over the Buffer's memory (L = E / R local experts, M the dispatch's
+                num_max_dispatch_tokens_per_rank), in the packed layout of the dispatch's recv_x. The next
+                low-latency calls reuse the memory; destroy() warns if the tensor is still alive.
+        """
         handle = self._ll_check_handle(handle)
         h: _lib.LLHandle = handle[5]
         ptr = self._ptr()
@@ -106,13 +131,46 @@ class LowLatencyMixin:
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):
-        """-> (recv_x, recv_count, handle, event, hook).
+        """Collective: sends each token to the experts it selected, for decoding (SPEC section 4): no CPU sync,
+        outputs of fixed size, capturable in a CUDA graph, and send and receive phases separable through a hook.
+        Needs a Buffer created with low_latency_mode=True inside one NVLink domain.
 
-        recv_x: bf16 [L, R*M, H], or with use_fp8 (e4m3 [L, R*M, H], scales) where scales is a view of
-        logical shape [L, R*M, H/128] float32 (UE8M0: [L, R*M, H/512] int32, 4 exponents per word) over
-        token-minor storage. recv_count [L] int32: valid rows per local expert. handle: (recv_src_info
-        [L, R*M] int32, recv_layout_range [L, R] int64, M, H, num_experts, native handle).
-        dispatch_wait_recv_cost_stats is accepted and ignored (epx keeps no per-rank wait statistics).
+        Arguments:
+            x: bf16 [T, H] on the Buffer's device, 16-byte aligned, T <= num_max_dispatch_tokens_per_rank (T may
+                be 0), H a multiple of 8 (of 128 with use_fp8, of 512 with use_ue8m0).
+            topk_idx: int64 [T, K] (epx.topk_idx_t), K in [1, 32]: each token's experts, -1 for none.
+            num_max_dispatch_tokens_per_rank: int M in [1, 4096], the same on every rank and in every call that
+                shares these buffers (see get_low_latency_rdma_size_hint).
+            num_experts: int E, a multiple of the number of ranks R; L = E / R experts live on each rank.
+            cumulative_local_expert_recv_stats: int32 [L] or None (default): if given, the tokens each local
+                expert receives are added to it (statistics for load balancing).
+            dispatch_wait_recv_cost_stats: accepted and ignored, default None (deep_ep's per-rank wait times;
+                epx keeps no such statistics).
+            use_fp8: bool, default True: the tokens travel and arrive as FP8 e4m3 with one float32 scale per
+                128 elements (scale = amax / 448).
+            round_scale: bool, default False: round each scale up to a power of two.
+            use_ue8m0: bool, default False: scales as 8-bit exponents, 4 packed per int32 (needs use_fp8 and
+                round_scale).
+            async_finish: bool, default False. False: the results are ready on the current stream when the call
+                returns. True: the call runs on the communication stream and the current stream does not wait;
+                wait on the returned event. Not with return_recv_hook.
+            return_recv_hook: bool, default False. True: the call only sends (on the current stream) and returns
+                a hook; calling the hook queues the receive phase on that same stream, after which the outputs
+                are ready. Lets the caller overlap other work with the transfer.
+
+        Returns:
+            recv_x: with use_fp8, a tuple (data float8_e4m3fn [L, R*M, H], scales): scales float32 [L, R*M, H/128]
+                (use_ue8m0: int32 [L, R*M, H/512]), a strided view stored token-minor (each expert's rows of one
+                scale column are contiguous, as grouped GEMMs read them). Without use_fp8, bf16 [L, R*M, H].
+                Expert i's tokens are grouped by source rank, each group in source token order; only the first
+                recv_count[i] rows of expert i are valid.
+            recv_count: int32 [L], the valid rows of each local expert.
+            handle: for low_latency_combine and get_next_low_latency_combine_buffer: (recv_src_info [L, R*M]
+                int32 (source token index of each row), recv_layout_range [L, R] int64 ((first row << 32) | count
+                per source rank), M, H, num_experts, the library's handle) (deep_ep's 5 elements plus one).
+            event: EventOverlap, holding an event only with async_finish.
+            hook: a callable taking no arguments; with return_recv_hook it runs the receive phase, else it does
+                nothing.
         """
         R, d = self.group_size, self._device
         _checks.tensor("x", x, _BF16, (None, None), d, aligned16=True)
@@ -195,10 +253,33 @@ class LowLatencyMixin:
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
-        """-> (combined_x [T, H] bf16, event, hook). combined_x[t] = bf16(sum over k ascending, slots with an
-        expert, of w[t, k] * expert output row), float32 multiply then add. x: bf16 [L, R*M, H] in the packed
-        layout of the dispatch (ignored with zero_copy, where the rows were written into
-        get_next_low_latency_combine_buffer(handle)). combine_wait_recv_cost_stats is accepted and ignored.
+        """Collective: sends the experts' outputs back to the tokens' ranks and sums them with the top-k weights
+        (SPEC section 5): combined_x[t] = bf16(sum over k ascending, slots with an expert, of topk_weights[t, k] *
+        expert output row), float32 multiplies and adds, rounded once. No CPU sync, capturable in a CUDA graph.
+
+        Arguments:
+            x: bf16 [L, R*M, H], 16-byte aligned: the expert outputs in the packed layout of the dispatch's
+                recv_x (only the valid rows are read). Checked but not read with zero_copy.
+            topk_idx: int64 [T, K], the topk_idx given to the low_latency_dispatch of handle.
+            topk_weights: float32 [T, K], the weights to sum with.
+            handle: the handle returned by that low_latency_dispatch.
+            use_logfmt: bool, default False. LogFMT-compressed transfer (SPEC section 9); not implemented yet:
+                True raises NotImplementedError.
+            zero_copy: bool, default False. True: the outputs were already written into
+                get_next_low_latency_combine_buffer(handle), and x is not read.
+            async_finish: bool, default False. False: the result is ready on the current stream when the call
+                returns. True: the call runs on the communication stream and the current stream does not wait;
+                wait on the returned event. Not with return_recv_hook.
+            return_recv_hook: bool, default False. True: the call only sends (on the current stream) and returns
+                a hook; calling the hook queues the receive phase (and the sum) on that same stream.
+            out: bf16 [T, H] or None (default): if given, the result is written into it and it is returned.
+            combine_wait_recv_cost_stats: accepted and ignored, default None (deep_ep's per-rank wait times).
+
+        Returns:
+            combined_x: bf16 [T, H] (out if given).
+            event: EventOverlap, holding an event only with async_finish.
+            hook: a callable taking no arguments; with return_recv_hook it runs the receive phase, else it does
+                nothing.
         """
         if use_logfmt:
             raise NotImplementedError("low_latency_combine: use_logfmt (LogFMT-compressed combine) is not "
@@ -242,6 +323,31 @@ class LowLatencyMixin:
         else:
             event = EventOverlap() if return_recv_hook or compute is None else self._streams.end_sync(compute)
         return combined_x, event, hook
+
+    # ---- rank masking (deep_ep's enable_shrink mode) -------------------------------------------------------------
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """deep_ep's rank masking: marks rank_to_mask as masked (mask=True: the low-latency calls neither send to
+        nor receive from it) or unmasked (mask=False, the default). Not supported by epx yet: raises
+        epx.NotSupportedError (a NotImplementedError), as Buffer(enable_shrink=True) does.
+
+        Arguments:
+            rank_to_mask: int, the rank in [0, R).
+            mask: bool, default False.
+        """
+        raise _rank_masking_unsupported("low_latency_update_mask_buffer")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """deep_ep's rank masking: writes each rank's mask state into mask_status (1 masked, 0 not). Not
+        supported by epx yet: raises epx.NotSupportedError.
+
+        Arguments:
+            mask_status: int32 [R] on the Buffer's device, written in place.
+        """
+        raise _rank_masking_unsupported("low_latency_query_mask_buffer")
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """deep_ep's rank masking: unmasks every rank. Not supported by epx yet: raises epx.NotSupportedError."""
+        raise _rank_masking_unsupported("low_latency_clean_mask_buffer")
 
     # ---- argument structs -----------------------------------------------------------------------------------------
     def _ll_dispatch_structs(self, key, fresh: bool):

@@ -51,7 +51,8 @@ def misaligned_bf16(rows, cols):
 # ---- deep_ep API surface -----------------------------------------------------------------------------------------
 EXPECTED_SIGNATURES = {
     "__init__": "self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24, "
-                "allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False, comm=None",
+                "allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False, "
+                "explicitly_destroy=False, enable_shrink=False, comm=None",
     "get_dispatch_layout": "self, topk_idx, num_experts, previous_event=None, async_finish=False, "
                            "allocate_on_comm_stream=False",
     "dispatch": "self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, "
