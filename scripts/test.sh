@@ -44,5 +44,7 @@ for dir in "${variants[@]}"; do
   fi
 done
 
+echo "== Install + C++ example ($BUILD_DIR)"; scripts/check-install.sh "$BUILD_DIR"
+
 echo "== GPU tests"
 "$BUILD_DIR/tests/epx_gpu_tests"
