@@ -57,7 +57,7 @@ run_ll() {  # transport ranks
     return
   fi
   env "${env_vars[@]}" timeout ${TEST_TIMEOUT:-280} "$BUILD_DIR/tests/epx_gpu_tests" --gpus "$r" \
-    --filter "ll:" --expect-transport "$expect" >"$log" 2>&1
+    --no-internode --filter "ll:" --expect-transport "$expect" >"$log" 2>&1
   local rc=$?
   local line transport
   line=$(grep -E "suite on .* cases passed" "$log" | tail -1)

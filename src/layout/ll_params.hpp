@@ -52,15 +52,28 @@ struct LowLatencyCombineParams {
 
 // Grid of every low-latency launch on a GPU with that many SMs; a Buffer takes the smallest over its ranks, since
 // the epochs count G blocks per op (kernels/low_latency/epochs.cuh) and so need the same G on every rank and launch.
-int low_latency_grid(int num_device_sms);
+inline int low_latency_grid(int num_device_sms) { return num_device_sms; }
 
 // How a Buffer launches its low-latency kernels (kernels/low_latency/launch.cuh).
 struct LowLatencyLaunch {
   int grid;    // blocks, the same on every rank
   bool early;  // programmatic dependent launch instead of a cooperative one (EPX_LL_EARLY_LAUNCH=1)
 };
+
+// The low-latency kernels come in two builds of the same sources (CMakeLists.txt). ll_peer_pointers: ordinary CUDA
+// code, for buffers that reach every rank through a peer pointer (every build). ll_nvshmem: relocatable code
+// device-linked with NVSHMEM, for buffers with ranks that only NVSHMEM puts reach (builds with NVSHMEM only). The
+// same kernels run markedly slower as relocatable code (docs/bench-notes.md, "NVSHMEM builds and the low-latency
+// kernels"), so a Buffer launches the NVSHMEM build only where a peer needs it.
+namespace ll_peer_pointers {
 void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLatencyLaunch& launch,
                                  cudaStream_t stream);
 void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream);
+}  // namespace ll_peer_pointers
+namespace ll_nvshmem {
+void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLatencyLaunch& launch,
+                                 cudaStream_t stream);
+void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream);
+}  // namespace ll_nvshmem
 
 }  // namespace epx

@@ -105,6 +105,21 @@ Params low_latency_params(const Buffer::Impl& b, const LowLatencyHandle& h, int 
   return p;
 }
 
+// The NVSHMEM build of the kernels only where a rank is reached through NVSHMEM puts (layout/ll_params.hpp).
+void launch_dispatch(const Buffer::Impl& b, const LowLatencyDispatchParams& p, cudaStream_t stream) {
+#if EPX_HAVE_NVSHMEM
+  if (b.peer_map.ll.num_nvshmem > 0) return ll_nvshmem::launch_low_latency_dispatch(p, b.ll_launch, stream);
+#endif
+  ll_peer_pointers::launch_low_latency_dispatch(p, b.ll_launch, stream);
+}
+
+void launch_combine(const Buffer::Impl& b, const LowLatencyCombineParams& p, cudaStream_t stream) {
+#if EPX_HAVE_NVSHMEM
+  if (b.peer_map.ll.num_nvshmem > 0) return ll_nvshmem::launch_low_latency_combine(p, b.ll_launch, stream);
+#endif
+  ll_peer_pointers::launch_low_latency_combine(p, b.ll_launch, stream);
+}
+
 }  // namespace
 
 int64_t low_latency_size_hint(int max_tokens, int hidden, int num_ranks, int num_experts) {
@@ -192,7 +207,7 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
   commit_set(b, kDispatchCall, phases, set, o.recv_src_info, o.recv_layout_range);
   b.ll_waiting_format[set] = format;
   h = shape;
-  launch_low_latency_dispatch(p, b.ll_launch, stream);
+  launch_dispatch(b, p, stream);
   b.check_launch(cudaGetLastError(), op);
 }
 
@@ -220,7 +235,7 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
   p.recv_layout_range = h.recv_layout_range;
   p.out = static_cast<int4*>(combined_x);
   commit_set(b, kCombineCall, phases, set, h.recv_src_info, combined_x);
-  launch_low_latency_combine(p, b.ll_launch, stream);
+  launch_combine(b, p, stream);
   b.check_launch(cudaGetLastError(), op);
   return set;
 }

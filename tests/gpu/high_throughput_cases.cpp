@@ -195,7 +195,8 @@ std::vector<Case> high_throughput_cases(bool internode) {
   cases.push_back(small_config_case("small configs: 2 SMs, chunk 1, ring 2", Config{2, 1, 2, 1, 2}, 31, 6));
   // A chunk as large as the ring: every chunk's room needs the receiver to free the chunk before it, so the
   // chunked senders' publisher (kernels/chunk_publisher.cuh) must release the tail before it waits for the head.
-  cases.push_back(small_config_case("small configs: 2 SMs, chunk 2, ring 2 (chunk = ring)", Config{2, 2, 2, 2, 4}, 38, 7));
+  cases.push_back(
+      small_config_case("small configs: 2 SMs, chunk 2, ring 2 (chunk = ring)", Config{2, 2, 2, 2, 4}, 38, 7));
 
   cases.push_back(Case{"out-of-range topk_idx fails every rank, buffer stays usable", [](Context& ctx) {
                          auto c = base_case({64}, 2048, 32);

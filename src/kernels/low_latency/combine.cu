@@ -274,8 +274,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
+namespace EPX_LL_BUILD {
+
 void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream) {
   launch_low_latency_kernel(low_latency_combine_kernel, p, launch, kThreads, 0, stream);
 }
 
+}  // namespace EPX_LL_BUILD
 }  // namespace epx

@@ -343,12 +343,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (p.phases & kLowLatencyRecv) receive_phase(p, (p.phases & kLowLatencySend) ? first_writer(p.num_ranks) : kWarps);
 }
 
-}  // namespace
-
-int low_latency_grid(int num_device_sms) { return num_device_sms; }
-
-namespace {
-
 // Dynamic shared memory past the 48 KiB any kernel may take needs the kernel's limit raised first. Raised once per
 // device to the largest size asked so far, not on every launch: the call is host time inside the op (it used to
 // run on every launch, although the bench defaults take ~9 KiB). A failure shows in the caller's
@@ -372,6 +366,8 @@ void allow_dispatch_smem(size_t smem) {
 
 }  // namespace
 
+namespace EPX_LL_BUILD {
+
 void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLatencyLaunch& launch,
                                  cudaStream_t stream) {
   const size_t smem = dispatch_smem_bytes(p);
@@ -379,4 +375,5 @@ void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLat
   launch_low_latency_kernel(low_latency_dispatch_kernel, p, launch, kThreads, smem, stream);
 }
 
+}  // namespace EPX_LL_BUILD
 }  // namespace epx

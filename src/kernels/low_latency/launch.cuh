@@ -26,6 +26,13 @@
 
 #include "layout/ll_params.hpp"
 
+// The namespace of this build's launch functions (layout/ll_params.hpp).
+#if EPX_NVSHMEM_DEVICE
+#define EPX_LL_BUILD ll_nvshmem
+#else
+#define EPX_LL_BUILD ll_peer_pointers
+#endif
+
 namespace epx {
 
 // Set once a driver refused the early launch: both kernels launch cooperatively from then on.
