@@ -35,6 +35,34 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
+// The first CUDA call of a Buffer failed. Without a GPU or a driver the CUDA runtime answers
+// cudaErrorInsufficientDriver or cudaErrorNoDevice, whose own texts do not say that: say it in words, keeping the
+// CUDA error's name. Other errors are reported as they are.
+[[noreturn]] void raise_first_cuda_failure(cudaError_t err, const char* call) {
+  const std::string cuda = cat("(", call, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err), ")");
+  constexpr const char* kNeeds =
+      "epx needs an NVIDIA GPU (Hopper, sm_90) with its driver; without one, only the "
+      "host-side API works (configs, size hints, limits, the reference model)";
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);  // 0 when no driver is installed (or libcuda.so cannot be loaded)
+  cudaRuntimeGetVersion(&runtime);
+  if (err == cudaErrorNoDevice)
+    raise(Status::kCuda,
+          "no NVIDIA GPU was found: the driver is there but sees no GPU (check nvidia-smi, and that "
+          "CUDA_VISIBLE_DEVICES is not empty or wrong). ",
+          kNeeds, " ", cuda);
+  if (err == cudaErrorInsufficientDriver && driver == 0)
+    raise(Status::kCuda,
+          "no NVIDIA GPU driver was found on this machine (libcuda.so is not installed or could not "
+          "be loaded), so no GPU can be used. ",
+          kNeeds, " ", cuda);
+  if (err == cudaErrorInsufficientDriver)
+    raise(Status::kCuda, "the NVIDIA driver is too old for this libepx: it supports CUDA ", driver / 1000, ".",
+          driver % 1000 / 10, ", libepx was built with CUDA ", runtime / 1000, ".", runtime % 1000 / 10,
+          ": update the driver. ", cuda);
+  raise(Status::kCuda, call, " failed: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+}
+
 }  // namespace
 
 void Buffer::Impl::enter(const char* op) {
@@ -141,7 +169,10 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   }
 
   int device_count = 0;
-  EPX_CUDA_CHECK(cudaGetDeviceCount(&device_count));
+  // The Buffer's first CUDA call: where a machine without a GPU or driver is found out.
+  const cudaError_t count_err = cudaGetDeviceCount(&device_count);
+  if (count_err != cudaSuccess) raise_first_cuda_failure(count_err, "cudaGetDeviceCount");
+  if (device_count == 0) raise_first_cuda_failure(cudaErrorNoDevice, "cudaGetDeviceCount");
   if (opts.device >= 0) {
     EPX_REQUIRE(opts.device < device_count, "device ", opts.device, " does not exist (", device_count, " visible)");
     device = opts.device;

@@ -2,7 +2,9 @@
 // from every rank's PeerInfo: the NVLink buffers of the domain through CUDA IPC, the low-latency region inside the
 // NVLink buffer or in NVSHMEM symmetric memory (runtime/transport.hpp chooses which).
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "layout/ll_layout.hpp"
 #include "runtime/buffer_impl.hpp"
@@ -12,6 +14,28 @@
 #endif
 
 namespace epx {
+namespace {
+
+std::string pci_id(const PeerInfo& p) {
+  char id[32];
+  std::snprintf(id, sizeof id, "%04x:%02x:%02x", unsigned(p.pci_domain), unsigned(p.pci_bus), unsigned(p.pci_device));
+  return id;
+}
+
+// "GPU 0 (rank 0, PCI 0000:1b:00) and GPU 1 (rank 1, PCI 0000:43:00)": device numbers are each process's own.
+std::string gpu_pair(const PeerInfo& mine, const PeerInfo& p) {
+  return cat("GPU ", mine.device, " (rank ", mine.rank, ", PCI ", pci_id(mine), ") and GPU ", p.device, " (rank ",
+             p.rank, ", PCI ", pci_id(p), ")");
+}
+
+// What a missing peer access means, after the sentence that names the pair.
+constexpr const char* kNoPeerAccess =
+    "The ranks of one NVLink domain read and write each other's GPU memory directly, so these GPUs cannot be ranks "
+    "of one domain: use GPUs that have peer access between every pair (`nvidia-smi topo -m` shows the links, "
+    "`nvidia-smi topo -p2p r` which pairs allow it; PCIe peer access can be blocked by the platform's ACS/IOMMU "
+    "settings or a virtual machine)";
+
+}  // namespace
 
 FailState Buffer::Impl::fail_state() const {
   FailState f{};
@@ -52,12 +76,30 @@ void Buffer::Impl::map_peers(const std::vector<PeerInfo>& all) {
                 "ranks ", p.rank, " and ", rank, " use the same GPU (device ", device,
                 "); use one GPU per rank (set the device before creating the Buffer, or options.device)");
     int can = 0;
-    EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, p.device));
+    const cudaError_t query = cudaDeviceCanAccessPeer(&can, device, p.device);
+    if (query == cudaErrorInvalidDevice)
+      raise(Status::kNotSupported, "rank ", p.rank, " uses GPU ", p.device, " of its process (PCI ", pci_id(p),
+            "), which is not a GPU of rank ", rank, "'s process (", gpu_pair(mine, p),
+            "): every rank of a domain must see all GPUs of the domain, numbered alike (the same "
+            "CUDA_VISIBLE_DEVICES in every rank, and cudaSetDevice per rank)");
+    EPX_CUDA_CHECK(query);
     if (!can)
-      raise(Status::kNotSupported, "GPU ", device, " cannot access GPU ", p.device, " (rank ", p.rank,
-            ") directly: epx needs NVLink or PCIe peer access inside a domain");
+      raise(Status::kNotSupported, gpu_pair(mine, p),
+            p.device == device
+                ? " have the same device number in their processes, so they do not see the same GPUs (set the same "
+                  "CUDA_VISIBLE_DEVICES in every rank and select each rank's GPU with cudaSetDevice or options.device)"
+                : cat(" cannot reach each other over NVLink or PCIe peer-to-peer (cudaDeviceCanAccessPeer says no). ",
+                      kNoPeerAccess));
     void* mapped = nullptr;
-    EPX_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, p.handle, cudaIpcMemLazyEnablePeerAccess));
+    const cudaError_t opened = cudaIpcOpenMemHandle(&mapped, p.handle, cudaIpcMemLazyEnablePeerAccess);
+    if (opened != cudaSuccess) {
+      const bool p2p = opened == cudaErrorPeerAccessUnsupported || opened == cudaErrorPeerAccessNotEnabled ||
+                       opened == cudaErrorInvalidDevice;
+      raise(Status::kCuda, "rank ", rank, " could not map the buffer of rank ", p.rank, " (", gpu_pair(mine, p),
+            ") with cudaIpcOpenMemHandle: ", cudaGetErrorName(opened), " (", cudaGetErrorString(opened), ")",
+            p2p ? cat(". The two GPUs cannot reach each other over NVLink or PCIe peer-to-peer. ", kNoPeerAccess)
+                : std::string());
+    }
     peer_map.nvl.peer[j] = static_cast<uint8_t*>(mapped);
   }
   try {

@@ -1,5 +1,6 @@
 // The C ABI on a machine without a GPU: every entry point must turn bad input into a status and a message
 // (never a crash), and buffer creation must fail cleanly when there is no device.
+#include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -12,6 +13,7 @@
 #include "epx/epx.hpp"
 #include "epx/launcher.hpp"
 
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
 namespace {
@@ -127,8 +129,39 @@ TEST(CApi, CreateWithoutAGpuFailsCleanly) {
   const epx_status status = epx_buffer_create(&s.bootstrap, &s.options, &out);
   EXPECT_NE(status, EPX_OK);
   EXPECT_EQ(status, EPX_ERR_CUDA) << epx_status_string(status) << ": " << last_error();
-  EXPECT_FALSE(last_error().empty());
+  // Said in words (no GPU, no driver, or a driver too old), with the CUDA error's name kept for searching.
+  EXPECT_THAT(last_error(), HasSubstr("NVIDIA"));
+  EXPECT_THAT(last_error(), AnyOf(HasSubstr("cudaErrorInsufficientDriver"), HasSubstr("cudaErrorNoDevice")));
   EXPECT_EQ(out, nullptr);
+}
+
+TEST(CApi, NoDriverIsSaidInWords) {
+  if (epx::count_local_gpus() > 0) GTEST_SKIP() << "a GPU is visible";
+  int driver = -1;
+  cudaDriverGetVersion(&driver);
+  if (driver != 0) GTEST_SKIP() << "an NVIDIA driver is installed here (CUDA " << driver << ")";
+  // The C++ API says the same as the C ABI: no driver, what epx needs, what works without it.
+  SingleRank s;
+  epx::CallbackBootstrap bootstrap(s.bootstrap);
+  try {
+    epx::Buffer buffer(bootstrap, s.options);
+    ADD_FAILURE() << "a Buffer was created without a driver";
+  } catch (const epx::Error& e) {
+    EXPECT_EQ(e.status(), epx::Status::kCuda);
+    EXPECT_THAT(e.what(), HasSubstr("no NVIDIA GPU driver was found"));
+    EXPECT_THAT(e.what(), HasSubstr("epx needs an NVIDIA GPU"));
+    EXPECT_THAT(e.what(), HasSubstr("host-side API works"));
+    EXPECT_THAT(e.what(), HasSubstr("cudaGetDeviceCount failed: cudaErrorInsufficientDriver"));
+  }
+  // The launcher's ranks report it the same way (the body's exception fails the rank).
+  const epx::LaunchResult r = epx::launch_local(
+      1,
+      [](epx::Bootstrap& bs) {
+        epx::Buffer buffer(bs, epx::default_buffer_options());
+        return 0;
+      },
+      60, 5);
+  EXPECT_EQ(r.num_failed, 1);
 }
 
 TEST(CApi, DestroyNullIsOk) { EXPECT_EQ(epx_buffer_destroy(nullptr), EPX_OK); }
