@@ -7,6 +7,8 @@
 # installed into .nvshmem/ from PyPI (nvidia-nvshmem-cu13, the GPU machines' version) when the network allows, and
 # the build goes without it when that fails. EPX_NVSHMEM=0 builds without it; EPX_NVSHMEM=1 fails unless it is
 # found or installed.
+# Last, the Python for the tests: scripts/python-env.sh (.venv/ with torch and pytest, unless a Python with both is
+# already there, as on the GPU machines); EPX_PYTHON_ENV=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${1:-build}
@@ -100,4 +102,11 @@ elif ! cmake --build "$BUILD_DIR" -j "$jobs"; then
   rm -rf "$BUILD_DIR"
   configure
   cmake --build "$BUILD_DIR" -j "$jobs"
+fi
+
+# The Python for the tests (torch and pytest): .venv/, or one that has both already (scripts/python-env.sh).
+# EPX_PYTHON_ENV=0 skips it.
+if [ "${EPX_PYTHON_ENV:-1}" != 0 ]; then
+  py=$(bash scripts/python-env.sh | tail -n 1) && echo "setup: Python for the tests: $py" ||
+    echo "setup: no Python with torch and pytest could be set up (the Python tests skip what needs them; CI fails)"
 fi

@@ -1,26 +1,50 @@
 #!/usr/bin/env bash
 # Runs the Python package's tests (tests/python) from the source tree, against $EPX_LIBRARY or the newest
-# build*/libepx.so. scripts/test.sh calls it. Missing pieces skip with a message instead of failing:
-# no python3, no pytest (and no way to install it), no torch (the validation and GPU tests skip), fewer
-# than 2 GPUs (the multi-GPU tests skip). Test failures do fail.
+# build*/libepx.so. scripts/test.sh calls it. The interpreter is $PYTHON, else the one scripts/python-env.sh gives
+# (it imports torch and pytest: .venv/, the GPU machines' /opt/torch/.venv, or python3; it sets up .venv/ when none
+# does). Outside CI, missing pieces skip with a message: no python3 or pytest (nothing is run), no torch (the
+# validation and GPU tests skip). In CI (CI set) each of them is an error. Fewer than 2 GPUs: the multi-GPU tests
+# skip. Test failures do fail.
 #   python/tests/run.sh [pytest arguments]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python3}
+missing() {  # missing WHAT: fails in CI, skips elsewhere
+  if [ -n "${CI:-}" ]; then
+    echo "python tests: $1; CI runs every Python test (scripts/setup.sh sets up .venv with torch and pytest)" >&2
+    exit 1
+  fi
+  echo "python tests: $1"
+}
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+else
+  PY=$(bash scripts/python-env.sh | tail -n 1)
+  PY=${PY:-python3}
+fi
 if ! command -v "$PY" >/dev/null 2>&1; then
-  echo "python tests: skipped ($PY not found)"
+  missing "$PY not found"
+  echo "python tests: skipped"
   exit 0
 fi
-if ! "$PY" -c "import pytest" >/dev/null 2>&1; then
-  echo "python tests: pytest missing, trying pip install pytest"
-  if ! timeout 300 "$PY" -m pip install -q pytest >/dev/null 2>&1 || ! "$PY" -c "import pytest" >/dev/null 2>&1; then
-    echo "python tests: skipped (pytest is not installed and could not be installed)"
-    exit 0
-  fi
+# One probe: "PYTHON_VERSION HAS_PYTEST TORCH_VERSION_OR_-".
+probe='import importlib.util, sys
+try:
+    import torch
+    t = torch.__version__
+except Exception:
+    t = "-"
+print(sys.version.split()[0], int(importlib.util.find_spec("pytest") is not None), t)'
+read -r py_version has_pytest torch_version < <("$PY" -c "$probe" 2>/dev/null || echo "? 0 -")
+if [ "$has_pytest" != 1 ]; then
+  missing "pytest is not installed in $PY"
+  echo "python tests: skipped"
+  exit 0
 fi
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  echo "python tests: torch not installed: only the ctypes binding tests run"
+if [ "$torch_version" = - ]; then
+  missing "torch is not installed in $PY"
+  echo "python tests: only the ctypes binding tests run"
 fi
+echo "python tests: $PY (Python $py_version, torch $torch_version)"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PY" -m pytest -q -p no:cacheprovider tests/python "$@"
