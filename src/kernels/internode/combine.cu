@@ -90,8 +90,8 @@ constexpr int kAnnounceEvery = 4;
 
 // ---- NVLink senders -----------------------------------------------------------------------------------------------
 
-__device__ __noinline__ void nvl_sender(const InternodeCombineParams& p, int channel, int w, int warps,
-                                        ReturnShared& sh) {
+__device__ __forceinline__ void nvl_sender(const InternodeCombineParams& p, int channel, int w, int warps,
+                                           ReturnShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
@@ -219,8 +219,8 @@ __device__ void reduce_token(const InternodeCombineParams& p, int t, const uint8
   }
 }
 
-__device__ __noinline__ void net_receiver(const InternodeCombineParams& p, int channel, int w, int warps,
-                                          ReturnShared& sh) {
+__device__ __forceinline__ void net_receiver(const InternodeCombineParams& p, int channel, int w, int warps,
+                                             ReturnShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int D = net.num_domains, C = p.num_channels;
@@ -318,10 +318,10 @@ __device__ void return_block(const InternodeCombineParams& p, int channel) {
 // Writes the record of one token for domain i at dst: its partial (two-level) or its rows (flat), and every rank's
 // top-k weights (0 for ranks without the token). rows[j] / weights[j]: rank j's row and weights, null if absent;
 // list: this warp's scratch list (shared).
-__device__ __noinline__ void write_combine_record(const InternodeCombineParams& p, uint8_t* dst,
-                                                  const int4* const (&rows)[kMaxNvlRanks],
-                                                  const float* const (&weights)[kMaxNvlRanks], const int4** list,
-                                                  int lane) {
+__device__ __forceinline__ void write_combine_record(const InternodeCombineParams& p, uint8_t* dst,
+                                                     const int4* const (&rows)[kMaxNvlRanks],
+                                                     const float* const (&weights)[kMaxNvlRanks], const int4** list,
+                                                     int lane) {
   const int G = p.peers.net.num_local, n = p.x_int4;
   int count = 0;
 #pragma unroll
@@ -356,8 +356,8 @@ __device__ __noinline__ void write_combine_record(const InternodeCombineParams& 
   }
 }
 
-__device__ __noinline__ void forwarder(const InternodeCombineParams& p, int channel, int w, int warps,
-                                       ForwardShared& sh) {
+__device__ __forceinline__ void forwarder(const InternodeCombineParams& p, int channel, int w, int warps,
+                                          ForwardShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, d = net.domain, C = p.num_channels;
