@@ -115,8 +115,16 @@ typedef struct epx_dispatch_args {
   epx_dtype dtype;
   int num_tokens;
   int hidden;
-  const float* x_scales; /* FP8 only: [num_tokens, num_scales] (32-bit words, copied verbatim) */
+  const float* x_scales; /* FP8 only: [num_tokens, num_scales] 32-bit words (float32 or packed int32), copied
+                            verbatim; 4-byte aligned. The kernels read them in place at the strides below */
   int num_scales;
+  /* Element (not byte) strides of x_scales: scale g of token t is x_scales[t * x_scales_stride_token + g *
+   * x_scales_stride_group]. Both 0 (a zeroed struct): contiguous row-major, i.e. num_scales and 1. Otherwise
+   * both >= 0, the token stride >= 1 when num_tokens > 1 and the group stride >= 1 when num_scales > 1; column-major
+   * scales (what grouped GEMMs read) are 1 and num_tokens. Strides may differ between ranks. recv_x_scales is always
+   * row-major, [rows, num_scales] contiguous. */
+  int64_t x_scales_stride_token;
+  int64_t x_scales_stride_group;
   const int64_t* topk_idx;          /* [num_tokens, num_topk] when num_topk > 0 */
   const float* topk_weights;        /* optional [num_tokens, num_topk] (zeros are sent without it) */
   int num_topk;                     /* 0: no top-k. Must be the same on every rank (it shapes the ring records);

@@ -5,11 +5,12 @@ be tested on a CPU (with a Buffer whose device is the CPU)."""
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 _Tensor = torch.Tensor
+_FP32, _INT32 = torch.float32, torch.int32
 
 def tensor(name: str, t, dtype, shape: Sequence[Optional[int]], device: torch.device,
            aligned16: bool = False) -> torch.Tensor:
@@ -33,7 +34,31 @@ def tensor(name: str, t, dtype, shape: Sequence[Optional[int]], device: torch.de
     return t
 
 
-def _explain(name, t, dtype, shape, device, aligned16) -> None:
+def strided_scales(name: str, t, num_tokens: int, device: torch.device) -> Tuple[int, int]:
+    """Checks FP8 scales [num_tokens, S >= 1], float32 or int32 words, at any strides (the kernels read them in
+    place). Returns the element strides for epx_dispatch_args: (0, 0) when row-major contiguous; a stride of a
+    dimension of size 1 (never used) is given as S or 1. A zero stride over several elements (an expanded view)
+    is refused, as the library refuses it."""
+    if isinstance(t, _Tensor) and (t.dtype is _FP32 or t.dtype is _INT32) and t.device == device:
+        got = t.shape
+        if len(got) == 2 and got[0] == num_tokens and got[1] >= 1:
+            if t.is_contiguous():
+                return 0, 0
+            st, sg = t.stride()
+            T, S = got
+            if T <= 1:
+                st = S
+            if S <= 1:
+                sg = 1
+            if st >= 1 and sg >= 1:
+                return st, sg
+            raise ValueError(f"{name} has a zero stride, strides {t.stride()} for shape {tuple(got)} (an expanded "
+                             f"view?): every token and scale needs its own element; call .contiguous()")
+    _explain(name, t, (_FP32, _INT32), (num_tokens, None), device, False, contiguous=False)
+    raise ValueError(f"{name} must have at least one column, got shape {tuple(t.shape)}")
+
+
+def _explain(name, t, dtype, shape, device, aligned16, contiguous=True) -> None:
     """Raises the error that says what is wrong with t."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -48,7 +73,7 @@ def _explain(name, t, dtype, shape, device, aligned16) -> None:
             raise ValueError(f"{name} must have shape {_fmt(shape)}, got {tuple(t.shape)} (dimension {i})")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (the Buffer's device), got {t.device}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
     if aligned16 and t.numel() > 0 and t.data_ptr() % 16 != 0:
         raise ValueError(f"{name} must start on a 16-byte boundary (a view at an odd offset? copy it)")

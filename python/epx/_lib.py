@@ -80,6 +80,7 @@ class LayoutOutputs(Structure):
 class DispatchArgs(Structure):
     _fields_ = [("x", c_void_p), ("dtype", c_int), ("num_tokens", c_int), ("hidden", c_int),
                 ("x_scales", c_void_p), ("num_scales", c_int),
+                ("x_scales_stride_token", c_int64), ("x_scales_stride_group", c_int64),
                 ("topk_idx", c_void_p), ("topk_weights", c_void_p), ("num_topk", c_int), ("num_experts", c_int),
                 ("num_tokens_per_rank", c_void_p), ("num_tokens_per_expert", c_void_p),
                 ("is_token_in_rank", c_void_p), ("expert_alignment", c_int), ("num_worst_tokens", c_int)]

@@ -44,6 +44,7 @@ _INT64 = torch.int64
 _BF16 = torch.bfloat16
 _FP32 = torch.float32
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
+_ROW_MAJOR = (0, 0)  # epx_dispatch_args' scale strides of row-major scales (and of none)
 _SOURCE_META_BYTES = 8  # a row of an internode handle's recv_src_meta: two int32 (source domain, rank mask)
 _OUTPUT_DTYPES = (torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.bool, torch.float8_e4m3fn)
 # combine's reduction argument -> epx_combine_args.reduction
@@ -544,7 +545,8 @@ class Buffer(LowLatencyMixin):
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
     def _check_x(self, x):
-        """x: bf16 [T, H], or (e4m3 [T, H], scales [T, S] float32/int32). -> (data, scales, dtype code)."""
+        """x: bf16 [T, H], or (e4m3 [T, H], scales [T, S] float32/int32 at any strides). -> (data, scales, dtype
+        code, (token stride, group stride) of the scales in elements: (0, 0) for row-major or no scales)."""
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise ValueError(f"an FP8 x is a tuple (data, scales), got {len(x)} elements")
@@ -553,14 +555,12 @@ class Buffer(LowLatencyMixin):
             T, H = data.shape
             if H % 16 != 0:
                 raise ValueError(f"FP8 x needs hidden % 16 == 0 (rows of 16-byte vectors), got hidden {H}")
-            _checks.tensor("x[1] (scales)", scales, (torch.float32, torch.int32), (T, None), self._device)
-            if scales.shape[1] < 1:
-                raise ValueError("x[1] (scales) must have at least one column")
-            return data, scales, _lib.EPX_FP8_E4M3
+            strides = _checks.strided_scales("x[1] (scales)", scales, T, self._device)
+            return data, scales, _lib.EPX_FP8_E4M3, strides
         _checks.tensor("x", x, _BF16, (None, None), self._device, aligned16=True)
         if x.shape[1] % 8 != 0:
             raise ValueError(f"bf16 x needs hidden % 8 == 0 (rows of 16-byte vectors), got hidden {x.shape[1]}")
-        return x, None, _lib.EPX_BF16
+        return x, None, _lib.EPX_BF16, _ROW_MAJOR
 
     def _check_config(self, config, kind: str, hc: Optional[_HandleCache] = None) -> _lib.Config:
         """The C struct of the given config, or of the default one; with a handle, the default takes the
@@ -699,8 +699,10 @@ class Buffer(LowLatencyMixin):
             x: the T tokens of this rank (T may be 0 and differ between ranks), on the Buffer's device: a bf16
                 tensor [T, H] (H a multiple of 8, 16-byte aligned), or for FP8 a tuple (data, scales): data
                 float8_e4m3fn [T, H] (H a multiple of 16), scales [T, S] float32 (S >= 1, usually H / 128: one
-                scale per 128 elements) or int32 words (packed UE8M0 exponents). Rows and scales are copied as
-                they are, never requantized.
+                scale per 128 elements) or int32 words (packed UE8M0 exponents), at any strides: row-major, or
+                column-major as grouped GEMMs keep them (s.T.contiguous().T), read in place without a copy (no
+                zero strides: an expanded view must be made contiguous). Rows and scales are copied as they are,
+                never requantized.
             handle: default None. The handle of an earlier dispatch of this Buffer to repeat its routing for new
                 data (cached mode: no layout arguments, no CPU sync); x must have that dispatch's T tokens.
                 num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -731,7 +733,8 @@ class Buffer(LowLatencyMixin):
 
         Returns (without handle):
             recv_x: the N received tokens, ordered by source rank, then by token index on the source: a bf16
-                tensor [N, H], or (data [N, H] float8_e4m3fn, scales [N, S] of x's scale dtype) for an FP8 x.
+                tensor [N, H], or (data [N, H] float8_e4m3fn, scales [N, S] of x's scale dtype) for an FP8 x;
+                the scales are row-major (contiguous) whatever the strides of x's, as deep_ep returns them.
             recv_topk_idx: int64 [N, K]: the expert ids on this rank rebased to local ids (e - rank * E / R), -1
                 for the others; None without topk_idx.
             recv_topk_weights: float32 [N, K]: the weights of those experts, 0 for the others; None without
@@ -752,15 +755,15 @@ class Buffer(LowLatencyMixin):
             event: EventOverlap, holding an event only with async_finish.
         With handle: (recv_x, None, None, None, None, event).
         """
-        data, scales, dtype = self._check_x(x)
+        data, scales, dtype, scale_strides = self._check_x(x)
         async_finish = _checks.flag("async_finish", async_finish)
         if previous_event is not None or allocate_on_comm_stream:
             check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
         if handle is not None:
             hc = self._check_handle(handle)
             c_config = self._check_config(config, "dispatch", hc)
-            return self._cached_dispatch(data, scales, dtype, hc, c_config, previous_event, async_finish,
-                                         allocate_on_comm_stream)
+            return self._cached_dispatch(data, scales, dtype, scale_strides, hc, c_config, previous_event,
+                                         async_finish, allocate_on_comm_stream)
         c_config = self._check_config(config, "dispatch")
 
         R, G, d = self.group_size, self._num_nvl_ranks, self._device
@@ -810,7 +813,7 @@ class Buffer(LowLatencyMixin):
                 send_head = self._empty((T, R), _INT32)
         args = _lib.DispatchArgs(
             data.data_ptr(), dtype, T, H, _ptr_or_none(scales), scales.shape[1] if scales is not None else 0,
-            _ptr_or_none(topk_idx), _ptr_or_none(topk_weights), K, E, num_tokens_per_rank.data_ptr(),
+            scale_strides[0], scale_strides[1], _ptr_or_none(topk_idx), _ptr_or_none(topk_weights), K, E, num_tokens_per_rank.data_ptr(),
             num_tokens_per_expert.data_ptr() if E else None, is_token_in_rank.data_ptr(), expert_alignment,
             num_worst_tokens)
         if internode:
@@ -864,8 +867,8 @@ class Buffer(LowLatencyMixin):
         recv = (recv_x, recv_scales) if scales is not None else recv_x
         return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
 
-    def _cached_dispatch(self, data, scales, dtype, hc: _HandleCache, c_config: _lib.Config, previous_event,
-                         async_finish, allocate_on_comm_stream):
+    def _cached_dispatch(self, data, scales, dtype, scale_strides, hc: _HandleCache, c_config: _lib.Config,
+                         previous_event, async_finish, allocate_on_comm_stream):
         T, H = data.shape
         if hc.num_tokens != T:
             raise ValueError(f"x has {T} tokens but the handle was made for {hc.num_tokens}")
@@ -873,10 +876,10 @@ class Buffer(LowLatencyMixin):
         S = scales.shape[1] if scales is not None else 0
 
         ptr = self._ptr()
-        key = (H, dtype, S)
+        key = (H, dtype, S, scale_strides)
         if hc.dispatch_key != key:
-            args = _lib.DispatchArgs(None, dtype, T, H, None, S, None, None, 0, 0, None, None,
-                                     hc.is_token_in_rank.data_ptr(), 1, 0)
+            args = _lib.DispatchArgs(None, dtype, T, H, None, S, scale_strides[0], scale_strides[1], None, None, 0, 0,
+                                     None, None, hc.is_token_in_rank.data_ptr(), 1, 0)
             outs = _lib.DispatchOutputs(None, None, None, None, N)
             hc.dispatch, hc.dispatch_key = (args, outs, byref(args), byref(outs)), key
         args, outs, args_ref, outs_ref = hc.dispatch

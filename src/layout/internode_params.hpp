@@ -10,6 +10,7 @@
 #include "layout/fail_state.hpp"
 #include "layout/internode_layout.hpp"
 #include "layout/peer_map.hpp"
+#include "layout/scales.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -60,7 +61,7 @@ struct InternodeDispatchParams {
   int num_topk;          // 0 without top-k
   int experts_per_rank;  // L
   const int4* x;
-  const float* x_scales;
+  ScaleView x_scales;  // read in place at the caller's strides
   const int64_t* topk_idx;
   const float* topk_weights;
   InternodeHandleView h;

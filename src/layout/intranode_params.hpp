@@ -11,6 +11,7 @@
 #include "layout/fail_state.hpp"
 #include "layout/nvl_layout.hpp"
 #include "layout/peer_map.hpp"
+#include "layout/scales.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -66,7 +67,7 @@ struct DispatchParams {
   int num_topk;
   int experts_per_rank;  // L (0 without top-k)
   const int4* x;
-  const float* x_scales;
+  ScaleView x_scales;  // read in place at the caller's strides
   const int64_t* topk_idx;
   const float* topk_weights;
   const uint8_t* is_token_in_rank;

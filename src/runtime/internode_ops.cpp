@@ -146,7 +146,7 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   p.num_topk = a.num_topk;
   p.experts_per_rank = a.num_topk > 0 ? a.num_experts / b.num_ranks : 0;
   p.x = static_cast<const int4*>(a.x);
-  p.x_scales = a.x_scales;
+  p.x_scales = ScaleView::of(a.x_scales, a.num_scales, a.x_scales_stride_token, a.x_scales_stride_group);
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;
   p.h = view_of(h);

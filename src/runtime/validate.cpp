@@ -9,6 +9,29 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 int64_t row_bytes(epx_dtype dtype, int hidden) { return int64_t(hidden) * (dtype == EPX_FP8_E4M3 ? 1 : 2); }
 
+namespace {
+
+// The strides of FP8 scales (epx.h): what can be checked without knowing the allocation. Every word the kernels read,
+// up to (T - 1) * token stride + (S - 1) * group stride, must have a byte offset an int64 holds.
+void validate_scale_strides(const DispatchArgs& a, const char* op) {
+  const int64_t st = a.x_scales_stride_token, sg = a.x_scales_stride_group;
+  EPX_REQUIRE(st >= 0 && sg >= 0, op, ": x_scales strides must be >= 0 (elements), got x_scales_stride_token ", st,
+              ", x_scales_stride_group ", sg);
+  if ((st == 0 && sg == 0) || a.num_tokens == 0) return;  // row-major, or nothing is read
+  EPX_REQUIRE(a.num_tokens == 1 || st >= 1, op, ": x_scales_stride_token must be >= 1 with ", a.num_tokens,
+              " tokens, got 0 (0 and 0 mean row-major)");
+  EPX_REQUIRE(a.num_scales == 1 || sg >= 1, op, ": x_scales_stride_group must be >= 1 with ", a.num_scales,
+              " scales per token, got 0 (0 and 0 mean row-major)");
+  constexpr int64_t kMaxWord = INT64_MAX / 4;
+  const int64_t groups = a.num_scales - 1, tokens = a.num_tokens - 1;
+  const bool fits =
+      (groups == 0 || sg <= kMaxWord / groups) && (tokens == 0 || st <= (kMaxWord - groups * sg) / tokens);
+  EPX_REQUIRE(fits, op, ": x_scales strides (", st, ", ", sg, ") address words beyond any allocation for ",
+              a.num_tokens, " tokens of ", a.num_scales, " scales");
+}
+
+}  // namespace
+
 void validate_dispatch_args(const DispatchArgs& a, int num_ranks, bool cached, const char* op) {
   EPX_REQUIRE(a.dtype == EPX_BF16 || a.dtype == EPX_FP8_E4M3, op, ": dtype must be EPX_BF16 or EPX_FP8_E4M3, got ",
               int(a.dtype));
@@ -24,8 +47,13 @@ void validate_dispatch_args(const DispatchArgs& a, int num_ranks, bool cached, c
                 ": FP8 dispatch needs x_scales with num_scales >= 1 (hidden / 128 = ", a.hidden / kFp8GroupSize,
                 " for per-128 scales)");
     EPX_REQUIRE(!has_tokens || a.x_scales != nullptr, op, ": FP8 dispatch needs x_scales");
+    EPX_REQUIRE((reinterpret_cast<uintptr_t>(a.x_scales) & 3u) == 0, op,
+                ": x_scales must be 4-byte aligned (32-bit words)");
+    validate_scale_strides(a, op);
   } else {
     EPX_REQUIRE(a.x_scales == nullptr && a.num_scales == 0, op, ": x_scales are only for FP8 x");
+    EPX_REQUIRE(a.x_scales_stride_token == 0 && a.x_scales_stride_group == 0, op,
+                ": x_scales_stride_token / x_scales_stride_group are only for FP8 x (BF16 takes 0)");
   }
   // Top-k presence is num_topk > 0 on every rank (it shapes the ring records, which all ranks must agree on);
   // a rank without tokens may pass null pointers.

@@ -4,11 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "epx/epx.hpp"
 #include "layout/limits.hpp"
+#include "layout/scales.hpp"
 #include "runtime/validate.hpp"
 
 using ::testing::HasSubstr;
@@ -150,6 +153,85 @@ TEST(DispatchValidation, ScalesOnlyWithFp8) {
   a = bf16_args();
   a.num_scales = 32;  // a count without data is just as wrong
   EXPECT_THAT(dispatch_error(a), HasSubstr("only for FP8"));
+}
+
+// FP8 scales at any element strides (epx.h): 0 and 0 mean row-major; the kernels read them in place through ScaleView.
+TEST(DispatchValidation, ScaleStrides) {
+  epx::DispatchArgs a = fp8_args();  // 8 tokens of 56 scales
+  const int T = a.num_tokens, S = a.num_scales;
+  for (auto [st, sg] : {std::pair<int64_t, int64_t>{S, 1},  // row-major, given explicitly
+                        {1, T},                             // column-major: s.T.contiguous().T
+                        {2 * S + 3, 2},                     // padded
+                        {1, 1}}) {                          // overlapping words: only read, so allowed
+    a.x_scales_stride_token = st;
+    a.x_scales_stride_group = sg;
+    EXPECT_NO_THROW(epx::validate_dispatch_args(a, kRanks, false, kOp)) << st << ", " << sg;
+    EXPECT_NO_THROW(epx::validate_dispatch_args(a, kRanks, true, kOp)) << "cached " << st << ", " << sg;
+  }
+  for (auto [st, sg] : {std::pair<int64_t, int64_t>{-1, 1}, {S, -1}, {INT64_MIN, 0}}) {
+    a = fp8_args();
+    a.x_scales_stride_token = st;
+    a.x_scales_stride_group = sg;
+    EXPECT_THAT(dispatch_error(a), HasSubstr(">= 0")) << st << ", " << sg;
+  }
+  a = fp8_args();
+  a.x_scales_stride_group = 1;  // token stride 0 with 8 tokens: every token would read the same scales
+  EXPECT_THAT(dispatch_error(a), HasSubstr("x_scales_stride_token must be >= 1"));
+  a = fp8_args();
+  a.x_scales_stride_token = 1;  // group stride 0 with 56 scales
+  EXPECT_THAT(dispatch_error(a), HasSubstr("x_scales_stride_group must be >= 1"));
+  a = fp8_args();
+  a.x_scales_stride_token = INT64_MAX / 8;  // (T - 1) * stride words overflow any byte offset
+  a.x_scales_stride_group = 1;
+  EXPECT_THAT(dispatch_error(a), HasSubstr("beyond any allocation"));
+  a = fp8_args();
+  a.x_scales_stride_token = 1;
+  a.x_scales_stride_group = INT64_MAX / 64;
+  EXPECT_THAT(dispatch_error(a), HasSubstr("beyond any allocation"));
+
+  // Strides that address nothing more are not needed: one token, one scale, no tokens.
+  a = fp8_args();
+  a.num_tokens = 1;
+  a.x_scales_stride_group = 1;
+  EXPECT_NO_THROW(epx::validate_dispatch_args(a, kRanks, false, kOp));
+  a = fp8_args();
+  a.num_scales = 1;
+  a.x_scales_stride_token = 1;
+  EXPECT_NO_THROW(epx::validate_dispatch_args(a, kRanks, false, kOp));
+  a = fp8_args();
+  a.num_tokens = 0;
+  a.x_scales = nullptr;
+  a.x_scales_stride_token = 1;  // column-major of an empty tensor: (1, 0)
+  EXPECT_NO_THROW(epx::validate_dispatch_args(a, kRanks, false, kOp));
+
+  // Scales are 32-bit words: 4-byte aligned at any strides.
+  for (uintptr_t p : {0x7001, 0x7002, 0x7003}) {
+    a = fp8_args();
+    a.x_scales = fake<const float>(p);
+    EXPECT_THAT(dispatch_error(a), HasSubstr("4-byte aligned")) << std::hex << p;
+  }
+  a = fp8_args();
+  a.x_scales = fake<const float>(0x7004);  // a column of a [T, S] tensor starts at any word
+  EXPECT_NO_THROW(epx::validate_dispatch_args(a, kRanks, false, kOp));
+
+  // Strides without FP8 scales are a mistake, as scales are.
+  a = bf16_args();
+  a.x_scales_stride_token = 1;
+  EXPECT_THAT(dispatch_error(a), HasSubstr("only for FP8"));
+}
+
+TEST(ScaleView, AddressesEveryLayout) {
+  const float* base = fake<const float>(0x10000);
+  const int32_t* words = reinterpret_cast<const int32_t*>(base);
+  const int T = 5, S = 3;
+  // Row-major by default (0, 0), as callers that predate the strides pass.
+  epx::ScaleView v = epx::ScaleView::of(base, S, 0, 0);
+  EXPECT_EQ(v.token(2).at(1), words + 2 * S + 1);
+  v = epx::ScaleView::of(base, S, 1, T);  // column-major
+  EXPECT_EQ(v.token(2).at(1), words + 2 + 1 * T);
+  v = epx::ScaleView::of(base, S, 2 * S + 3, 2);  // padded
+  EXPECT_EQ(v.token(4).at(2), words + 4 * (2 * S + 3) + 2 * 2);
+  EXPECT_EQ(v.token(0).at(0), words);
 }
 
 TEST(DispatchValidation, TopkMetadata) {

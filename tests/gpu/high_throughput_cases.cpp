@@ -142,6 +142,43 @@ std::vector<Case> high_throughput_cases(bool internode) {
     c.dtype = EPX_FP8_E4M3;
     return c;
   }));
+  // FP8 scales at other strides, read in place; recv_x_scales stays row-major. Every output is checked bit for bit.
+  const auto column_major = [](HtCase c) {
+    c.dtype = EPX_FP8_E4M3;
+    c.scale_layout = harness::ScaleLayout::kColumnMajor;
+    return c;
+  };
+  cases.push_back(scenario("FP8 dispatch with column-major scales",
+                           [column_major](Context&) { return column_major(base_case({512}, 7168, 40)); }));
+  cases.push_back(
+      Case{"FP8 dispatch with column-major scales: cached dispatch with new data", [column_major](Context& ctx) {
+             const HtCase c = column_major(base_case({700}, 4096, 41));
+             HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+             s.layout();
+             s.dispatch();
+             std::string err = s.check_dispatch();
+             for (int i = 0; i < 2; ++i) {
+               s.set_x(2000 + i);
+               s.dispatch_cached();
+               err += s.check_dispatch();
+             }
+             s.set_combine_inputs(98);
+             s.combine();
+             return err + s.check_combine();
+           }});
+  cases.push_back(
+      scenario("FP8 dispatch with column-major scales: worst-case mode, uneven tokens", [column_major](Context& ctx) {
+        auto c = column_major(base_case(per_rank(ctx.num_ranks, {1, 333, 0}, 57), 2048, 42));
+        c.worst_case = true;
+        return c;
+      }));
+  cases.push_back(scenario("FP8 dispatch with padded scale strides (2S + 3, 2), 160 scales per token", [](Context&) {
+    auto c = base_case({300}, 4096, 43);
+    c.dtype = EPX_FP8_E4M3;
+    c.num_scales = 160;  // past the 128 a lane preloads (kernels/intranode/dispatch.cu)
+    c.scale_layout = harness::ScaleLayout::kPadded;
+    return c;
+  }));
 
   cases.push_back(Case{"cached dispatch with new data, then combine", [](Context& ctx) {
                          auto c = base_case({700}, 4096, 29);

@@ -16,8 +16,8 @@ def intranode_calls(lib, ptr, stream, c_config, handle_struct, x, is_token_in_ra
     tokens, rows = x.shape[0], recv_x.shape[0]
     out_x = torch.empty_like(recv_x)
     combined, combined_w = torch.empty_like(x), torch.empty_like(w)
-    d_args = _lib.DispatchArgs(x.data_ptr(), _lib.EPX_BF16, tokens, hidden, None, 0, None, None, 0, 0, None, None,
-                               is_token_in_rank.data_ptr(), 1, 0)
+    d_args = _lib.DispatchArgs(x.data_ptr(), _lib.EPX_BF16, tokens, hidden, None, 0, 0, 0, None, None, 0, 0, None,
+                               None, is_token_in_rank.data_ptr(), 1, 0)
     d_outs = _lib.DispatchOutputs(out_x.data_ptr(), None, None, None, rows)
     c_args = _lib.CombineArgs(recv_x.data_ptr(), rows, hidden, recv_w.data_ptr(), topk, None, None)
     c_outs = _lib.CombineOutputs(combined.data_ptr(), combined_w.data_ptr())

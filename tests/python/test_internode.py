@@ -62,14 +62,18 @@ def in_ranks_of(all_inputs, world):
     return [_ref.layout(i.topk_idx, E, world)[2] for i in all_inputs]
 
 
-def layout_and_dispatch(ctx, all_inputs, with_topk=True, with_weights=True, fp8_scales=0, **kwargs):
-    """Runs layout + dispatch of this rank's inputs; -> (dispatch outputs, the reference)."""
+def layout_and_dispatch(ctx, all_inputs, with_topk=True, with_weights=True, fp8_scales=0, scales_layout=None,
+                        **kwargs):
+    """Runs layout + dispatch of this rank's inputs; -> (dispatch outputs, the reference). scales_layout: a
+    function that gives FP8 scales other strides (e.g. column_major)."""
     mine = all_inputs[ctx.rank]
     idx = cuda(mine.topk_idx, ctx)
     ntr, nrr, nte, itr, _ = ctx.buffer.get_dispatch_layout(idx, E)
     x = cuda(mine.x, ctx)
     if fp8_scales:
         x = (cuda(_ref.as_fp8(mine.x), ctx), cuda(_ref.make_scales(7, ctx.rank, mine.x.shape[0], fp8_scales), ctx))
+        if scales_layout is not None:
+            x = (x[0], scales_layout(x[1]))
     out = ctx.buffer.dispatch(
         x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=itr,
         num_tokens_per_expert=nte if with_topk else None, topk_idx=idx if with_topk else None,
@@ -118,6 +122,11 @@ def check_handle(ctx, handle, all_inputs, ref, num_channels, worst=0):
         assert bool((meta[N:, 0] == -1).all()), "padding rows of recv_src_meta have source domain -1"
     assert_bitwise("handle[8] send_rdma_head", handle[8], want[7])
     assert_bitwise("handle[9] send_nvl_head", handle[9][:want[8].shape[0]], want[8])
+
+
+def column_major(scales):
+    """[T, S] scales with strides (1, T), as DeepGEMM-style grouped GEMMs keep them: dispatch reads them in place."""
+    return scales.T.contiguous().T
 
 
 def expert_outputs(ctx, recv_x):
@@ -227,6 +236,34 @@ def case_dispatch_fp8(ctx):
     want_s = _ref.gather_rows([_ref.make_scales(8, s, i.x.shape[0], H // 128) for s, i in enumerate(all_inputs)],
                               ref.src, H // 128, torch.float32)
     assert_bitwise("cached fp8 scales", cached[0][1], want_s)
+
+
+def case_dispatch_fp8_column_major_scales(ctx):
+    """Column-major scales in normal, cached and worst-case dispatch, bit for bit; the received scales are
+    row-major [N, S] (contiguous), as deep_ep returns them. Every collective call comes before the checks."""
+    S = H // 128
+    counts = tokens_of(ctx, 22)
+    all_inputs = inputs(ctx, 22, counts)
+    mine = all_inputs[ctx.rank]
+    (recv_x, recv_idx, _, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=S,
+                                                                             scales_layout=column_major)
+    s2 = column_major(cuda(_ref.make_scales(8, ctx.rank, mine.x.shape[0], S), ctx))
+    cached = ctx.buffer.dispatch((cuda(_ref.as_fp8(mine.x), ctx), s2), handle=handle)[0]
+    worst = sum(counts)
+    (worst_x, *_), _ = layout_and_dispatch(ctx, all_inputs, fp8_scales=S, scales_layout=column_major,
+                                           num_worst_tokens=worst)
+
+    assert s2.stride() == (1, mine.x.shape[0])
+    check_recv_x(recv_x, ref, all_inputs, fp8_scales=S)
+    assert recv_x[1].is_contiguous() and tuple(recv_x[1].shape) == (len(ref.src), S)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert per_expert == ref.per_expert
+    want_s = _ref.gather_rows([_ref.make_scales(8, s, i.x.shape[0], S) for s, i in enumerate(all_inputs)],
+                              ref.src, S, torch.float32)
+    assert_bitwise("cached column-major scales", cached[1], want_s)
+    assert cached[1].is_contiguous()
+    assert tuple(worst_x[1].shape) == (worst, S) and worst_x[1].is_contiguous()
+    check_recv_x(worst_x, ref, all_inputs, fp8_scales=S, rows=len(ref.src))
 
 
 def case_cached_dispatch_bf16(ctx):

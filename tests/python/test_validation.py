@@ -204,6 +204,11 @@ def test_dispatch_accepts_good_arguments(buf):
     fp8 = (torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, H // 128))
     with launched:
         buf.dispatch(fp8, **layout_args(), expert_alignment=128, num_worst_tokens=64)
+    for scales in (torch.zeros(T, H // 128).T.contiguous().T,  # column-major, as grouped GEMMs keep them
+                   torch.zeros(H // 128, T).T, torch.zeros(T, 5)[:, 1:3],  # a transposed view, a column slice
+                   torch.zeros(T, 4, dtype=torch.int32)[:, ::2]):  # packed UE8M0 words at a stride of 2
+        with launched:
+            buf.dispatch((fp8[0], scales), **layout_args())
     with launched:
         buf.dispatch(bf16(T, H), num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
                      is_token_in_rank=torch.zeros(T, R, dtype=torch.bool))
@@ -219,6 +224,11 @@ def test_dispatch_accepts_good_arguments(buf):
     (dict(x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T + 1, 2))), ValueError, "scales"),
     (dict(x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 2, dtype=torch.float16))), TypeError,
      "scales"),
+    (dict(x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 0))), ValueError, "at least one column"),
+    (dict(x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T))), ValueError, "scales"),
+    (dict(x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(1, 2).expand(T, 2))), ValueError,
+     "zero stride"),
+    (dict(x=(torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 2).T)), ValueError, "scales"),
     (dict(x=bf16(T, 12)), ValueError, "hidden % 8"),
     (dict(x=misaligned_bf16(T, H)), ValueError, "16-byte"),
     (dict(num_tokens_per_rank=None), ValueError, "num_tokens_per_rank"),
@@ -248,6 +258,10 @@ def test_cached_dispatch_checks(buf):
         buf.dispatch(bf16(T, H), handle=handle())
     with launched:
         buf.dispatch((torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 2)), handle=handle())
+    with launched:
+        buf.dispatch((torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(2, T).T), handle=handle())
+    with pytest.raises(ValueError, match="zero stride"):
+        buf.dispatch((torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 1).expand(T, 2)), handle=handle())
     with pytest.raises(TypeError, match="6-tuple"):
         buf.dispatch(bf16(T, H), handle=handle()[:5])
     bad = list(handle())

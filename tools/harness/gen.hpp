@@ -44,6 +44,8 @@ float weight_value(uint64_t seed, int a, int b, int c);
 // dispatch was measured ~330 us slower on H200 (a cold start that back-to-back use never pays).
 void fill_bf16_rows_device(uint64_t seed, int rank, int num_tokens, int hidden, uint16_t* rows, cudaStream_t stream);
 void fill_fp8_rows_device(uint64_t seed, int rank, int num_tokens, int hidden, uint8_t* rows, cudaStream_t stream);
-void fill_scales_device(uint64_t seed, int rank, int num_tokens, int num_scales, float* scales, cudaStream_t stream);
+// Scale g of token t goes to scales[t * stride_token + g * stride_group]; the words in between are left as they are.
+void fill_scales_device(uint64_t seed, int rank, int num_tokens, int num_scales, float* scales, int64_t stride_token,
+                        int64_t stride_group, cudaStream_t stream);
 
 }  // namespace epx::harness

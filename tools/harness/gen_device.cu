@@ -25,11 +25,12 @@ __global__ void fp8_rows_kernel(uint64_t seed, int rank, int hidden, uint8_t* ou
   for (int h = threadIdx.x; h < hidden; h += blockDim.x) out[int64_t(t) * hidden + h] = rows::fp8_element(base, h);
 }
 
-__global__ void scales_kernel(uint64_t seed, int rank, int num_scales, float* out) {
+__global__ void scales_kernel(uint64_t seed, int rank, int num_scales, int64_t stride_token, int64_t stride_group,
+                              float* out) {
   const int t = blockIdx.x;
   const uint64_t base = rows::scale_row_base(seed, rank, t);
   for (int i = threadIdx.x; i < num_scales; i += blockDim.x)
-    out[int64_t(t) * num_scales + i] = rows::scale_element(base, i);
+    out[t * stride_token + i * stride_group] = rows::scale_element(base, i);
 }
 
 void check_launch(const char* what) {
@@ -51,9 +52,10 @@ void fill_fp8_rows_device(uint64_t seed, int rank, int num_tokens, int hidden, u
   check_launch("fill_fp8_rows_device");
 }
 
-void fill_scales_device(uint64_t seed, int rank, int num_tokens, int num_scales, float* scales, cudaStream_t stream) {
+void fill_scales_device(uint64_t seed, int rank, int num_tokens, int num_scales, float* scales, int64_t stride_token,
+                        int64_t stride_group, cudaStream_t stream) {
   if (num_tokens == 0 || num_scales == 0) return;
-  scales_kernel<<<num_tokens, kThreads, 0, stream>>>(seed, rank, num_scales, scales);
+  scales_kernel<<<num_tokens, kThreads, 0, stream>>>(seed, rank, num_scales, stride_token, stride_group, scales);
   check_launch("fill_scales_device");
 }
 

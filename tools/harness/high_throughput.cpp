@@ -159,10 +159,39 @@ void HtSession::set_x(uint64_t seed) {
   else
     fill_bf16_rows_device(seed, rank_, T, H, reinterpret_cast<uint16_t*>(x_.get()), stream_);
   if (num_scales() > 0) {
-    x_scales_.resize(size_t(T) * num_scales());
-    fill_scales_device(seed, rank_, T, num_scales(), x_scales_.get(), stream_);
+    x_scales_.resize(scale_words());
+    x_scales_.fill_bytes(0x7f, stream_);  // the words between padded scales: a kernel that reads one fails the check
+    fill_scales_device(seed, rank_, T, num_scales(), x_scales_.get(), scale_stride_token(), scale_stride_group(),
+                       stream_);
   }
   cuda_check(cudaStreamSynchronize(stream_), "set_x");
+}
+
+int64_t HtSession::scale_stride_token() const {
+  switch (c_.scale_layout) {
+    case ScaleLayout::kColumnMajor:
+      return 1;
+    case ScaleLayout::kPadded:
+      return 2 * int64_t(num_scales()) + 3;
+    default:
+      return num_scales();
+  }
+}
+
+int64_t HtSession::scale_stride_group() const {
+  switch (c_.scale_layout) {
+    case ScaleLayout::kColumnMajor:
+      return std::max(num_tokens_, 1);
+    case ScaleLayout::kPadded:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+size_t HtSession::scale_words() const {
+  if (num_tokens_ == 0 || num_scales() == 0) return 0;
+  return size_t((num_tokens_ - 1) * scale_stride_token() + (num_scales() - 1) * scale_stride_group() + 1);
 }
 
 void HtSession::expected_x_row(int src, int token, std::vector<uint8_t>& row) const {
@@ -188,6 +217,10 @@ DispatchArgs HtSession::dispatch_args() const {
   a.hidden = c_.hidden;
   a.x_scales = num_scales() > 0 ? x_scales_.get() : nullptr;
   a.num_scales = num_scales();
+  if (c_.scale_layout != ScaleLayout::kRowMajor) {  // row-major goes as 0 and 0, as callers that predate strides pass
+    a.x_scales_stride_token = scale_stride_token();
+    a.x_scales_stride_group = scale_stride_group();
+  }
   a.topk_idx = c_.with_topk ? topk_idx_.get() : nullptr;
   a.topk_weights = c_.with_topk && c_.with_weights ? topk_weights_.get() : nullptr;
   a.num_topk = c_.with_topk ? c_.routing.num_topk : 0;

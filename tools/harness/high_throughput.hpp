@@ -15,11 +15,18 @@
 
 namespace epx::harness {
 
+// Where an FP8 input's scales sit: row-major (the C ABI's strides 0 and 0), column-major [T, S] (strides 1 and T, as
+// grouped GEMMs keep them), or padded (strides 2S + 3 and 2: unused words between tokens and between scales, which
+// set_x poisons).
+enum class ScaleLayout { kRowMajor, kColumnMajor, kPadded };
+
 struct HtCase {
   std::string name;
   std::vector<int> tokens{4096};  // per rank; one value means the same on every rank
   int hidden = 7168;
   epx_dtype dtype = EPX_BF16;
+  int num_scales = 0;  // FP8: scales per token; 0 means hidden / 128
+  ScaleLayout scale_layout = ScaleLayout::kRowMajor;
   bool with_topk = true;     // pass topk_idx to dispatch
   bool with_weights = true;  // pass topk_weights to dispatch
   RoutingSpec routing;
@@ -74,7 +81,14 @@ class HtSession {
   DispatchArgs dispatch_args() const;
   DispatchOutputs dispatch_outputs() const;
   int64_t row_bytes() const { return int64_t(c_.hidden) * (c_.dtype == EPX_FP8_E4M3 ? 1 : 2); }
-  int num_scales() const { return c_.dtype == EPX_FP8_E4M3 ? c_.hidden / epx::limits().fp8_group_size : 0; }
+  int num_scales() const {
+    if (c_.dtype != EPX_FP8_E4M3) return 0;
+    return c_.num_scales > 0 ? c_.num_scales : c_.hidden / epx::limits().fp8_group_size;
+  }
+  // Element strides of x_scales_ (token, scale) as laid out, and the words they span.
+  int64_t scale_stride_token() const;
+  int64_t scale_stride_group() const;
+  size_t scale_words() const;
   int worst_tokens() const;
   void expected_x_row(int src_rank, int token, std::vector<uint8_t>& row) const;
   void check_internode_handle(Mismatches& m) const;

@@ -82,8 +82,8 @@ __device__ __forceinline__ void write_record(const InternodeDispatchParams& p, i
   write_rows<kInternodeCopyUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane,
                                    LoadNc{});
   int32_t* scales = reinterpret_cast<int32_t*>(slot + p.record.scale_offset);
-  const int32_t* src_scales = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
-  for (int i = lane; i < p.num_scales; i += 32) scales[i] = ld_nc(src_scales + i);
+  const ScaleRow src_scales = p.x_scales.token(t);  // the caller's strides; records hold them contiguous
+  for (int i = lane; i < p.num_scales; i += 32) scales[i] = ld_nc(src_scales.at(i));
   int32_t* meta = reinterpret_cast<int32_t*>(slot + p.record.meta_offset);
   if (lane == 0) meta[0] = int32_t(mask);
   if (lane < p.peers.net.num_local) meta[1 + lane] = ordinal;

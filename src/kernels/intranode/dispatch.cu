@@ -42,10 +42,10 @@ struct SmallFields {
 // the others) and their weights (0 there).
 __device__ __forceinline__ SmallFields token_fields(const DispatchParams& p, int t, int dest, int lane) {
   SmallFields f{};
-  const int32_t* src_scales = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
+  const ScaleRow src_scales = p.x_scales.token(t);
 #pragma unroll
   for (int j = 0; j < kScaleWordsPerLane; ++j)
-    if (lane + 32 * j < p.num_scales) f.scale[j] = ld_nc(src_scales + lane + 32 * j);
+    if (lane + 32 * j < p.num_scales) f.scale[j] = ld_nc(src_scales.at(lane + 32 * j));
   f.src_idx = t;
   if (lane < p.num_topk) {  // tokens exist here, so topk_idx is not null
     const int64_t e = ld_nc(p.topk_idx + int64_t(t) * p.num_topk + lane);
@@ -57,20 +57,20 @@ __device__ __forceinline__ SmallFields token_fields(const DispatchParams& p, int
   return f;
 }
 
-// Writes a token's scales to dst: the preloaded ones from f, the rest from src_scales (load).
+// Writes a token's scales to dst (row-major): the preloaded ones from f, the rest from src_scales (load).
 template <typename Load>
 __device__ __forceinline__ void store_scales(const DispatchParams& p, int32_t* dst, const SmallFields& f,
-                                             const int32_t* src_scales, int lane, Load load) {
+                                             ScaleRow src_scales, int lane, Load load) {
 #pragma unroll
   for (int j = 0; j < kScaleWordsPerLane; ++j)
     if (lane + 32 * j < p.num_scales) dst[lane + 32 * j] = f.scale[j];
-  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst[i] = load(src_scales + i);
+  for (int i = lane + 32 * kScaleWordsPerLane; i < p.num_scales; i += 32) dst[i] = load(src_scales.at(i));
 }
 
 // Writes the small fields of output row `row`; scales past the preloaded ones come from src_scales (load).
 template <typename Load>
 __device__ __forceinline__ void store_row_fields(const DispatchParams& p, int row, const SmallFields& f,
-                                                 const int32_t* src_scales, int lane, Load load) {
+                                                 ScaleRow src_scales, int lane, Load load) {
   store_scales(p, reinterpret_cast<int32_t*>(p.recv_x_scales) + int64_t(row) * p.num_scales, f, src_scales, lane, load);
   if (lane == 0) p.recv_src_idx[row] = f.src_idx;
   if (lane < p.num_topk) {
@@ -84,7 +84,7 @@ __device__ __forceinline__ void store_row_fields(const DispatchParams& p, int ro
 template <int kUnroll>
 __device__ __forceinline__ void write_record(const DispatchParams& p, int t, int dest, uint8_t* slot, int lane) {
   const SmallFields f = token_fields(p, t, dest, lane);
-  const int32_t* src_scales = reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales;
+  const ScaleRow src_scales = p.x_scales.token(t);
   write_rows<kUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{});
   store_scales(p, reinterpret_cast<int32_t*>(slot + p.record.scale_offset), f, src_scales, lane, LoadNc{});
   int32_t* meta = reinterpret_cast<int32_t*>(slot + p.record.meta_offset);
@@ -99,11 +99,11 @@ __device__ __forceinline__ void write_record(const DispatchParams& p, int t, int
 template <int kUnroll>
 __device__ __forceinline__ void read_record(const DispatchParams& p, const uint8_t* slot, int row, int lane) {
   SmallFields f{};
-  const int32_t* src_scales = reinterpret_cast<const int32_t*>(slot + p.record.scale_offset);
+  const ScaleRow src_scales{reinterpret_cast<const int32_t*>(slot + p.record.scale_offset), 1};  // record: contiguous
   const int32_t* meta = reinterpret_cast<const int32_t*>(slot + p.record.meta_offset);
 #pragma unroll
   for (int j = 0; j < kScaleWordsPerLane; ++j)
-    if (lane + 32 * j < p.num_scales) f.scale[j] = ld_cg(src_scales + lane + 32 * j);
+    if (lane + 32 * j < p.num_scales) f.scale[j] = ld_cg(src_scales.at(lane + 32 * j));
   if (lane == 0) f.src_idx = ld_cg(meta);
   if (lane < p.num_topk) {
     f.topk = ld_cg(meta + 1 + lane);
@@ -120,7 +120,7 @@ __device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, i
   const SmallFields f = token_fields(p, t, p.peers.rank, lane);
   warp_copy<kUnroll>(p.recv_x + int64_t(row) * p.x_int4, p.x + int64_t(t) * p.x_int4, p.x_int4, lane, LoadNc{},
                      StoreNa{});
-  store_row_fields(p, row, f, reinterpret_cast<const int32_t*>(p.x_scales) + int64_t(t) * p.num_scales, lane, LoadNc{});
+  store_row_fields(p, row, f, p.x_scales.token(t), lane, LoadNc{});
 }
 
 // Chunked sender (3 or more ranks, see launch_dispatch), the group for one peer (PeerGroup::of_peers): scans the
