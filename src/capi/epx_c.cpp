@@ -62,10 +62,10 @@ int epx_built_with_nvshmem(void) { return epx::built_with_nvshmem() ? 1 : 0; }
 
 epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_options* options, epx_buffer** out) {
   return guarded([&] {
+    if (out != nullptr) *out = nullptr;  // whatever fails below
     require_non_null(bootstrap, "bootstrap");
     require_non_null(options, "options");
     require_non_null(out, "out");
-    *out = nullptr;
     if (bootstrap->allgather == nullptr) epx::raise(epx::Status::kInvalidArgument, "bootstrap.allgather is NULL");
     auto b = std::make_unique<epx_buffer>();
     b->bootstrap = std::make_unique<epx::CallbackBootstrap>(*bootstrap);
@@ -75,7 +75,7 @@ epx_status epx_buffer_create(const epx_bootstrap* bootstrap, const epx_buffer_op
 }
 
 epx_status epx_buffer_destroy(epx_buffer* buffer) {
-  if (buffer == nullptr) return EPX_OK;
+  if (buffer == nullptr) return guarded([] {});  // a no-op that succeeds, clearing the last error like any success
   const epx_status s = guarded([&] {
     if (buffer->buffer) buffer->buffer->destroy();
   });

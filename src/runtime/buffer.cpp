@@ -13,6 +13,7 @@
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/diagnostics.hpp"
+#include "runtime/validate.hpp"
 
 namespace epx {
 namespace {
@@ -147,9 +148,8 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   rank = bs.rank();
   num_ranks = bs.size();
   timeout_s = opts.timeout_s > 0 ? opts.timeout_s : kDefaultTimeoutSeconds;
-  EPX_REQUIRE(num_ranks >= 1, "bootstrap size must be >= 1, got ", num_ranks);
+  validate_num_ranks(num_ranks, "Buffer", "bootstrap size");  // as the default configs and size hints check it
   EPX_REQUIRE(rank >= 0 && rank < num_ranks, "bootstrap rank ", rank, " is outside [0, ", num_ranks, ")");
-  EPX_REQUIRE(num_ranks <= kMaxRanks, "a Buffer spans at most ", kMaxRanks, " ranks, got ", num_ranks);
   EPX_REQUIRE(opts.num_nvl_bytes >= 0 && opts.num_rdma_bytes >= 0, "buffer sizes must be >= 0");
   const DomainChoice domains = choose_domains(bs, opts);  // collective
   num_nvl_ranks = domains.num_nvl_ranks;

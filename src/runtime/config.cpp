@@ -5,7 +5,9 @@
 #include "layout/internode_layout.hpp"
 #include "layout/ll_layout.hpp"
 #include "layout/nvl_layout.hpp"
+#include "runtime/domains.hpp"
 #include "runtime/errors.hpp"
+#include "runtime/validate.hpp"
 
 namespace epx {
 namespace {
@@ -29,10 +31,15 @@ int default_chunk(int num_ranks) {
 // (8 ranks not measured). The sweep is in docs/bench-notes.md.
 int default_dispatch_chunk(int num_ranks) { return num_ranks == 4 ? 24 : default_chunk(num_ranks); }
 
-// The defaults must pass validate_config: a rank count the kernels cannot run is an error here, not a config.
-void require_default_ranks(int num_ranks) {
-  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxRanks, "default configs are for 1..", kMaxRanks,
-              " ranks, got num_ranks = ", num_ranks);
+// The defaults are for the rank counts a Buffer can have: any other is an error here, not a config.
+void require_default_ranks(int num_ranks) { validate_num_ranks(num_ranks, "default configs"); }
+
+// The size hints take hidden_bytes, a BF16 row (hidden * 2, which also covers an FP8 row of that hidden with its
+// scales): its hidden must be one that every operation accepts.
+int hidden_of_row(int64_t hidden_bytes, const char* op) {
+  EPX_REQUIRE(hidden_bytes % 2 == 0, op, ": hidden_bytes must be a BF16 row (hidden * 2), got ", hidden_bytes);
+  validate_bf16_hidden(hidden_bytes / 2, op, "hidden_bytes / 2");
+  return int(hidden_bytes / 2);
 }
 
 // Record bytes the internode rings need for rows of hidden_bytes (BF16: covers FP8 and its scales), the largest K.
@@ -96,13 +103,12 @@ void validate_config(const Config& c, int num_ranks) {
 }
 
 int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks) {
-  validate_config(config, num_ranks);
-  EPX_REQUIRE(hidden_bytes > 0 && hidden_bytes % 16 == 0, "hidden_bytes must be a positive multiple of 16, got ",
-              hidden_bytes);
-  // hidden_bytes is the BF16 row (hidden * 2): covers an FP8 row of the same hidden plus its scales, and the
-  // combine row; top-k metadata at the largest K we accept.
+  validate_config(config, num_ranks);  // what the intranode operations check, with the buffer's ranks
+  const int hidden = hidden_of_row(hidden_bytes, "nvl_size_hint");
+  // The BF16 row covers an FP8 row of the same hidden plus its scales, and the combine row; top-k metadata at the
+  // largest K we accept.
   const int64_t dispatch = DispatchRecord::make(hidden_bytes, 0, kMaxTopk).bytes;
-  const int64_t combine = CombineRecord::make(int(hidden_bytes / 2), kMaxTopk).bytes;
+  const int64_t combine = CombineRecord::make(hidden, kMaxTopk).bytes;
   const RingLayout ring{num_ranks, config.num_max_recv_tokens, dispatch > combine ? dispatch : combine};
   return align_up(ring.bytes(num_channels(config)), kAlign);
 }
@@ -120,19 +126,23 @@ void validate_internode_config(const Config& c, int num_nvl_ranks, int num_domai
               "config.num_max_rdma_send_tokens (the step of network tails and "
               "credit) must be >= 1, got ",
               c.num_max_rdma_send_tokens);
-  EPX_REQUIRE(c.num_max_rdma_recv_tokens >= 2 * c.num_max_rdma_send_tokens && c.num_max_rdma_recv_tokens <= (1 << 20),
+  const int64_t two_chunks = 2 * int64_t(c.num_max_rdma_send_tokens);  // int64: no overflow at any int
+  EPX_REQUIRE(c.num_max_rdma_recv_tokens >= two_chunks && c.num_max_rdma_recv_tokens <= (1 << 20),
               "config.num_max_rdma_recv_tokens (network ring capacity, ", c.num_max_rdma_recv_tokens,
-              ") must be in [2 x num_max_rdma_send_tokens (", 2 * c.num_max_rdma_send_tokens, "), 2^20]");
+              ") must be in [2 x num_max_rdma_send_tokens (", two_chunks, "), 2^20]");
 }
 
 InternodeSizes internode_size_hints(const Config& config, int64_t hidden_bytes, int num_ranks, int num_nvl_ranks) {
-  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ", num_ranks);
+  const char* op = "internode_size_hints";
+  // Checked as Buffer creation checks its ranks and options.num_nvl_ranks; the default domain (0) is what a host
+  // of 8 GPUs gives, which must divide num_ranks as well.
+  validate_num_ranks(num_ranks, op);
+  validate_requested_nvl_ranks(num_ranks, num_nvl_ranks, op);
   const int G = num_nvl_ranks > 0 ? num_nvl_ranks : (num_ranks < kMaxNvlRanks ? num_ranks : kMaxNvlRanks);
-  EPX_REQUIRE(num_ranks % G == 0, "num_nvl_ranks (", G, ") must divide num_ranks (", num_ranks, ")");
+  validate_requested_nvl_ranks(num_ranks, G, op);
   const int D = num_ranks / G;
-  validate_internode_config(config, G, D);
-  EPX_REQUIRE(hidden_bytes > 0 && hidden_bytes % 16 == 0, "hidden_bytes must be a positive multiple of 16, got ",
-              hidden_bytes);
+  validate_internode_config(config, G, D);  // what the internode operations check
+  hidden_of_row(hidden_bytes, op);
   const InternodeRecordBytes record = internode_record_bytes(hidden_bytes, G);
   const int C = num_channels(config);
   const NetRing net{D, config.num_max_rdma_recv_tokens, config.num_max_rdma_send_tokens, record.net};

@@ -33,14 +33,22 @@ int requested_from_env() {
 
 }  // namespace
 
+void validate_requested_nvl_ranks(int num_ranks, int requested, const char* op) {
+  EPX_REQUIRE(requested >= 0, op, ": num_nvl_ranks must be >= 0 (0: from $EPX_NUM_NVL_RANKS or the hosts), got ",
+              requested);
+  if (requested == 0) return;
+  EPX_REQUIRE(requested <= kMaxNvlRanks, op, ": an NVLink domain holds at most ", kMaxNvlRanks,
+              " ranks, got num_nvl_ranks ", requested);
+  EPX_REQUIRE(num_ranks % requested == 0, op, ": num_nvl_ranks (", requested, ") must divide the number of ranks (",
+              num_ranks, ")");
+}
+
 DomainChoice choose_domains(const std::vector<std::string>& hosts, int requested, bool force) {
   const int R = int(hosts.size());
   EPX_REQUIRE(R >= 1, "no ranks");
   DomainChoice c;
+  validate_requested_nvl_ranks(R, requested, "Buffer");
   if (requested > 0) {
-    EPX_REQUIRE(requested <= kMaxNvlRanks, "an NVLink domain holds at most ", kMaxNvlRanks,
-                " ranks, got num_nvl_ranks ", requested);
-    EPX_REQUIRE(R % requested == 0, "num_nvl_ranks (", requested, ") must divide the number of ranks (", R, ")");
     c.num_nvl_ranks = requested;
   } else {
     int g = 1;
@@ -63,6 +71,7 @@ DomainChoice choose_domains(const std::vector<std::string>& hosts, int requested
 DomainChoice choose_domains(Bootstrap& bs, const BufferOptions& options) {
   Request mine{};
   mine.magic = kMagic;
+  validate_requested_nvl_ranks(bs.size(), options.num_nvl_ranks, "Buffer");  // before the collective
   mine.num_nvl_ranks = options.num_nvl_ranks > 0 ? options.num_nvl_ranks : requested_from_env();
   mine.force =
       options.force_internode != 0 || parse_env_switch("EPX_FORCE_INTERNODE", std::getenv("EPX_FORCE_INTERNODE"));

@@ -14,6 +14,10 @@ struct DomainChoice {
   bool internode = false;  // D > 1, or forced
 };
 
+// options.num_nvl_ranks (or what internode_size_hints is given): 0 (the default), or at most kMaxNvlRanks and a
+// divisor of num_ranks. Throws kInvalidArgument, the message starting with `op`.
+void validate_requested_nvl_ranks(int num_ranks, int requested, const char* op);
+
 // Pure (tested on CPU machines): G from the hosts of the ranks in rank order when nothing asks for one: the ranks of
 // a host must be consecutive and every host must hold the same number. requested > 0 wins (it must divide R).
 // Throws kInvalidArgument saying what is wrong.

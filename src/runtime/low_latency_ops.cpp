@@ -51,21 +51,13 @@ void require_phases(int phases, const char* op) {
 
 void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_topk, int num_experts, int max_tokens,
                     bool fp8, bool ue8m0, const char* op) {
-  EPX_REQUIRE(b.num_ranks <= kLowLatencyMaxRanks, op, ": low-latency mode over CUDA IPC supports up to ",
-              kLowLatencyMaxRanks, " ranks, got ", b.num_ranks);
-  EPX_REQUIRE(max_tokens >= 1 && max_tokens <= kLowLatencyMaxTokens, op,
-              ": num_max_dispatch_tokens_per_rank must be in [1, ", kLowLatencyMaxTokens, "], got ", max_tokens);
+  validate_low_latency_shape(b.num_ranks, max_tokens, hidden, num_experts, op);  // what low_latency_size_hint checks
   EPX_REQUIRE(num_tokens >= 0 && num_tokens <= max_tokens, op, ": num_tokens (", num_tokens,
               ") must be in [0, num_max_dispatch_tokens_per_rank = ", max_tokens, "]");
-  EPX_REQUIRE(hidden > 0 && hidden <= kMaxHidden && hidden % 8 == 0, op, ": hidden must be a multiple of 8 in [8, ",
-              kMaxHidden, "], got ", hidden);
   EPX_REQUIRE(!fp8 || hidden % kFp8GroupSize == 0, op, ": FP8 needs hidden % 128 == 0, got ", hidden);
   EPX_REQUIRE(!ue8m0 || hidden % (4 * kFp8GroupSize) == 0, op, ": UE8M0 scales need hidden % 512 == 0, got ", hidden);
   EPX_REQUIRE(num_topk >= 1 && num_topk <= kLowLatencyMaxTopk, op, ": num_topk must be in [1, ", kLowLatencyMaxTopk,
               "], got ", num_topk);
-  EPX_REQUIRE(num_experts > 0 && num_experts % b.num_ranks == 0 && num_experts <= kLowLatencyMaxExperts, op,
-              ": num_experts (", num_experts, ") must be a multiple of the number of ranks (", b.num_ranks,
-              ") and <= ", kLowLatencyMaxExperts);
   EPX_REQUIRE(b.ll_set_bytes > 0, op,
               ": the buffer has no low-latency region: create it with num_rdma_bytes from "
               "low_latency_size_hint");
@@ -122,13 +114,10 @@ void launch_combine(const Buffer::Impl& b, const LowLatencyCombineParams& p, cud
 
 }  // namespace
 
+// The hint sizes a buffer for the shape the calls check (validate_shape), whatever their FP8 choice: BF16 records
+// are the larger, so a BF16 hidden that FP8 does not take (hidden % 128 != 0) is still a valid shape here.
 int64_t low_latency_size_hint(int max_tokens, int hidden, int num_ranks, int num_experts) {
-  EPX_REQUIRE(max_tokens >= 1 && max_tokens <= kLowLatencyMaxTokens, "low_latency_size_hint: M must be in [1, ",
-              kLowLatencyMaxTokens, "], got ", max_tokens);
-  EPX_REQUIRE(hidden > 0 && hidden % 8 == 0 && hidden <= kMaxHidden, "low_latency_size_hint: bad hidden ", hidden);
-  EPX_REQUIRE(num_ranks >= 1 && num_experts > 0 && num_experts % num_ranks == 0 && num_experts <= kLowLatencyMaxExperts,
-              "low_latency_size_hint: num_experts (", num_experts, ") must be a multiple of num_ranks (", num_ranks,
-              ") and <= ", kLowLatencyMaxExperts);
+  validate_low_latency_shape(num_ranks, max_tokens, hidden, num_experts, "low_latency_size_hint");
   return 2 * align_up(LowLatencyLayout::required_set_bytes(max_tokens, hidden, num_experts), kAlign);
 }
 

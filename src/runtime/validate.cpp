@@ -1,6 +1,9 @@
 // Argument validation that needs no Buffer (also exercised by the CPU tests).
 #include "runtime/validate.hpp"
 
+#include <cstring>
+
+#include "layout/ll_layout.hpp"
 #include "runtime/errors.hpp"
 
 namespace epx {
@@ -33,8 +36,12 @@ void validate_scale_strides(const DispatchArgs& a, const char* op) {
 }  // namespace
 
 void validate_dispatch_args(const DispatchArgs& a, int num_ranks, bool cached, const char* op) {
-  EPX_REQUIRE(a.dtype == EPX_BF16 || a.dtype == EPX_FP8_E4M3, op, ": dtype must be EPX_BF16 or EPX_FP8_E4M3, got ",
-              int(a.dtype));
+  // A C or Python caller may store any int in the dtype field, but C++ must not load an epx_dtype outside its
+  // enumerators (undefined behaviour, which UBSan reports): the check reads the int.
+  int dtype = 0;
+  static_assert(sizeof(a.dtype) == sizeof(dtype));
+  std::memcpy(&dtype, &a.dtype, sizeof dtype);
+  EPX_REQUIRE(dtype == EPX_BF16 || dtype == EPX_FP8_E4M3, op, ": dtype must be EPX_BF16 or EPX_FP8_E4M3, got ", dtype);
   EPX_REQUIRE(a.num_tokens >= 0, op, ": num_tokens must be >= 0, got ", a.num_tokens);
   EPX_REQUIRE(a.hidden > 0 && a.hidden <= kMaxHidden, op, ": hidden must be in [1, ", kMaxHidden, "], got ", a.hidden);
   EPX_REQUIRE(row_bytes(a.dtype, a.hidden) % 16 == 0, op, ": a row of x must be a multiple of 16 bytes (hidden ",
@@ -83,9 +90,7 @@ DispatchRecord dispatch_record(const DispatchArgs& a) {
 
 void validate_combine_args(const CombineArgs& a, const CombineOutputs& o, int num_tokens, int num_recv_tokens,
                            const char* op) {
-  EPX_REQUIRE(a.hidden > 0 && a.hidden <= kMaxHidden && a.hidden % 8 == 0, op,
-              ": hidden must be a multiple of 8 in [8, ", kMaxHidden, "] (bf16 rows of 16-byte vectors), got ",
-              a.hidden);
+  validate_bf16_hidden(a.hidden, op);
   EPX_REQUIRE(a.num_rows >= 0, op, ": num_rows must be >= 0");
   EPX_REQUIRE(num_recv_tokens < 0 || a.num_rows >= num_recv_tokens, op, ": x has ", a.num_rows,
               " rows but the dispatch delivered ", num_recv_tokens);
@@ -106,6 +111,28 @@ void validate_combine_args(const CombineArgs& a, const CombineOutputs& o, int nu
   EPX_REQUIRE(num_tokens == 0 || (o.combined_x != nullptr && aligned16(o.combined_x)), op,
               ": combined_x must be a 16-byte aligned device pointer");
   EPX_REQUIRE(aligned16(a.bias0) && aligned16(a.bias1), op, ": biases must be 16-byte aligned");
+}
+
+void validate_num_ranks(int num_ranks, const char* op, const char* what) {
+  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kMaxRanks, op, ": ", what, " must be in [1, ", kMaxRanks,
+              "] (a Buffer spans at most ", kMaxDomains, " NVLink domains of ", kMaxNvlRanks, " ranks), got ",
+              num_ranks);
+}
+
+void validate_bf16_hidden(int64_t hidden, const char* op, const char* what) {
+  EPX_REQUIRE(hidden > 0 && hidden <= kMaxHidden && hidden % 8 == 0, op, ": ", what, " must be a multiple of 8 in [8, ",
+              kMaxHidden, "] (bf16 rows of 16-byte vectors), got ", hidden);
+}
+
+void validate_low_latency_shape(int num_ranks, int max_tokens, int hidden, int num_experts, const char* op) {
+  EPX_REQUIRE(num_ranks >= 1 && num_ranks <= kLowLatencyMaxRanks, op, ": the low-latency mode runs on 1..",
+              kLowLatencyMaxRanks, " ranks of one NVLink domain, got num_ranks = ", num_ranks);
+  EPX_REQUIRE(max_tokens >= 1 && max_tokens <= kLowLatencyMaxTokens, op,
+              ": num_max_dispatch_tokens_per_rank must be in [1, ", kLowLatencyMaxTokens, "], got ", max_tokens);
+  validate_bf16_hidden(hidden, op);
+  EPX_REQUIRE(num_experts > 0 && num_experts % num_ranks == 0 && num_experts <= kLowLatencyMaxExperts, op,
+              ": num_experts (", num_experts, ") must be a positive multiple of the number of ranks (", num_ranks,
+              ") and <= ", kLowLatencyMaxExperts);
 }
 
 }  // namespace epx

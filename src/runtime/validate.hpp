@@ -16,4 +16,15 @@ void validate_combine_args(const CombineArgs& a, const CombineOutputs& o, int nu
                            const char* op);
 DispatchRecord dispatch_record(const DispatchArgs& a);
 
+// Rules that the operations and the size hints share (each lives here once; a hint takes the arguments the ops take
+// and accepts exactly what they accept). All throw kInvalidArgument with a message that starts with `op`.
+// Ranks of a Buffer: 1..kMaxRanks (creation, the default configs, the internode size hints).
+void validate_num_ranks(int num_ranks, const char* op, const char* what = "num_ranks");
+// The hidden size of BF16 rows: whole 16-byte vectors, at most kMaxHidden (combine, the low-latency calls, and the
+// size hints, whose rows are BF16). `what` names the argument in the message.
+void validate_bf16_hidden(int64_t hidden, const char* op, const char* what = "hidden");
+// The shape of the low-latency calls of a buffer of num_ranks ranks: num_max_dispatch_tokens_per_rank, hidden and
+// the experts (low_latency_size_hint sizes the buffer for the same shape).
+void validate_low_latency_shape(int num_ranks, int max_tokens, int hidden, int num_experts, const char* op);
+
 }  // namespace epx
