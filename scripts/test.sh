@@ -45,6 +45,8 @@ for dir in "${variants[@]}"; do
   fi
 done
 
+echo "== C ABI fuzzer, ASan + UBSan ($BUILD_DIR-sanitize)"; scripts/fuzz.sh "$BUILD_DIR-sanitize" 2000
+
 echo "== Install + C++ example ($BUILD_DIR)"; scripts/check-install.sh "$BUILD_DIR"
 
 echo "== GPU tests"
