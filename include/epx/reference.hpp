@@ -148,4 +148,18 @@ using ExpertRow = std::function<const uint16_t*(int64_t expert)>;
 void low_latency_combine_row(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
                              const ExpertRow& row, uint16_t* out);
 
+// ---- SPEC section 9: the LogFMT combine (use_logfmt; docs/logfmt.md) -------------------------------------------
+// The encoding rules are src/layout/logfmt.hpp's, which the kernels use too. hidden % 128 == 0.
+// Bytes of one encoded row.
+int64_t logfmt_row_bytes(int hidden);
+// Encodes a BF16 row into logfmt_row_bytes(hidden) bytes (header slots past the last group are zero).
+void logfmt_encode_row(const uint16_t* x, int hidden, uint8_t* out);
+// Decodes an encoded row into float32 values.
+void logfmt_decode_row(const uint8_t* in, int hidden, float* out);
+// low_latency_combine_row with every expert row encoded and decoded first (also the rows of experts on the
+// token's own rank): out = bf16(sum over k ascending with 0 <= idx[k] < E of w[k] * decoded(row(idx[k]))), each
+// product rounded to float32, then added in float32; one rounding to bf16.
+void low_latency_combine_row_logfmt(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
+                                    const ExpertRow& row, uint16_t* out);
+
 }  // namespace epx::ref
