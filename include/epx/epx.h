@@ -240,6 +240,8 @@ typedef struct epx_ll_combine_args {
   int zero_copy;             /* x was written into epx_ll_next_combine_buffer() */
   const int64_t* topk_idx;   /* [num_tokens, num_topk] of the dispatch */
   const float* topk_weights; /* [num_tokens, num_topk] */
+  int use_logfmt; /* nonzero: rows travel as LogFMT, ~10 bits a value, decoded before the sum (SPEC section 9,
+                     docs/logfmt.md); needs hidden % 128 == 0. The receive call repeats the send call's */
 } epx_ll_combine_args;
 
 /* How a buffer's low-latency mode reaches the other ranks (docs/design.md, "Low-latency transports"). Chosen at

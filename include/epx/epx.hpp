@@ -166,7 +166,8 @@ class Buffer {
   // dispatch that `handle` describes (same args and outputs).
   void low_latency_dispatch(const LowLatencyDispatchArgs& args, const LowLatencyDispatchOutputs& outputs, int phases,
                             LowLatencyHandle& handle, cudaStream_t stream);
-  // Returns the buffer set used (pass it back with kLowLatencyRecvPhase).
+  // Returns the buffer set used (pass it back with kLowLatencyRecvPhase). args.use_logfmt: the rows travel as
+  // LogFMT (docs/logfmt.md), the receive call repeating it.
   int low_latency_combine(const LowLatencyCombineArgs& args, const LowLatencyHandle& handle, void* combined_x,
                           int phases, int buffer_set, cudaStream_t stream);
   // Where the next low-latency call reads zero-copy combine inputs: bf16 [L, R*M, hidden].

@@ -137,7 +137,8 @@ class LLHandle(Structure):
 
 
 class LLCombineArgs(Structure):
-    _fields_ = [("x", c_void_p), ("zero_copy", c_int), ("topk_idx", c_void_p), ("topk_weights", c_void_p)]
+    _fields_ = [("x", c_void_p), ("zero_copy", c_int), ("topk_idx", c_void_p), ("topk_weights", c_void_p),
+                ("use_logfmt", c_int)]
 
 
 class LLTransportInfo(Structure):

@@ -43,6 +43,7 @@ struct LowLatencyCombineParams {
   int num_ranks, num_tokens, max_tokens, hidden, num_topk, num_experts;
   const int4* x;                     // bf16 [L, R*M, H] expert outputs (a user tensor, or the zero-copy area)
   int x_in_region;                   // x is this set's combine-send area (zero-copy): NVSHMEM can put from it
+  int logfmt;                        // rows travel as LogFMT (layout/logfmt.hpp), decoded before the sum
   const int64_t* topk_idx;           // [T, K]
   const float* topk_weights;         // [T, K]
   const int* recv_src_info;          // [L, R*M]

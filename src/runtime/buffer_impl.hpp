@@ -68,7 +68,8 @@ struct Buffer::Impl {
   // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};
-  int ll_waiting_format[2] = {0, 0};  // a dispatch waiting there: its record format (fp8 | ue8m0 << 1)
+  int ll_waiting_format[2] = {0, 0};  // a call waiting there: its row format (dispatch: fp8 | ue8m0 << 1; combine:
+                                      // use_logfmt)
   // ... and which call it is: two pointers its receive must repeat (dispatch: its recv_src_info and
   // recv_layout_range; combine: the handle's recv_src_info and combined_x), so that a stale hook is rejected
   // unless it names the very same tensors.

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "layout/ll_params.hpp"
+#include "layout/logfmt.hpp"
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/ops.hpp"
@@ -212,18 +213,27 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
               ": combined_x must be a 16-byte aligned device pointer");
   EPX_REQUIRE(a.zero_copy || (a.x != nullptr && aligned16(a.x)), op,
               ": x must be a 16-byte aligned device pointer (or use zero_copy)");
+  EPX_REQUIRE(!a.use_logfmt || h.hidden % kLogfmtGroup == 0, op, ": use_logfmt needs hidden % ", kLogfmtGroup,
+              " == 0 (a LogFMT group), got ", h.hidden);
 
   const int set = choose_set(b, kCombineCall, phases, buffer_set, h.recv_src_info, combined_x, op);
+  // The row format decides how the receive reads the slots: it must be the send call's.
+  const int format = a.use_logfmt ? 1 : 0;
+  if (phases == kLowLatencyRecvPhase)
+    EPX_REQUIRE(b.ll_waiting_format[set] == format, op, ": the receive call must repeat the send call's use_logfmt (",
+                b.ll_waiting_format[set], "), got ", format);
   auto p = low_latency_params<LowLatencyCombineParams>(b, h, set, phases);
   p.x =
       static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.peer_map.ll.local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
+  p.logfmt = format;
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;
   p.recv_src_info = h.recv_src_info;
   p.recv_layout_range = h.recv_layout_range;
   p.out = static_cast<int4*>(combined_x);
   commit_set(b, kCombineCall, phases, set, h.recv_src_info, combined_x);
+  b.ll_waiting_format[set] = format;
   launch_combine(b, p, stream);
   b.check_launch(cudaGetLastError(), op);
   return set;

@@ -781,6 +781,7 @@ class Fuzzer {
     a.zero_copy = edgy(r, 0, 1);
     a.topk_idx = as<const int64_t>(any_ptr(r));
     a.topk_weights = as<const float>(any_ptr(r));
+    a.use_logfmt = edgy(r, 0, 1);
     epx_ll_handle h = random_ll_handle(r);
     int set = edgy(r, 0, 1);
     const int set_before = set;

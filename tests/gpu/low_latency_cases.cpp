@@ -27,6 +27,13 @@ LowLatencyCase ll_case(int tokens, int hidden, bool fp8, uint64_t seed) {
   return c;
 }
 
+// A case whose combine sends LogFMT rows (docs/logfmt.md), checked against the reference model's LogFMT combine.
+LowLatencyCase logfmt_case(int tokens, int hidden, bool fp8, uint64_t seed) {
+  LowLatencyCase c = ll_case(tokens, hidden, fp8, seed);
+  c.logfmt = true;
+  return c;
+}
+
 // One step: dispatch and combine, each checked; `hook` splits send and receive with host work in between.
 std::string run_step(Context& ctx, const LowLatencyCase& c, bool hook) {
   LowLatencySession s(ctx.buffer, c, ctx.stream);
@@ -137,33 +144,120 @@ std::vector<Case> low_latency_cases() {
     cases.push_back(step_case("ll: zero-copy combine", c));
   }
 
-  cases.push_back(
-      Case{"ll: 1000 steps, double-buffered (dispatch of step i+1 sent before combine i received)", [](Context& ctx) {
-             auto c = ll_case(48, 2048, true, 60);
-             c.num_experts = 32 / ctx.num_ranks * ctx.num_ranks;
-             c.num_topk = 4;
-             LowLatencySession a(ctx.buffer, c, ctx.stream);
-             c.seed = 61;
-             LowLatencySession b(ctx.buffer, c, ctx.stream);
-             LowLatencySession* cur = &a;
-             LowLatencySession* next = &b;
-             cur->dispatch(kLowLatencyBothPhases);
-             std::string err = cur->check_dispatch();
-             for (int i = 0; i < 1000 && err.empty(); ++i) {
-               cur->set_combine_inputs(7000 + i);
-               cur->combine(kLowLatencySendPhase);
-               next->set_step(9000 + i);
-               next->dispatch(kLowLatencySendPhase);  // overlaps the combine still in flight
-               cur->combine(kLowLatencyRecvPhase);
-               next->dispatch(kLowLatencyRecvPhase);
-               err += cur->check_combine();
-               err += next->check_dispatch();
-               if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
-               std::swap(cur, next);
-             }
-             ctx.buffer.check(ctx.stream);
-             return err;
-           }});
+  // The LogFMT combine (use_logfmt): the flat cases above with LogFMT rows, every one bit for bit against the
+  // reference model. Hidden sizes with a partial last work item (1152, 2176: 9 and 17 groups; 640: 5 groups, one
+  // partial item; 128: one group) as well as whole ones.
+  cases.push_back(step_case("ll: logfmt, 128 tokens, h7168, top-8 of 288", logfmt_case(128, 7168, false, 141)));
+  cases.push_back(step_case("ll: logfmt, fp8 dispatch, 128 tokens, h7168", logfmt_case(128, 7168, true, 142)));
+  for (int h : {128, 640, 1152, 2048, 2176, 4096, 5120, 8192})
+    cases.push_back(step_case("ll: logfmt h" + std::to_string(h), logfmt_case(96, h, h % 1024 == 0, 145 + h)));
+  cases.push_back(step_case("ll: logfmt h2048, 1 token", logfmt_case(1, 2048, false, 146)));
+  cases.push_back(step_case("ll: logfmt h4096, 64 tokens", logfmt_case(64, 4096, true, 147)));
+  {
+    auto c = logfmt_case(3, 32768, false, 154);
+    c.max_tokens = 4;
+    c.num_experts = 16;
+    cases.push_back(step_case("ll: logfmt h32768", c));
+  }
+  {
+    auto c = logfmt_case(100, 4096, true, 148);
+    c.max_tokens = 256;
+    c.tokens = {100, 37, 256, 0, 5, 200, 1, 77};
+    cases.push_back(step_case("ll: logfmt, M=256, uneven tokens (one rank with 0, one with M)", c));
+  }
+  {
+    auto c = logfmt_case(128, 2048, true, 149);
+    c.empty_slot_prob = 0.4;
+    cases.push_back(step_case("ll: logfmt, 40% empty slots", c));
+  }
+  {
+    auto c = logfmt_case(128, 2048, false, 150);
+    c.routing = harness::Routing::kOneExpert;
+    cases.push_back(step_case("ll: logfmt, every token to expert 0", c));
+  }
+  cases.push_back(step_case("ll: logfmt, receive hook", logfmt_case(128, 7168, false, 151), true));
+  cases.push_back(step_case("ll: logfmt, receive hook, fp8 dispatch", logfmt_case(128, 7168, true, 152), true));
+  {
+    auto c = logfmt_case(128, 7168, true, 153);
+    c.zero_copy = true;
+    cases.push_back(step_case("ll: logfmt, zero-copy combine", c));
+    cases.push_back(step_case("ll: logfmt, zero-copy combine, receive hook", c, true));
+  }
+  // LogFMT is chosen per call: LogFMT and BF16 combines alternate on one buffer (their receive slots differ in
+  // size), and a receive that does not repeat its send's use_logfmt is rejected without a launch.
+  cases.push_back(Case{
+      "ll: logfmt and bf16 combines alternating; the receive must repeat use_logfmt", [](Context& ctx) {
+        auto c = logfmt_case(64, 2176, true, 155);
+        c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+        std::string err;
+        for (int i = 0; i < 6 && err.empty(); ++i) {
+          c.logfmt = i % 2 == 0;
+          c.seed = 1550 + i;
+          err += run_step(ctx, c, i % 3 == 0);
+        }
+        c.logfmt = true;
+        LowLatencySession s(ctx.buffer, c, ctx.stream);
+        s.dispatch(kLowLatencyBothPhases);
+        s.set_combine_inputs(1560);
+        s.combine(kLowLatencySendPhase);
+        try {
+          s.combine_with_logfmt(kLowLatencyRecvPhase, false);
+          err += "a BF16 receive of a LogFMT send: not rejected\n";
+        } catch (const Error& e) {
+          if (e.status() != Status::kInvalidArgument || std::string(e.what()).find("use_logfmt") == std::string::npos)
+            err += std::string("wrong error: ") + e.what() + "\n";
+        }
+        s.combine(kLowLatencyRecvPhase);
+        err += s.check_dispatch() + s.check_combine();
+        // A hidden size that is no whole number of groups: rejected, nothing launched; BF16 rows still go.
+        auto odd = ll_case(16, 2056, false, 157);
+        odd.num_experts = c.num_experts;
+        LowLatencySession o(ctx.buffer, odd, ctx.stream);
+        o.dispatch(kLowLatencyBothPhases);
+        o.set_combine_inputs(1570);
+        try {
+          o.combine_with_logfmt(kLowLatencyBothPhases, true);
+          err += "use_logfmt with hidden 2056: not rejected\n";
+        } catch (const Error& e) {
+          if (e.status() != Status::kInvalidArgument || std::string(e.what()).find("hidden % 128") == std::string::npos)
+            err += std::string("wrong error: ") + e.what() + "\n";
+        }
+        o.combine(kLowLatencyBothPhases);
+        err += o.check_dispatch() + o.check_combine();
+        ctx.buffer.check(ctx.stream);
+        return err;
+      }});
+
+  for (const bool logfmt : {false, true})
+    cases.push_back(Case{std::string(logfmt ? "ll: logfmt, " : "ll: ") +
+                             "1000 steps, double-buffered (dispatch of step i+1 sent before combine i received)",
+                         [logfmt](Context& ctx) {
+                           auto c = ll_case(48, 2048, true, 60);
+                           c.num_experts = 32 / ctx.num_ranks * ctx.num_ranks;
+                           c.num_topk = 4;
+                           c.logfmt = logfmt;
+                           LowLatencySession a(ctx.buffer, c, ctx.stream);
+                           c.seed = 61;
+                           LowLatencySession b(ctx.buffer, c, ctx.stream);
+                           LowLatencySession* cur = &a;
+                           LowLatencySession* next = &b;
+                           cur->dispatch(kLowLatencyBothPhases);
+                           std::string err = cur->check_dispatch();
+                           for (int i = 0; i < 1000 && err.empty(); ++i) {
+                             cur->set_combine_inputs(7000 + i);
+                             cur->combine(kLowLatencySendPhase);
+                             next->set_step(9000 + i);
+                             next->dispatch(kLowLatencySendPhase);  // overlaps the combine still in flight
+                             cur->combine(kLowLatencyRecvPhase);
+                             next->dispatch(kLowLatencyRecvPhase);
+                             err += cur->check_combine();
+                             err += next->check_dispatch();
+                             if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
+                             std::swap(cur, next);
+                           }
+                           ctx.buffer.check(ctx.stream);
+                           return err;
+                         }});
 
   // Two micro-batches in flight (the overlap frameworks use): the combine of A lands on A's dispatch set. The
   // last rank starts receiving dispatch A late, so the other ranks' combine A must wait for it instead of
@@ -171,37 +265,41 @@ std::vector<Case> low_latency_cases() {
   // host work (inputs, checks) is done before the sends or after the receives, so that the other ranks reach
   // combine A well within the late rank's delay. Without the wait this fails (or, with garbage source indices,
   // faults); it cannot pass.
-  cases.push_back(
-      Case{"ll: two micro-batches (dispatch A, dispatch B, combine A, combine B), one rank late", [](Context& ctx) {
-             auto c = ll_case(64, 4096, true, 80);
-             c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
-             LowLatencySession a(ctx.buffer, c, ctx.stream);
-             c.seed = 81;
-             LowLatencySession b(ctx.buffer, c, ctx.stream);
-             std::string err;
-             for (int i = 0; i < 5 && err.empty(); ++i) {
-               a.set_step(800 + i);
-               b.set_step(900 + i);
-               a.set_combine_inputs(8000 + i);  // host state of set_step only: may come before the dispatch
-               b.set_combine_inputs(9000 + i);
-               a.dispatch(kLowLatencySendPhase);
-               b.dispatch(kLowLatencySendPhase);
-               if (ctx.rank == ctx.num_ranks - 1) {  // the late rank: the others run ahead into combine A meanwhile
-                 cudaStreamSynchronize(ctx.stream);
-                 std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (const bool logfmt : {false, true})
+    cases.push_back(
+        Case{std::string(logfmt ? "ll: logfmt, " : "ll: ") +
+                 "two micro-batches (dispatch A, dispatch B, combine A, combine B), one rank late",
+             [logfmt](Context& ctx) {
+               auto c = ll_case(64, 4096, true, 80);
+               c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+               c.logfmt = logfmt;
+               LowLatencySession a(ctx.buffer, c, ctx.stream);
+               c.seed = 81;
+               LowLatencySession b(ctx.buffer, c, ctx.stream);
+               std::string err;
+               for (int i = 0; i < 5 && err.empty(); ++i) {
+                 a.set_step(800 + i);
+                 b.set_step(900 + i);
+                 a.set_combine_inputs(8000 + i);  // host state of set_step only: may come before the dispatch
+                 b.set_combine_inputs(9000 + i);
+                 a.dispatch(kLowLatencySendPhase);
+                 b.dispatch(kLowLatencySendPhase);
+                 if (ctx.rank == ctx.num_ranks - 1) {  // the late rank: the others run ahead into combine A meanwhile
+                   cudaStreamSynchronize(ctx.stream);
+                   std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                 }
+                 a.dispatch(kLowLatencyRecvPhase);
+                 b.dispatch(kLowLatencyRecvPhase);
+                 a.combine(kLowLatencySendPhase);
+                 b.combine(kLowLatencySendPhase);
+                 a.combine(kLowLatencyRecvPhase);
+                 b.combine(kLowLatencyRecvPhase);
+                 err += a.check_dispatch() + b.check_dispatch() + a.check_combine() + b.check_combine();
+                 if (!err.empty()) err = "round " + std::to_string(i) + ":\n" + err;
                }
-               a.dispatch(kLowLatencyRecvPhase);
-               b.dispatch(kLowLatencyRecvPhase);
-               a.combine(kLowLatencySendPhase);
-               b.combine(kLowLatencySendPhase);
-               a.combine(kLowLatencyRecvPhase);
-               b.combine(kLowLatencyRecvPhase);
-               err += a.check_dispatch() + b.check_dispatch() + a.check_combine() + b.check_combine();
-               if (!err.empty()) err = "round " + std::to_string(i) + ":\n" + err;
-             }
-             ctx.buffer.check(ctx.stream);
-             return err;
-           }});
+               ctx.buffer.check(ctx.stream);
+               return err;
+             }});
 
   // The host keeps the order the kernels' epochs rely on (docs/semantics.md): a send into a set whose call this
   // rank has not received yet, and a receive with no call of its kind waiting, are input errors that launch
@@ -249,39 +347,42 @@ std::vector<Case> low_latency_cases() {
         return err;
       }});
 
-  cases.push_back(
-      Case{"ll: CUDA graph of dispatch + combine, 100 replays with new data", [](Context& ctx) {
-             auto c = ll_case(64, 4096, false, 70);
-             c.expert_identity = true;  // combine reads packed_recv_x: no host work between the two calls
-             c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
-             LowLatencySession s(ctx.buffer, c, ctx.stream);
-             s.dispatch(kLowLatencyBothPhases);  // warm-up outside the graph (and keeps sets in step on every rank)
-             s.set_combine_inputs(0);
-             s.combine(kLowLatencyBothPhases);
-             std::string err = s.check_dispatch() + s.check_combine();
-             cudaGraph_t graph = nullptr;
-             cudaGraphExec_t exec = nullptr;
-             if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess)
-               return std::string("capture failed to begin\n");
-             s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
-             s.combine(kLowLatencyBothPhases);
-             cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
-             if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
-             e = cudaGraphInstantiate(&exec, graph, 0);
-             if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
-             for (int i = 0; i < 100 && err.empty(); ++i) {
-               s.set_step(100 + i);  // new routing, x and weights in the same device arrays
-               e = cudaGraphLaunch(exec, ctx.stream);
-               if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
-               s.note_replayed_dispatch();
-               err += s.check_dispatch() + s.check_combine();
-               if (!err.empty()) err = "replay " + std::to_string(i) + ":\n" + err;
-             }
-             cudaGraphExecDestroy(exec);
-             cudaGraphDestroy(graph);
-             ctx.buffer.check(ctx.stream);
-             return err;
-           }});
+  for (const bool logfmt : {false, true})
+    cases.push_back(Case{
+        std::string(logfmt ? "ll: logfmt, " : "ll: ") + "CUDA graph of dispatch + combine, 100 replays with new data",
+        [logfmt](Context& ctx) {
+          auto c = ll_case(64, 4096, false, 70);
+          c.expert_identity = true;  // combine reads packed_recv_x: no host work between the two calls
+          c.logfmt = logfmt;
+          c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+          LowLatencySession s(ctx.buffer, c, ctx.stream);
+          s.dispatch(kLowLatencyBothPhases);  // warm-up outside the graph (and keeps sets in step on every rank)
+          s.set_combine_inputs(0);
+          s.combine(kLowLatencyBothPhases);
+          std::string err = s.check_dispatch() + s.check_combine();
+          cudaGraph_t graph = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess)
+            return std::string("capture failed to begin\n");
+          s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
+          s.combine(kLowLatencyBothPhases);
+          cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
+          if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
+          e = cudaGraphInstantiate(&exec, graph, 0);
+          if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
+          for (int i = 0; i < 100 && err.empty(); ++i) {
+            s.set_step(100 + i);  // new routing, x and weights in the same device arrays
+            e = cudaGraphLaunch(exec, ctx.stream);
+            if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
+            s.note_replayed_dispatch();
+            err += s.check_dispatch() + s.check_combine();
+            if (!err.empty()) err = "replay " + std::to_string(i) + ":\n" + err;
+          }
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(graph);
+          ctx.buffer.check(ctx.stream);
+          return err;
+        }});
   return cases;
 }
 

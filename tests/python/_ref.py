@@ -9,6 +9,7 @@ multiplication by the reciprocal), so that they round exactly as the kernels do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import List, Optional
 
 import torch
@@ -294,9 +295,11 @@ def ue8m0_pack(scale: torch.Tensor) -> torch.Tensor:
 
 
 # ---- SPEC section 5: low-latency combine --------------------------------------------------------------------------
-def ll_combine(expert_rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden: int) -> torch.Tensor:
+def ll_combine(expert_rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden: int,
+               logfmt: bool = False) -> torch.Tensor:
     """expert_rows(e) -> [T, H] bf16: expert e's output for each token of this rank.
-    out[t] = bf16(sum over k ascending, topk_idx >= 0, of w * float(row)), multiply then add."""
+    out[t] = bf16(sum over k ascending, topk_idx >= 0, of w * float(row)), multiply then add. logfmt: each row
+    is first encoded and decoded (SPEC section 9, logfmt_round_trip)."""
     T, K = topk_idx.shape
     acc = torch.zeros(T, hidden)
     for k in range(K):
@@ -306,6 +309,69 @@ def ll_combine(expert_rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, 
         for e in ids[ids >= 0].unique().tolist():
             sel = ids == e
             rows[sel] = expert_rows(e)[sel]
-        prod = topk_weights[:, k:k + 1] * rows.float()
+        prod = topk_weights[:, k:k + 1] * (logfmt_round_trip(rows) if logfmt else rows.float())
         acc = torch.where(valid, acc + prod, acc)
     return acc.to(torch.bfloat16)
+
+
+# ---- SPEC section 9: LogFMT (docs/logfmt.md), written from the document, not from the C++ -------------------------
+LOGFMT_GROUP = 128
+
+
+def _nearest_float32_bits(x: Fraction) -> int:
+    """Bits of the float32 nearest to x in [1, 2) (the lower one on a tie)."""
+    scaled = x * (1 << 23)
+    low = int(scaled)  # floor: x >= 1
+    mantissa = low if scaled - low <= Fraction(1, 2) else low + 1
+    return (127 << 23) + mantissa - (1 << 23)
+
+
+def _logfmt_tables():
+    """(level_bits[64]: the float32 nearest to 2^(f/64), mantissa_level[128]: the level nearest to 1 + m/128)."""
+    from decimal import Decimal, getcontext
+    getcontext().prec = 60
+    bits = []
+    for f in range(64):
+        exact = Fraction(Decimal(2) ** (Decimal(f) / Decimal(64)))  # 60 digits: far finer than a float32 half-ulp
+        bits.append(_nearest_float32_bits(exact))
+    values = [Fraction(1 << 23 | (b & 0x7FFFFF), 1 << 23) for b in bits] + [Fraction(2)]
+    mantissa_level = []
+    for m in range(128):
+        v = 1 + Fraction(m, 128)
+        mantissa_level.append(min(range(65), key=lambda i: (abs(v - values[i]), i)))
+    return torch.tensor(bits, dtype=torch.int64), torch.tensor(mantissa_level, dtype=torch.int64)
+
+
+LOGFMT_LEVEL_BITS, LOGFMT_MANTISSA_LEVEL = _logfmt_tables()
+
+
+def logfmt_round_trip(rows: torch.Tensor) -> torch.Tensor:
+    """[T, H] bf16 (H % 128 == 0) -> [T, H] float32: every row encoded as LogFMT and decoded again."""
+    T, H = rows.shape
+    bits = rows.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    sign, exponent, mantissa = bits >> 15, (bits >> 7) & 0xFF, bits & 0x7F
+    normal = (exponent != 0) & (exponent != 0xFF)
+    level = ((exponent - 127) * 64 + LOGFMT_MANTISSA_LEVEL[mantissa]).clamp(max=128 * 64 - 1)
+    level = torch.where(normal, level, torch.full_like(level, -32768))
+    group_max = level.view(T, H // LOGFMT_GROUP, LOGFMT_GROUP).amax(dim=2, keepdim=True)
+    top = torch.where(group_max == -32768, torch.zeros_like(group_max), group_max).expand(-1, -1, LOGFMT_GROUP)
+    top = top.reshape(T, H)
+    d = top - level
+    lowest_ok = (d <= 509 + 64) & (top - 509 >= -126 * 64)
+    code = torch.where(d <= 509, 510 - d, torch.where(lowest_ok, torch.ones_like(d), torch.zeros_like(d)))
+    code = torch.where(normal, code, torch.zeros_like(code))
+    n = top - 510 + code
+    value_bits = (LOGFMT_LEVEL_BITS[n & 63] + ((n >> 6) << 23)) | (sign << 31)
+    value_bits = torch.where(code == 0, torch.zeros_like(value_bits), value_bits)  # zero and subnormals: +0
+    infinity = (exponent == 0xFF) & (mantissa == 0)
+    nan = (exponent == 0xFF) & (mantissa != 0)
+    value_bits = torch.where(infinity, 0x7F800000 | (sign << 31), value_bits)
+    value_bits = torch.where(nan, torch.full_like(value_bits, 0x7FC00000), value_bits)
+    value_bits = torch.where(value_bits >= 1 << 31, value_bits - (1 << 32), value_bits)  # the same 32 bits, as int32
+    return value_bits.to(torch.int32).view(torch.float32)
+
+
+def diff_measure(x: torch.Tensor, y: torch.Tensor) -> float:
+    """SPEC section 9's 1 - 2 * sum(x * y) / sum(x * x + y * y), in float64."""
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())

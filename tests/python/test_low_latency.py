@@ -1,6 +1,7 @@
 """epx.Buffer's low-latency methods on 2 and 4 GPUs against the torch reference (_ref.py): dispatch rows,
 counts and layout exact; FP8 rows equal to the reference quantization (plain, round_scale, UE8M0); combine
-bit-identical; hooks, async, zero-copy, out=, statistics, clean, double buffering and a CUDA graph."""
+bit-identical, also with use_logfmt; hooks, async, zero-copy, out=, statistics, clean, double buffering and a CUDA
+graph."""
 
 import os
 
@@ -59,8 +60,9 @@ def run_experts(ctx, recv_x):
     return y
 
 
-def combine_reference(ctx, mine):
-    return _ref.ll_combine(lambda e: _ref.scale_rows(mine.x, expert_factor(e)), mine.topk_idx, mine.topk_weights, H)
+def combine_reference(ctx, mine, logfmt=False):
+    return _ref.ll_combine(lambda e: _ref.scale_rows(mine.x, expert_factor(e)), mine.topk_idx, mine.topk_weights, H,
+                           logfmt=logfmt)
 
 
 def check_dispatch(ctx, all_inputs, recv_x, recv_count, handle, fp8=False, round_scale=False, ue8m0=False):
@@ -241,7 +243,43 @@ def case_clean_then_reuse(ctx):
     case_dispatch_bf16_and_combine(ctx)
 
 
+def case_logfmt_combine(ctx):
+    """use_logfmt: bit for bit the reference's encode, decode and sum; within 1e-5 of the BF16 combine by SPEC
+    section 9's measure."""
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 20, use_fp8=False)
+    combined, event, hook = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle, use_logfmt=True)
+    mine = all_inputs[ctx.rank]
+    assert_bitwise("combined_x (logfmt)", combined, combine_reference(ctx, mine, logfmt=True))
+    measure = _ref.diff_measure(combine_reference(ctx, mine), combined.cpu())
+    assert 0 < measure < 1e-5, f"LogFMT vs BF16: {measure}"
+
+
+def case_logfmt_hook_zero_copy_and_out(ctx):
+    """use_logfmt with the receive hook, a zero-copy input and out=; then a BF16 combine on the same buffer."""
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 21, use_fp8=False)
+    y = run_experts(ctx, recv_x)
+    ctx.buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=ctx.device)
+    combined, _, hook = ctx.buffer.low_latency_combine(y, idx, w, handle, use_logfmt=True, zero_copy=True,
+                                                       return_recv_hook=True, out=out)
+    hook()
+    assert combined is out
+    mine = all_inputs[ctx.rank]
+    assert_bitwise("combined_x (logfmt, hook, zero copy)", combined, combine_reference(ctx, mine, logfmt=True))
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 22, use_fp8=False)
+    combined, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle)
+    assert_bitwise("combined_x (bf16 after logfmt)", combined, combine_reference(ctx, all_inputs[ctx.rank]))
+
+
 def case_cuda_graph(ctx):
+    cuda_graph(ctx, use_logfmt=False)
+
+
+def case_logfmt_cuda_graph(ctx):
+    cuda_graph(ctx, use_logfmt=True)
+
+
+def cuda_graph(ctx, use_logfmt):
     """Dispatch, experts and combine captured once, replayed with new data."""
     counts = tokens_of(ctx, 15)
     first = inputs(ctx, 15, counts)
@@ -249,7 +287,8 @@ def case_cuda_graph(ctx):
 
     def step():
         recv_x, _, handle, _, _ = ctx.buffer.low_latency_dispatch(static_x, static_idx, M, E, use_fp8=False)
-        out, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), static_idx, static_w, handle)
+        out, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), static_idx, static_w, handle,
+                                                   use_logfmt=use_logfmt)
         return out
 
     side = torch.cuda.Stream()
@@ -267,7 +306,8 @@ def case_cuda_graph(ctx):
         static_idx.copy_(idx)
         static_w.copy_(w)
         graph.replay()
-        assert_bitwise(f"combined_x (graph replay, seed {seed})", static_out, combine_reference(ctx, data[ctx.rank]))
+        assert_bitwise(f"combined_x (graph replay, seed {seed})", static_out,
+                       combine_reference(ctx, data[ctx.rank], logfmt=use_logfmt))
 
 
 def case_local_buffer_tensor_of_the_low_latency_area(ctx):

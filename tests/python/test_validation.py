@@ -395,8 +395,16 @@ def test_low_latency_combine_checks(buf):
     y, idx, w = bf16(L, R * M, H), torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K)
     with launched:
         buf.low_latency_combine(y, idx, w, ll_handle(), out=bf16(T, H), zero_copy=True)
-    with pytest.raises(NotImplementedError, match="logfmt"):
-        buf.low_latency_combine(y, idx, w, ll_handle(), use_logfmt=True)
+    with launched:
+        buf.low_latency_combine(y, idx, w, ll_handle(), use_logfmt=True, zero_copy=True, return_recv_hook=True)
+    with launched:
+        buf.low_latency_combine(y, idx, w, ll_handle(), use_logfmt=1)
+    with pytest.raises(ValueError, match="hidden % 128"):
+        buf.low_latency_combine(bf16(L, R * M, 64), idx, w, ll_handle(hidden=64), use_logfmt=True)
+    with launched:
+        buf.low_latency_combine(bf16(L, R * M, 64), idx, w, ll_handle(hidden=64), use_logfmt=False)
+    with pytest.raises(TypeError, match="use_logfmt"):
+        buf.low_latency_combine(y, idx, w, ll_handle(), use_logfmt="yes")
     with pytest.raises(TypeError, match="handle"):
         buf.low_latency_combine(y, idx, w, ll_handle()[:5])
     with pytest.raises(ValueError, match="shape"):

@@ -1,7 +1,7 @@
 // epx-bench low-latency: decoding-sized dispatch / combine latency per rank, checked against the reference model
 // first, with the NCCL all-to-all of the same tokens as a baseline.
 //   epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]
-//                         [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate] [--seed S]
+//                         [--logfmt] [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate] [--seed S]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,6 +26,7 @@ struct LowLatencyOptions {
   int topk = 8;
   int experts = 288;
   bool fp8 = true;
+  bool logfmt = false;  // combine with use_logfmt (docs/logfmt.md)
   int iters = 200;
   int warmup = 20;
   bool nccl = true;
@@ -36,12 +37,13 @@ struct LowLatencyOptions {
 
 const char* kUsage =
     "usage: epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]\n"
-    "                             [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate] [--seed S]\n"
+    "                             [--logfmt] [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate] [--seed S]\n"
     "                             [--json FILE]\n"
-    "Times low-latency dispatch (FP8 unless --bf16), combine, dispatch + combine, and the send / receive\n"
-    "phases with the receive hook, per rank (CUDA events, median), after checking one step against the\n"
-    "reference model; NCCL all-to-all of the same tokens (one row per token per destination rank) as baseline,\n"
-    "and of the combine's own rows (one per selected expert: twice those bytes at the defaults).\n"
+    "Times low-latency dispatch (FP8 unless --bf16), combine (LogFMT rows with --logfmt), dispatch + combine,\n"
+    "and the send / receive phases with the receive hook, per rank (CUDA events, median), after checking one\n"
+    "step against the reference model; NCCL all-to-all of the same tokens (one row per token per destination\n"
+    "rank) as baseline, and of the combine's own rows (one per selected expert: twice those bytes at the\n"
+    "defaults).\n"
     "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n"
     "Rows marked queued issue the call while a gate kernel holds the stream, and every rank's gate lets go\n"
     "at the same moment (rank 0 releases them 200 us after the ranks' shared start): the GPU's time only,\n"
@@ -72,6 +74,8 @@ LowLatencyOptions parse(int argc, char** argv, bool* help) {
       o.experts = parse_int(a, value(), 1, 1024);
     else if (a == "--bf16")
       o.fp8 = false;
+    else if (a == "--logfmt")
+      o.logfmt = true;
     else if (a == "--iters")
       o.iters = parse_int(a, value(), 1, 100000);
     else if (a == "--warmup")
@@ -174,6 +178,7 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   c.num_experts = experts;
   c.num_topk = o.topk;
   c.fp8 = o.fp8;
+  c.logfmt = o.logfmt;
   c.seed = o.seed;
   harness::LowLatencySession s(buffer, c, stream);
 
@@ -194,8 +199,9 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     cudaGetDeviceProperties(&prop, 0);
     std::printf(
         "epx-bench low-latency: %d ranks x %s, %d tokens/rank, hidden %d, top-%d of %d experts, %s dispatch, "
-        "median of %d iterations after %d warm-up\n",
-        R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.iters, o.warmup);
+        "%s combine, median of %d iterations after %d warm-up\n",
+        R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.logfmt ? "LogFMT" : "BF16",
+        o.iters, o.warmup);
     std::printf("low-latency transport: %s\n", describe_low_latency_transport(buffer.low_latency_transport()).c_str());
     std::printf("check vs reference model: %s\n", ok ? "PASS" : "FAIL");
     if (have_line)
@@ -211,19 +217,20 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   TimingPlan plan{o.warmup, o.iters};
   if (have_line) plan.release_line = &line;
   auto none = [](int) {};
+  const std::string combine_name = o.logfmt ? "combine logfmt" : "combine bf16";
   std::vector<Row> rows;
   // Each timed op is balanced by its partner (untimed) so that buffer sets keep alternating on every rank.
   rows.push_back(measure(
       bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan, [&](int) {},
       [&] { s.dispatch(kLowLatencyBothPhases); }));
-  rows.push_back(measure(bs, stream, "combine bf16", plan, none, [&] { s.combine(kLowLatencyBothPhases); }));
+  rows.push_back(measure(bs, stream, combine_name, plan, none, [&] { s.combine(kLowLatencyBothPhases); }));
   rows.push_back(measure(bs, stream, "dispatch + combine", plan, none, [&] {
     s.dispatch(kLowLatencyBothPhases);
     s.combine(kLowLatencyBothPhases);
   }));
   rows.push_back(measure_in_a_row(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan,
                                   [&] { s.dispatch(kLowLatencyBothPhases); }));
-  rows.push_back(measure_in_a_row(bs, stream, "combine bf16", plan, [&] { s.combine(kLowLatencyBothPhases); }));
+  rows.push_back(measure_in_a_row(bs, stream, combine_name, plan, [&] { s.combine(kLowLatencyBothPhases); }));
   rows.push_back(measure_in_a_row(bs, stream, "dispatch + combine", plan, [&] {
     s.dispatch(kLowLatencyBothPhases);
     s.combine(kLowLatencyBothPhases);
@@ -263,7 +270,8 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
 
   rows.push_back(measure_queued(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16") + " (queued)", plan,
                                 [&] { s.dispatch(kLowLatencyBothPhases); }));
-  rows.push_back(measure_queued(bs, stream, "combine bf16 (queued)", plan, [&] { s.combine(kLowLatencyBothPhases); }));
+  rows.push_back(
+      measure_queued(bs, stream, combine_name + " (queued)", plan, [&] { s.combine(kLowLatencyBothPhases); }));
 
   // The same tokens through a CUDA graph (dispatch + combine), as frameworks run decoding.
   {
@@ -369,9 +377,9 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     if (std::FILE* f = std::fopen(o.json.c_str(), "w")) {
       std::fprintf(f,
                    "{\"mode\": \"low-latency\", \"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, "
-                   "\"experts\": %d, \"fp8\": %s, \"transport\": \"%s\", \"queued_start\": \"%s\", "
-                   "\"gate_expired\": %u, \"rows\": [",
-                   R, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "true" : "false",
+                   "\"experts\": %d, \"fp8\": %s, \"logfmt\": %s, \"transport\": \"%s\", \"queued_start\": "
+                   "\"%s\", \"gate_expired\": %u, \"rows\": [",
+                   R, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "true" : "false", o.logfmt ? "true" : "false",
                    describe_low_latency_transport(buffer.low_latency_transport()).c_str(),
                    have_line ? "released together" : "fixed gate", total_expired);
       for (size_t i = 0; i < rows.size(); ++i) {

@@ -146,12 +146,23 @@ void LowLatencySession::set_combine_inputs(uint64_t seed) {
   cuda_check(cudaStreamSynchronize(stream_), "set_combine_inputs");
 }
 
-void LowLatencySession::combine(int phases) {
+LowLatencyCombineArgs LowLatencySession::combine_args() const {
   LowLatencyCombineArgs a{};
   a.x = c_.expert_identity ? static_cast<const void*>(packed_x_.get()) : expert_out_.get();
   a.zero_copy = c_.zero_copy && !c_.expert_identity;
   a.topk_idx = topk_idx_.get();
   a.topk_weights = topk_weights_.get();
+  a.use_logfmt = c_.logfmt;
+  return a;
+}
+
+void LowLatencySession::combine(int phases) {
+  combine_set_ = buffer_.low_latency_combine(combine_args(), handle_, combined_.get(), phases, combine_set_, stream_);
+}
+
+void LowLatencySession::combine_with_logfmt(int phases, bool logfmt) {
+  LowLatencyCombineArgs a = combine_args();
+  a.use_logfmt = logfmt;
   combine_set_ = buffer_.low_latency_combine(a, handle_, combined_.get(), phases, combine_set_, stream_);
 }
 
@@ -236,8 +247,12 @@ std::string LowLatencySession::check_combine() const {
         fill_bf16_row(mix(combine_seed_, kExpertSalt, int(e)), rank_, t, H, buf.data());
       return buf.data();
     };
-    ref::low_latency_combine_row(H, topk_[rank_].data() + size_t(t) * K, weights_[rank_].data() + size_t(t) * K, K,
-                                 num_experts_, row, want.data());
+    const int64_t* idx = topk_[rank_].data() + size_t(t) * K;
+    const float* w = weights_[rank_].data() + size_t(t) * K;
+    if (c_.logfmt)
+      ref::low_latency_combine_row_logfmt(H, idx, w, K, num_experts_, row, want.data());
+    else
+      ref::low_latency_combine_row(H, idx, w, K, num_experts_, row, want.data());
     if (std::memcmp(got.data() + size_t(t) * H, want.data(), size_t(H) * 2) != 0) {
       int h = 0;
       while (got[size_t(t) * H + h] == want[h]) ++h;
@@ -275,7 +290,7 @@ double LowLatencySession::combine_bytes() const {
   size_t n = 0;
   for (int t = 0; t < num_tokens_; ++t)
     for (int k = 0; k < c_.num_topk; ++k) n += topk_[rank_][size_t(t) * c_.num_topk + k] >= 0 ? 1 : 0;
-  return double(n) * c_.hidden * 2.0;
+  return double(n) * (c_.logfmt ? double(ref::logfmt_row_bytes(c_.hidden)) : c_.hidden * 2.0);
 }
 
 }  // namespace epx::harness

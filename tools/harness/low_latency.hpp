@@ -26,6 +26,7 @@ struct LowLatencyCase {
   bool round_scale = false;
   bool ue8m0 = false;
   bool zero_copy = false;
+  bool logfmt = false;           // combine with use_logfmt (docs/logfmt.md), checked against the LogFMT reference
   bool expert_identity = false;  // combine input = the dispatch's packed_recv_x (BF16 only): graph friendly
   Routing routing = Routing::kUniform;
   double empty_slot_prob = 0.0;
@@ -50,12 +51,14 @@ class LowLatencySession {
   // into the buffer's next combine area).
   void set_combine_inputs(uint64_t seed);
   void combine(int phases);
+  // combine(phases) with use_logfmt replaced (for tests of the Buffer's checks).
+  void combine_with_logfmt(int phases, bool logfmt);
 
   std::string check_dispatch() const;
   std::string check_combine() const;
 
   double dispatch_bytes() const;  // bytes this rank receives in dispatch (rows incl. scales)
-  double combine_bytes() const;   // bf16 rows this rank receives back in combine
+  double combine_bytes() const;   // rows this rank receives back in combine (bf16, or LogFMT with logfmt)
   // Rows the combine moves, per peer rank: those this rank returns to each source (its local experts' rows
   // from that source) and those each rank returns to this one (this rank's slots at that rank's experts).
   std::vector<size_t> combine_rows_to() const;
@@ -64,6 +67,7 @@ class LowLatencySession {
 
  private:
   LowLatencyDispatchArgs dispatch_args() const;
+  LowLatencyCombineArgs combine_args() const;
   void expected_row(int src, int token, std::vector<uint16_t>& row) const;
 
   Buffer& buffer_;

@@ -15,9 +15,14 @@
 // tokens b, b+G, ..., each once the arrival counters of its experts have reached their targets: out[t] = bf16(sum over
 // k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding; then the block adds its completion to
 // every rank's epoch counter (kernels/low_latency/epochs.cuh): no last block.
+// LogFMT (use_logfmt, docs/logfmt.md): the send phase encodes each work item into one block of the LogFMT row and
+// writes that instead (NVSHMEM peers: staged at the item's own place in the combine-send area, which the block never
+// outgrows), every row including this rank's own (no rows read in place); the receive phase decodes each slot's row
+// to float32 before the same weighted sum. A separate instantiation of each phase, so the BF16 path is unchanged.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
+#include "device/logfmt.cuh"
 #include "device/ptx.cuh"
 #include "device/transport.cuh"
 #include "device/wait.cuh"
@@ -53,7 +58,10 @@ __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, in
 // Rows this rank sends back, in items of kChunk int4 spread over the whole grid's warps. Row g of the
 // concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and
 // source rank s (from the layout range). s_items counts the block's items per (local expert, source) pair.
+// kLogfmt: each item goes as its LogFMT block (an item of kChunk int4 is 8 groups: one block).
+template <bool kLogfmt>
 __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
+  static_assert(kChunk == kLogfmtGroupsPerBlock * kLogfmtGroupInt4, "a work item encodes into one LogFMT block");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.peers.rank;
   const int L = p.num_experts / R;
@@ -115,7 +123,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // With both phases in this launch, this rank's own rows are not copied: the receive phase reads them from x
   // in place, through the row index each one leaves in its receive slot (local_row_of). A send-only launch
   // (hook) copies them, since x may change before the hook runs.
-  const bool local_in_place = (p.phases & kLowLatencyRecv) != 0;
+  const bool local_in_place = !kLogfmt && (p.phases & kLowLatencyRecv) != 0;
+  const int64_t slot_int4 = kLogfmt ? logfmt_row_bytes(p.hidden) / 16 : row_int4;  // a receive slot (one row)
   // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
   // the start of the next): faster than items a grid apart, than 4 adjacent ones, and than spreading a block's
   // warps over many rows (docs/bench-notes.md). The block completes its items once, after this loop.
@@ -144,7 +153,19 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       const int t = p.recv_src_info[row];
       const int first = part * kChunk, last = min(first + kChunk, row_int4);
       const int4* src = p.x + row * row_int4 + first;
-      if (s == me && local_in_place) {
+      if constexpr (kLogfmt) {
+        int4* block = receive + (int64_t(e) * M + t) * slot_int4 + part * (kLogfmtBlockBytes / 16);
+        const int n = last - first, block_int4 = 1 + n / kLogfmtGroupInt4 * (kLogfmtGroupBytes / 16);
+        if (has_peer_pointer(p.peers.ll, s)) {
+          logfmt_encode_block<kChunk / 32>(at_peer(p.peers.ll, s, block), src, n, lane, LoadNc{}, StoreNa{});
+        } else {  // NVSHMEM puts read symmetric memory; src itself when zero-copy (every load is done first)
+          int4* staged = stage + row * row_int4 + first;
+          logfmt_encode_block<kChunk / 32>(staged, src, n, lane, LoadNc{}, StoreNa{});
+          __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
+          __syncwarp();
+          put_warp_once<kChunk / 32>(p.peers.ll, s, block, staged, block_int4, lane, LoadNc{});
+        }
+      } else if (s == me && local_in_place) {
         if (part == 0 && lane == 0)  // published like the data items (the block's fence and add)
           *local_row_of(receive, int64_t(e) * M + t, row_int4) = int32_t(row);
       } else {
@@ -181,17 +202,48 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   }
 }
 
+// out[t] from token t's LogFMT rows, once they have arrived (s_row / s_weight: its slots' rows, null where skipped):
+// each thread decodes 8 elements of kRows rows at a time (their loads in flight together) and adds them in ascending
+// k, w * value rounded to float32 before the add, as receive_phase does with BF16 rows.
+__device__ __forceinline__ void reduce_logfmt_token(const LowLatencyCombineParams& p, int t, const int4* const* s_row,
+                                                    const float* s_weight) {
+  constexpr int kRows = 4;
+  const int K = p.num_topk, row_int4 = p.hidden / 8;
+  for (int h = threadIdx.x; h < row_int4; h += kThreads) {
+    const int group = h / kLogfmtGroupInt4, j = h % kLogfmtGroupInt4;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int k0 = 0; k0 < K; k0 += kRows) {
+      LogfmtPiece piece[kRows];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i)
+        if (k0 + i < K && s_row[k0 + i] != nullptr)
+          piece[i] = logfmt_load_piece(reinterpret_cast<const uint8_t*>(s_row[k0 + i]), group, j);
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        if (k0 + i >= K || s_row[k0 + i] == nullptr) continue;
+        const float w = s_weight[k0 + i];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, logfmt_element(piece[i], e)));
+      }
+    }
+    st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
+  }
+}
+
 // Block b reduces tokens b, b+G, ... as soon as the arrival counters of that token's experts reach their
 // targets (no grid-wide wait), then adds its completion to every rank's epoch counter, which (once all blocks
 // have) lets the next op on this set, of either kind, write here.
 // kInPlace: this launch's send phase left this rank's own rows in x (both phases in one launch). A separate
 // instantiation, so that the receive of a hook reads every row from the receive area without a pointer per slot
 // (fewer spills; one version for both measured within the noise, docs/bench-notes.md).
-template <bool kInPlace>
+// kLogfmt: every slot holds a LogFMT row (layout/logfmt.hpp), decoded to float32 before the weighted sum.
+template <bool kInPlace, bool kLogfmt>
 __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
+  static_assert(!(kInPlace && kLogfmt), "LogFMT rows are all in the receive area");
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
   __shared__ float s_weight[kMaxTopk];
-  __shared__ const int4* s_row[kMaxTopk];  // token t's row of slot k: in the receive area, or in x (own rows)
+  __shared__ const int4* s_row[kMaxTopk];  // token t's row of slot k: in the receive area, or in x (own rows);
+                                           // LogFMT: null where skipped
   const int M = p.max_tokens, K = p.num_topk, E = p.num_experts;
   const int L = E / p.num_ranks;
   const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // the send phase's too (same block, same op)
@@ -207,6 +259,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
       const bool valid = e >= 0 && e < E;
       s_expert[k] = valid ? int(e) : -1;
       s_weight[k] = valid ? p.topk_weights[int64_t(t) * K + k] : 0.f;
+      if constexpr (kLogfmt) s_row[k] = nullptr;  // set below once the row is there
       // e's target for this op (tagged with its number; posted by e's rank before its rows), then the arrival
       // counter up to it. Acquire; pairs with the adds of e's rank's blocks after their last items (each
       // behind a fence). The __syncthreads below orders every thread's row loads after it.
@@ -223,31 +276,36 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
           if (e / L == me)  // written by this launch's send phase before its block's arrival add
             s_row[k] = p.x + int64_t(ld_cg(local_row_of(recv, slot, row_int4))) * row_int4;
         }
+        if constexpr (kLogfmt) s_row[k] = recv + (e * M + t) * (logfmt_row_bytes(p.hidden) / 16);
       }
     }
     __syncthreads();
-    for (int h = threadIdx.x; h < row_int4; h += kThreads) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows' loads in flight, then k ascending as the reference adds
-        int4 v[8];
+    if constexpr (kLogfmt) {
+      reduce_logfmt_token(p, t, s_row, s_weight);
+    } else {
+      for (int h = threadIdx.x; h < row_int4; h += kThreads) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows' loads in flight, then k ascending as the reference adds
+          int4 v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (k0 + j < K && s_expert[k0 + j] >= 0)
-            v[j] =
-                kInPlace ? ld_cg(s_row[k0 + j] + h) : ld_cg(recv + (int64_t(s_expert[k0 + j]) * M + t) * row_int4 + h);
+          for (int j = 0; j < 8; ++j)
+            if (k0 + j < K && s_expert[k0 + j] >= 0)
+              v[j] = kInPlace ? ld_cg(s_row[k0 + j] + h)
+                              : ld_cg(recv + (int64_t(s_expert[k0 + j]) * M + t) * row_int4 + h);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (k0 + j >= K || s_expert[k0 + j] < 0) continue;
-          const float w = s_weight[k0 + j];
-          const uint32_t words[4] = {uint32_t(v[j].x), uint32_t(v[j].y), uint32_t(v[j].z), uint32_t(v[j].w)};
+          for (int j = 0; j < 8; ++j) {
+            if (k0 + j >= K || s_expert[k0 + j] < 0) continue;
+            const float w = s_weight[k0 + j];
+            const uint32_t words[4] = {uint32_t(v[j].x), uint32_t(v[j].y), uint32_t(v[j].z), uint32_t(v[j].w)};
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
-            acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
-            acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
+            for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
+              acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
+              acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
+            }
           }
         }
+        st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
       }
-      st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
     }
     __syncthreads();  // s_expert / s_weight are rewritten for the next token
   }
@@ -263,12 +321,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int s_items[kLowLatencyMaxExperts];   // [L * R] this block's work items per pair
   wait_prior_grids();                              // before any memory access (kernels/low_latency/launch.cuh)
   allow_next_grid();
-  if (p.phases & kLowLatencySend) send_phase(p, s_first, s_range, s_items);
-  if (p.phases & kLowLatencyRecv) {
-    if (p.phases & kLowLatencySend)
-      receive_phase<true>(p);
+  if (p.phases & kLowLatencySend) {
+    if (p.logfmt)
+      send_phase<true>(p, s_first, s_range, s_items);
     else
-      receive_phase<false>(p);
+      send_phase<false>(p, s_first, s_range, s_items);
+  }
+  if (p.phases & kLowLatencyRecv) {
+    if (p.logfmt)
+      receive_phase<false, true>(p);
+    else if (p.phases & kLowLatencySend)
+      receive_phase<true, false>(p);
+    else
+      receive_phase<false, false>(p);
   }
 }
 
