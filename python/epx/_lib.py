@@ -18,7 +18,7 @@ from .errors import error_for
 
 # The ABI this package was written against (epx.h EPX_VERSION_MAJOR / MINOR).
 ABI_MAJOR = 0
-ABI_MIN_MINOR = 4  # the internode mode
+ABI_MIN_MINOR = 5  # strided FP8 scales (epx_dispatch_args), use_logfmt (epx_ll_combine_args)
 
 LIBRARY_NAME = "libepx.so"
 
