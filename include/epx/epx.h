@@ -38,7 +38,7 @@ typedef enum epx_status {
 #define EPX_REGION_NVL 0  /* the high-throughput ring area: num_nvl_bytes */
 #define EPX_REGION_RDMA 1 /* num_rdma_bytes: the low-latency area, or the internode network rings */
 
-/* Reduction orders of combine (epx_combine_args.reduction; SPEC sections 3, 6, 8). */
+/* Reduction orders of combine (epx_combine_args.reduction; semantics.md sections 3, 6, 8). */
 #define EPX_REDUCE_DEFAULT 0   /* flat inside one NVLink domain, two-level in an internode buffer */
 #define EPX_REDUCE_FLAT 1      /* every rank's row summed at the source in ascending global rank order */
 #define EPX_REDUCE_TWO_LEVEL 2 /* internode: per-domain partials rounded to bf16, then summed by domain */
@@ -196,7 +196,7 @@ typedef struct epx_combine_outputs {
   float* combined_topk_weights; /* [num_tokens, num_topk] when num_topk > 0 */
 } epx_combine_outputs;
 
-/* ---- low-latency mode (SPEC sections 4 and 5) ---- */
+/* ---- low-latency mode (semantics.md sections 4 and 5) ---- */
 #define EPX_LL_SEND 1 /* phases: send only (the receive is a second call: the "hook") */
 #define EPX_LL_RECV 2 /* receive only */
 #define EPX_LL_BOTH 3
@@ -240,7 +240,7 @@ typedef struct epx_ll_combine_args {
   int zero_copy;             /* x was written into epx_ll_next_combine_buffer() */
   const int64_t* topk_idx;   /* [num_tokens, num_topk] of the dispatch */
   const float* topk_weights; /* [num_tokens, num_topk] */
-  int use_logfmt; /* nonzero: rows travel as LogFMT, ~10 bits a value, decoded before the sum (SPEC section 9,
+  int use_logfmt; /* nonzero: rows travel as LogFMT, ~10 bits a value, decoded before the sum (semantics.md section 9,
                      docs/logfmt.md); needs hidden % 128 == 0. The receive call repeats the send call's */
 } epx_ll_combine_args;
 

@@ -1,4 +1,4 @@
-// The CPU reference model: SPEC.md as code. Every GPU test compares against it.
+// The CPU reference model: docs/semantics.md as code. Every GPU test compares against it.
 //
 // The model works on routing (who receives which token, in which order, with which metadata) and on
 // arithmetic (how rows are reduced). Row payloads are reached through accessors, so a test can generate
@@ -18,7 +18,8 @@ uint16_t float_to_bf16(float value);  // round to nearest even (NaN -> canonical
 float e4m3_to_float(uint8_t bits);
 uint8_t float_to_e4m3(float value);  // round to nearest even, saturating to +-448 (NaN -> 0x7f)
 
-// ---- SPEC section 1: layout -----------------------------------------------------------------------------------
+// ---- semantics.md section 1: layout
+// -----------------------------------------------------------------------------------
 struct Layout {
   std::vector<int> num_tokens_per_rank;       // [R]
   std::vector<int> num_tokens_per_rdma_rank;  // [R / G], empty when num_nvl_ranks is 0 or R
@@ -29,8 +30,9 @@ struct Layout {
 Layout dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
                        int num_nvl_ranks = 0);
 
-// ---- SPEC section 2: normal dispatch ---------------------------------------------------------------------------
-// What the model needs from one source rank.
+// ---- semantics.md section 2: normal dispatch
+// --------------------------------------------------------------------------- What the model needs from one source
+// rank.
 struct Source {
   int num_tokens = 0;
   const uint8_t* is_token_in_rank = nullptr;  // [T, R]
@@ -60,8 +62,9 @@ struct RecvMeta {
 RecvMeta dispatch_meta(const std::vector<Source>& sources, int rank, int num_topk, int num_experts,
                        int expert_alignment, bool with_topk, bool with_weights);
 
-// ---- SPEC section 3: normal combine -----------------------------------------------------------------------------
-// Row of token `token` of rank `rank` as it comes back from rank j: bf16 [hidden], and top-k weights [K] (or null).
+// ---- semantics.md section 3: normal combine
+// ----------------------------------------------------------------------------- Row of token `token` of rank `rank` as
+// it comes back from rank j: bf16 [hidden], and top-k weights [K] (or null).
 using ContributionRow = std::function<const uint16_t*(int j, int token)>;
 using ContributionWeights = std::function<const float*(int j, int token)>;
 
@@ -77,13 +80,13 @@ Combined combine(const Source& own, int num_ranks, int hidden, int num_topk, con
 void reduce_bf16_rows(int hidden, const std::vector<const uint16_t*>& rows, const uint16_t* bias0,
                       const uint16_t* bias1, uint16_t* out);
 
-// ---- SPEC section 6: internode (hierarchical) mode ----------------------------------------------------------------
-// R = D x G ranks: rank r = d * G + g (domain d, local index g). The dispatch splits every rank's tokens into C
-// channels: token t of a rank with T tokens is in channel t / ceil(T / C) (channel_of). A token "needs" domain m
-// when it goes to at least one rank of m. Sources are indexed by global rank; sources[s].is_token_in_rank is
-// [T_s, R]. Positions below are per (source rank, channel, stream) and start at 0 in every operation; a token that
-// is not in a stream gets -(k) - 1, where k is the position the stream's next token would take (the number of the
-// channel's tokens before it that are in the stream).
+// ---- semantics.md section 6: internode (hierarchical) mode
+// ---------------------------------------------------------------- R = D x G ranks: rank r = d * G + g (domain d, local
+// index g). The dispatch splits every rank's tokens into C channels: token t of a rank with T tokens is in channel t /
+// ceil(T / C) (channel_of). A token "needs" domain m when it goes to at least one rank of m. Sources are indexed by
+// global rank; sources[s].is_token_in_rank is [T_s, R]. Positions below are per (source rank, channel, stream) and
+// start at 0 in every operation; a token that is not in a stream gets -(k) - 1, where k is the position the stream's
+// next token would take (the number of the channel's tokens before it that are in the stream).
 
 int channel_of(int num_tokens, int num_channels, int token);
 
@@ -118,7 +121,7 @@ struct InternodeHandle {
 // Everything rank `rank` holds after an internode dispatch of `sources` (all R of them) with num_channels channels.
 InternodeHandle internode_handle(const std::vector<Source>& sources, int rank, int num_nvl_ranks, int num_channels);
 
-// Combine in the two-level order of SPEC section 6 (the internode default), for the tokens of `own`:
+// Combine in the two-level order of semantics.md section 6 (the internode default), for the tokens of `own`:
 // for every domain m (ascending) with at least one rank that received token t, the partial P_m is the row of
 // that rank when only one rank of m has the token, else bf16(sum over those ranks j ascending of float(row_j)),
 // float32 from 0, one rounding; combined_x[t] = bf16(sum over m ascending of float(P_m) + bias0 + bias1), float32
@@ -128,8 +131,9 @@ Combined combine_two_level(const Source& own, int num_ranks, int num_nvl_ranks, 
                            const ContributionRow& row, const ContributionWeights& weights, const uint16_t* bias0,
                            const uint16_t* bias1);
 
-// ---- SPEC section 4: low-latency dispatch ---------------------------------------------------------------------
-// FP8 quantization of one BF16 row, per 128-element group g:
+// ---- semantics.md section 4: low-latency dispatch
+// --------------------------------------------------------------------- FP8 quantization of one BF16 row, per
+// 128-element group g:
 //   amax = max(max |x|, 1e-4); scale = amax / 448 (one float32 division); round_scale: the scale rounded up to
 //   a power of two (exponent bits); q = e4m3(x / scale), round to nearest even, saturating.
 void quantize_fp8_row(const uint16_t* x, int hidden, bool round_scale, uint8_t* q, float* scales);
@@ -141,16 +145,17 @@ uint8_t ue8m0(float pow2_scale);
 std::vector<std::vector<RecvRow>> low_latency_rows(const std::vector<Source>& sources, int num_topk, int num_experts,
                                                    int rank);
 
-// ---- SPEC section 5: low-latency combine ----------------------------------------------------------------------
-// out = bf16(sum over k ascending with 0 <= idx[k] < E of w[k] * float(row(idx[k]))), each product rounded to
-// float32, then added in float32 (no fused multiply-add); one rounding to bf16.
+// ---- semantics.md section 5: low-latency combine
+// ---------------------------------------------------------------------- out = bf16(sum over k ascending with 0 <=
+// idx[k] < E of w[k] * float(row(idx[k]))), each product rounded to float32, then added in float32 (no fused
+// multiply-add); one rounding to bf16.
 using ExpertRow = std::function<const uint16_t*(int64_t expert)>;
 void low_latency_combine_row(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
                              const ExpertRow& row, uint16_t* out);
 
-// ---- SPEC section 9: the LogFMT combine (use_logfmt; docs/logfmt.md) -------------------------------------------
-// The encoding rules are src/layout/logfmt.hpp's, which the kernels use too. hidden % 128 == 0.
-// Bytes of one encoded row.
+// ---- semantics.md section 9: the LogFMT combine (use_logfmt; docs/logfmt.md)
+// ------------------------------------------- The encoding rules are src/layout/logfmt.hpp's, which the kernels use
+// too. hidden % 128 == 0. Bytes of one encoded row.
 int64_t logfmt_row_bytes(int hidden);
 // Encodes a BF16 row into logfmt_row_bytes(hidden) bytes (header slots past the last group are zero).
 void logfmt_encode_row(const uint16_t* x, int hidden, uint8_t* out);

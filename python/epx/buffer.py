@@ -158,7 +158,7 @@ class Buffer(LowLatencyMixin):
             explicitly_destroy: bool, default False. True: you must call destroy() on every rank (a warning is
                 issued if the Buffer is collected without it). False: the Buffer is destroyed when it is garbage
                 collected or at interpreter exit; destruction is collective, so do not let one rank drop it early.
-            enable_shrink: bool, default False. deep_ep's rank masking ("shrink" mode, SPEC section 9). Not
+            enable_shrink: bool, default False. deep_ep's rank masking ("shrink" mode, semantics.md section 9). Not
                 supported yet: True raises epx.NotSupportedError (nothing is created).
             comm: an mpi4py communicator (anything with Get_rank(), Get_size() and allgather(obj)), default None;
                 used to exchange the set-up bytes when group is None.
@@ -489,7 +489,7 @@ class Buffer(LowLatencyMixin):
     # ---- layout -------------------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Counts where this rank's tokens go (SPEC section 1), as dispatch needs it. Local (not collective): runs
+        """Counts where this rank's tokens go (semantics.md section 1), as dispatch needs it. Local (not collective): runs
         on the communication stream, with no CPU sync.
 
         Arguments:
@@ -691,7 +691,7 @@ class Buffer(LowLatencyMixin):
                  topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False):
-        """Collective: sends each token to the ranks that hold its experts (SPEC section 2; section 6 in the
+        """Collective: sends each token to the ranks that hold its experts (semantics.md section 2; section 6 in the
         internode mode). Runs on the communication stream; without handle and num_worst_tokens, the CPU waits for
         the received counts (the outputs' sizes) before it returns.
 
@@ -912,9 +912,9 @@ class Buffer(LowLatencyMixin):
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
                 reduction: Optional[str] = None):
-        """Collective: sums each token's rows from the ranks it was dispatched to, back on its source rank (SPEC
-        section 3; section 6 in the internode mode): float32 over the receiving ranks in ascending order, plus the
-        biases, rounded once to bf16. Deterministic (the same bits on every run). Runs on the communication
+        """Collective: sums each token's rows from the ranks it was dispatched to, back on its source rank
+        (semantics.md section 3; section 6 in the internode mode): float32 over the receiving ranks in ascending
+        order, plus the biases, rounded once to bf16. Deterministic (the same bits on every run). Runs on the communication
         stream, with no CPU sync.
 
         Arguments:
@@ -933,7 +933,7 @@ class Buffer(LowLatencyMixin):
                 returns. True: the current stream does not wait; wait on the returned event before using them.
             allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
                 stream (needs previous_event and async_finish).
-            reduction: keyword-only epx extension (SPEC section 6): the summation order of an internode Buffer.
+            reduction: keyword-only epx extension (semantics.md section 6): the summation order of an internode Buffer.
                 None (default) or "two_level" there: per NVLink domain, the rows of that domain's receiving ranks
                 summed in float32 in ascending rank order and rounded to bf16 (a single row passes unchanged),
                 then those partials summed in ascending domain order in float32 with the biases, rounded once.

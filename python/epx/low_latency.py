@@ -1,4 +1,4 @@
-"""The low-latency methods of epx.Buffer (SPEC sections 4 and 5): no CPU sync, fixed-size outputs,
+"""The low-latency methods of epx.Buffer (semantics.md sections 4 and 5): no CPU sync, fixed-size outputs,
 CUDA-graph capturable, send and receive phases separable through a hook.
 
 Streams, as in deep_ep: with return_recv_hook the send phase runs on the current stream and the hook
@@ -34,7 +34,7 @@ def _noop() -> None:
 def _rank_masking_unsupported(what: str) -> NotSupportedError:
     """The error of every rank-masking entry point (enable_shrink, the low_latency_*_mask_buffer methods) until
     the library implements it."""
-    return NotSupportedError(f"{what}: rank masking (deep_ep's enable_shrink mode, SPEC section 9) is not supported "
+    return NotSupportedError(f"{what}: rank masking (deep_ep's enable_shrink mode, semantics.md section 9) is not supported "
                              f"by epx yet", NotSupportedError.status)
 
 
@@ -132,7 +132,7 @@ class LowLatencyMixin:
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False):
-        """Collective: sends each token to the experts it selected, for decoding (SPEC section 4): no CPU sync,
+        """Collective: sends each token to the experts it selected, for decoding (semantics.md section 4): no CPU sync,
         outputs of fixed size, capturable in a CUDA graph, and send and receive phases separable through a hook.
         Needs a Buffer created with low_latency_mode=True inside one NVLink domain.
 
@@ -255,7 +255,7 @@ class LowLatencyMixin:
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
         """Collective: sends the experts' outputs back to the tokens' ranks and sums them with the top-k weights
-        (SPEC section 5): combined_x[t] = bf16(sum over k ascending, slots with an expert, of topk_weights[t, k] *
+        (semantics.md section 5): combined_x[t] = bf16(sum over k ascending, slots with an expert, of topk_weights[t, k] *
         expert output row), float32 multiplies and adds, rounded once. No CPU sync, capturable in a CUDA graph.
         With use_logfmt the rows travel compressed and each is decoded to float32 before that same sum.
 
@@ -265,7 +265,7 @@ class LowLatencyMixin:
             topk_idx: int64 [T, K], the topk_idx given to the low_latency_dispatch of handle.
             topk_weights: float32 [T, K], the weights to sum with.
             handle: the handle returned by that low_latency_dispatch.
-            use_logfmt: bool, default False. True: every expert output row travels as LogFMT (SPEC section 9,
+            use_logfmt: bool, default False. True: every expert output row travels as LogFMT (semantics.md section 9,
                 docs/logfmt.md): per 128 elements a 16-bit scale (the group's largest level) and 10 bits a value
                 (sign and log2|x| in steps of 1/64 over 8 octaves below it), 63% of the BF16 bytes; rows are decoded
                 to float32 before the sum, so the result differs from the BF16 one (within 1e-5 by 1 - 2*sum(x*y)

@@ -1,4 +1,4 @@
-// Per-128-element FP8 (e4m3) quantization on send (SPEC section 4), bit-identical to ref::quantize_group:
+// Per-128-element FP8 (e4m3) quantization on send (semantics.md section 4), bit-identical to ref::quantize_group:
 //   amax = max(max |x|, kAmaxFloor); scale = amax / 448 (rounded once); round_scale: scale rounded up to a
 //   power of two; q = e4m3_satfinite_rne(x / scale); UE8M0 keeps the scale's exponent byte.
 #pragma once

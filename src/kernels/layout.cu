@@ -1,4 +1,4 @@
-// get_dispatch_layout: per-token destination ranks and per-rank / per-expert counts (SPEC section 1).
+// get_dispatch_layout: per-token destination ranks and per-rank / per-expert counts (semantics.md section 1).
 // One thread per token; counts go through shared-memory histograms, then one global atomic per bin per
 // block. Out-of-range expert ids are not counted and are reported (first one wins) to the host.
 #include <cuda_runtime.h>

@@ -28,14 +28,14 @@ constexpr int kMaxDomains = 16;
 constexpr int kMaxRanks = kMaxDomains * kMaxNvlRanks;
 // Largest hidden size we accept (bytes of one row are bounded by the ring record size).
 constexpr int kMaxHidden = 32768;
-// FP8 scales are per group of this many elements (SPEC section 2 and 4).
+// FP8 scales are per group of this many elements (semantics.md section 2 and 4).
 constexpr int kFp8GroupSize = 128;
 // Every device region starts on this alignment; rows are moved in 16-byte vectors.
 constexpr int64_t kAlign = 128;
 // Threads of a high-throughput data block: 24 warps, enough loads in flight per SM to saturate NVLink.
 constexpr int kDataThreads = 768;
 constexpr int kDataWarps = kDataThreads / 32;
-// Default wait budget (SPEC section 7).
+// Default wait budget (semantics.md section 7).
 constexpr double kDefaultTimeoutSeconds = 100.0;
 
 EPX_HD constexpr int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }

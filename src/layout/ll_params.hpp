@@ -1,4 +1,4 @@
-// Parameters of the low-latency kernels (SPEC sections 4 and 5).
+// Parameters of the low-latency kernels (semantics.md sections 4 and 5).
 #pragma once
 
 #include <vector_types.h>

@@ -1,6 +1,6 @@
 // LogFMT-10: the compressed row format of the low-latency combine with use_logfmt (docs/logfmt.md is the
-// specification; SPEC section 9). Every rule of the encoding lives here, as integer arithmetic on BF16 bits, and
-// is shared by the kernels (kernels/low_latency/combine.cu, through device/logfmt.cuh) and the reference model
+// specification; semantics.md section 9). Every rule of the encoding lives here, as integer arithmetic on BF16 bits,
+// and is shared by the kernels (kernels/low_latency/combine.cu, through device/logfmt.cuh) and the reference model
 // (src/reference/logfmt.cpp), so that both produce and read the same bits.
 //
 // Per group of 128 elements: a 16-bit top level tau (the group's largest level) and, per element, a 10-bit word:

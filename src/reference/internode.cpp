@@ -1,4 +1,4 @@
-// The CPU reference model of the internode (hierarchical) mode (SPEC section 6). Plain loops, written to be
+// The CPU reference model of the internode (hierarchical) mode (semantics.md section 6). Plain loops, written to be
 // obviously right: every array is counted directly from the sources' is_token_in_rank.
 #include <cstddef>
 #include <functional>

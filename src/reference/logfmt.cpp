@@ -1,5 +1,5 @@
-// The reference model of the LogFMT combine (SPEC section 9, docs/logfmt.md): the rules of layout/logfmt.hpp
-// applied one element at a time, then the flat sum of SPEC section 5 on the decoded values.
+// The reference model of the LogFMT combine (semantics.md section 9, docs/logfmt.md): the rules of layout/logfmt.hpp
+// applied one element at a time, then the flat sum of semantics.md section 5 on the decoded values.
 #include "layout/logfmt.hpp"
 
 #include <cstring>
@@ -79,7 +79,7 @@ void low_latency_combine_row_logfmt(int hidden, const int64_t* idx, const float*
     logfmt_encode_row(row(idx[k]), hidden, encoded.data());
     logfmt_decode_row(encoded.data(), hidden, decoded.data());
     for (int h = 0; h < hidden; ++h) {
-      volatile float product = w[k] * decoded[h];  // rounded to float32 before the add (SPEC section 5)
+      volatile float product = w[k] * decoded[h];  // rounded to float32 before the add (semantics.md section 5)
       acc[h] = acc[h] + product;
     }
   }

@@ -1,4 +1,4 @@
-// The CPU reference model (SPEC sections 1-3). Plain loops, written to be obviously right.
+// The CPU reference model (semantics.md sections 1-3). Plain loops, written to be obviously right.
 #include "epx/reference.hpp"
 
 #include <algorithm>

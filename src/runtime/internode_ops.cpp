@@ -1,6 +1,6 @@
-// The internode (hierarchical) mode, SPEC section 6: validation, ring geometry, kernel parameters, launches and the
-// bounded host wait for the counts. The public Buffer methods (runtime/buffer_ops.cpp) call these for a buffer whose
-// ranks span several NVLink domains (or that forces this mode). docs/internode.md describes the protocol.
+// The internode (hierarchical) mode, semantics.md section 6: validation, ring geometry, kernel parameters, launches and
+// the bounded host wait for the counts. The public Buffer methods (runtime/buffer_ops.cpp) call these for a buffer
+// whose ranks span several NVLink domains (or that forces this mode). docs/internode.md describes the protocol.
 #include <algorithm>
 #include <cstdint>
 

@@ -1,4 +1,4 @@
-// The intranode mode (one NVLink domain, SPEC sections 2 and 3) and the layout: validation, kernel parameters,
+// The intranode mode (one NVLink domain, semantics.md sections 2 and 3) and the layout: validation, kernel parameters,
 // launches, and the bounded host wait for the counts. The public Buffer methods (runtime/buffer_ops.cpp) call these.
 #include <cstdint>
 

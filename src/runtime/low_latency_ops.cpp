@@ -1,4 +1,4 @@
-// The low-latency mode (SPEC sections 4 and 5): validation, buffer-set alternation, launches. No host
+// The low-latency mode (semantics.md sections 4 and 5): validation, buffer-set alternation, launches. No host
 // synchronization. The public Buffer methods (runtime/buffer_ops.cpp) call these.
 #include <cstdint>
 

@@ -1,4 +1,4 @@
-// Argument validation that needs no Buffer: shapes, pointers, alignment, ranges (SPEC section 7).
+// Argument validation that needs no Buffer: shapes, pointers, alignment, ranges (semantics.md section 7).
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
 // The fuzzer of capi_fuzz.hpp. Case i calls target i % (number of targets) with inputs drawn from its own seed, and
 // holds the call to these rules:
 //  - A C ABI function returns one of the epx_status values: EPX_OK exactly when its inputs are valid (the oracles
-//    below say which are, from the limits the library exports and the rules of SPEC section 7), with an empty
+//    below say which are, from the limits the library exports and the rules of semantics.md section 7), with an empty
 //    epx_last_error(); otherwise a non-empty message. Outputs that a failed call resets (epx.h, capi_test.cpp) are
 //    reset. What a successful size hint returns is enough for the shape it was asked about.
 //  - A check of the C++ side throws epx::Error with the right status (kInvalidArgument; kNotSupported where a switch
@@ -175,7 +175,8 @@ std::string cat(Args&&... args) {
   return os.str();
 }
 
-// ---- oracles: the rules of SPEC section 7, from the limits the library exports --------------------------------
+// ---- oracles: the rules of semantics.md section 7, from the limits the library exports
+// --------------------------------
 
 struct Rules {
   epx_limits l{};

@@ -1,5 +1,5 @@
-// The reference model of the internode (hierarchical) mode, SPEC section 6: channels, the internode handle and the
-// two-level combine order. The handle is checked against a hand-worked example, against a recount written
+// The reference model of the internode (hierarchical) mode, semantics.md section 6: channels, the internode handle and
+// the two-level combine order. The handle is checked against a hand-worked example, against a recount written
 // differently (per-channel token lists, every prefix summed from its definition) and for consistency across the
 // ranks of one dispatch; the combine against the flat combine where the two orders must agree, and against hand
 // values where they differ.

@@ -1,5 +1,5 @@
-// LogFMT-10 (docs/logfmt.md, SPEC section 9): the tables against their definitions, the bit layout against words
-// worked out by hand, round-trip error bounds, special values, the reference model's LogFMT combine, and the
+// LogFMT-10 (docs/logfmt.md, semantics.md section 9): the tables against their definitions, the bit layout against
+// words worked out by hand, round-trip error bounds, special values, the reference model's LogFMT combine, and the
 // accuracy contract on random normal data.
 #include "layout/logfmt.hpp"
 
@@ -53,7 +53,7 @@ std::vector<float> round_trip(const std::vector<uint16_t>& x) {
   return out;
 }
 
-// 1 - 2 * sum(x * y) / sum(x * x + y * y) (SPEC section 9), in double.
+// 1 - 2 * sum(x * y) / sum(x * x + y * y) (semantics.md section 9), in double.
 double diff_measure(const std::vector<uint16_t>& x, const std::vector<uint16_t>& y) {
   double xy = 0, xx_yy = 0;
   for (size_t i = 0; i < x.size(); ++i) {
@@ -312,7 +312,7 @@ TEST(LogfmtCombine, DecodesEveryRowThenSumsInSlotOrder) {
                std::invalid_argument);
 }
 
-// SPEC section 9: on random normal data the LogFMT combine is within 1e-5 of the flat BF16 combine by
+// semantics.md section 9: on random normal data the LogFMT combine is within 1e-5 of the flat BF16 combine by
 // 1 - 2 * sum(x * y) / sum(x * x + y * y). 256 tokens of hidden 7168, top-8 of 256 experts (5% empty slots),
 // positive weights; the measure is printed (docs/logfmt.md quotes it).
 TEST(LogfmtCombine, AccuracyOnRandomNormalData) {

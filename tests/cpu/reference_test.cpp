@@ -150,7 +150,8 @@ TEST(E4m3, AllNonNaNCodesRoundTrip) {
   EXPECT_EQ(round_trips, 254);
 }
 
-// ---- layout (SPEC section 1) --------------------------------------------------------------------------------------
+// ---- layout (semantics.md section 1)
+// --------------------------------------------------------------------------------------
 
 namespace {
 
@@ -206,7 +207,8 @@ TEST(Layout, ZeroTokens) {
   EXPECT_TRUE(l.is_token_in_rank.empty());
 }
 
-// ---- dispatch routing (SPEC section 2) ---------------------------------------------------------------------------
+// ---- dispatch routing (semantics.md section 2)
+// ---------------------------------------------------------------------------
 
 namespace {
 
@@ -298,13 +300,14 @@ TEST(Dispatch, MetaWithoutTopkOrWeights) {
   EXPECT_TRUE(m.recv_topk_weights.empty());
 }
 
-// ---- combine (SPEC section 3) ------------------------------------------------------------------------------------
+// ---- combine (semantics.md section 3)
+// ------------------------------------------------------------------------------------
 
 namespace {
 
 // Three ranks, hidden 2, K 2, T 3 tokens on the combining rank.
 //   t0 is received by ranks 0, 1, 2; t1 by none; t2 by rank 1 only.
-// Column 0 of t0: 2^24, 1, -2^24 from ranks 0, 1, 2, then bias0 1 and bias1 0.5. In the SPEC order
+// Column 0 of t0: 2^24, 1, -2^24 from ranks 0, 1, 2, then bias0 1 and bias1 0.5. In the contract's order
 //   ((2^24 + 1) = 2^24 in float) - 2^24 + 1 + 0.5 = 1.5. Reversed rank order gives 2.5, biases first give 4,
 //   a double accumulator gives 2.5: only the fixed order gives 1.5.
 // Column 1 of t0: 1, 2^-8, 2^-8: in float 1 + 2^-7 exactly (bf16 0x3f81); rounding to bf16 after every add
@@ -317,7 +320,7 @@ struct CombineData {
       {{2, 0}, {kMinusTwo24, kTwoM8}},
       {{1, 2}, {0x4000, 0xbf80}},  // 2.0, -1.0
   };
-  // Weight rows; k = 1 of t0 is order-sensitive the same way: 2^24 + 1 - 2^24 = 0 in the SPEC order.
+  // Weight rows; k = 1 of t0 is order-sensitive the same way: 2^24 + 1 - 2^24 = 0 in the contract's order.
   std::map<std::pair<int, int>, std::vector<float>> weights = {
       {{0, 0}, {0.5f, 16777216.f}},
       {{1, 0}, {0.25f, 1.f}},
@@ -366,7 +369,7 @@ TEST(Combine, FixedOrderRankThenBiasesOneRounding) {
   const CombineData d;
   const ref::Combined c = ref::combine(d.own(), 3, 2, 2, d.row_fn(), d.weight_fn(), d.bias0.data(), d.bias1.data());
   EXPECT_EQ(c.x, (std::vector<uint16_t>{
-                     0x3fc0, 0x3f81,  // t0: 1.5 (SPEC order), 1 + 2^-7 (one rounding)
+                     0x3fc0, 0x3f81,  // t0: 1.5 (the contract's order), 1 + 2^-7 (one rounding)
                      0x4050, 0xbf00,  // t1, routed nowhere: bias only, 3.0 + 0.25 = 3.25, -0.5
                      0x4020, 0xbf80,  // t2: 2.0 + 0.5, -1.0
                  }));

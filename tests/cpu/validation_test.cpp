@@ -1,4 +1,4 @@
-// Argument validation of dispatch and combine (SPEC section 7). These checks run before anything touches a
+// Argument validation of dispatch and combine (semantics.md section 7). These checks run before anything touches a
 // device, and never dereference pointers, so fake non-null pointer values are enough: each test starts from a
 // valid baseline and introduces exactly one defect, which must be reported as kInvalidArgument by name.
 #include <gmock/gmock.h>

@@ -1,5 +1,5 @@
 // GPU tests of the high-throughput path (intranode, and internode when the suite's Buffer spans domains) against the
-// reference model (SPEC sections 1-3, 6, 7).
+// reference model (semantics.md sections 1-3, 6, 7).
 #include <cstring>
 
 #include "../../tools/harness/high_throughput.hpp"

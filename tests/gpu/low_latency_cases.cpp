@@ -1,4 +1,4 @@
-// GPU tests of the low-latency mode against the reference model (SPEC sections 4, 5, 7).
+// GPU tests of the low-latency mode against the reference model (semantics.md sections 4, 5, 7).
 #include <cuda_runtime.h>
 
 #include <chrono>

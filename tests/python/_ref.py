@@ -1,4 +1,4 @@
-"""Reference computations in torch on the CPU (SPEC.md as Python) and deterministic test data.
+"""Reference computations in torch on the CPU (docs/semantics.md as Python) and deterministic test data.
 
 Every rank's inputs come from a generator seeded by (seed, rank), so any rank can rebuild any other rank's
 inputs locally: the references need no communication. Floating-point steps are written as separate
@@ -52,7 +52,7 @@ def as_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-# ---- SPEC section 1: layout -------------------------------------------------------------------------------------
+# ---- semantics.md section 1: layout -------------------------------------------------------------------------------------
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """-> (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)."""
     T = topk_idx.shape[0]
@@ -68,7 +68,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     return in_rank.sum(0).to(torch.int32), per_expert, in_rank
 
 
-# ---- SPEC section 2: dispatch -----------------------------------------------------------------------------------
+# ---- semantics.md section 2: dispatch -----------------------------------------------------------------------------------
 @dataclass
 class DispatchRef:
     src: List[tuple]                       # (source rank, token) of each received row, in order
@@ -112,7 +112,7 @@ def gather_rows(tensors: List[torch.Tensor], src: List[tuple], width: int, dtype
     return torch.stack([tensors[s][t] for s, t in src])
 
 
-# ---- SPEC section 6: the internode dispatch handle ----------------------------------------------------------------
+# ---- semantics.md section 6: the internode dispatch handle ----------------------------------------------------------------
 def channel_of(num_tokens: int, num_channels: int, token: int) -> int:
     """Channels take contiguous token ranges of ceil(T / C) tokens."""
     return token // ((num_tokens + num_channels - 1) // num_channels)
@@ -199,7 +199,7 @@ def internode_handle(in_ranks: List[torch.Tensor], rank: int, num_nvl_ranks: int
             i32(send_nvl_head, -1, G)]
 
 
-# ---- SPEC section 3: combine --------------------------------------------------------------------------------------
+# ---- semantics.md section 3: combine --------------------------------------------------------------------------------------
 def combine(rows_by_rank: List[Optional[torch.Tensor]], in_rank: torch.Tensor, biases=()) -> torch.Tensor:
     """rows_by_rank[j]: [T, H] bf16, the row rank j sends back for each token (used where in_rank[t, j]).
     -> bf16(sum over j ascending in float32 + biases)."""
@@ -216,7 +216,7 @@ def combine(rows_by_rank: List[Optional[torch.Tensor]], in_rank: torch.Tensor, b
 
 def combine_two_level(rows_by_rank: List[Optional[torch.Tensor]], in_rank: torch.Tensor, num_nvl_ranks: int,
                       biases=()) -> torch.Tensor:
-    """SPEC section 6, the internode mode's default order over domains of num_nvl_ranks ranks. Per domain m:
+    """semantics.md section 6, the internode mode's default order over domains of num_nvl_ranks ranks. Per domain m:
     P_m = the one row of m's receiving ranks unchanged, or bf16(sum of their rows in ascending rank order in
     float32); then bf16(sum of the P_m in ascending domain order in float32 + biases), rounded once."""
     T, R = in_rank.shape
@@ -250,7 +250,7 @@ def scale_rows(x: torch.Tensor, factor: float) -> torch.Tensor:
     return (x.float() * factor).to(torch.bfloat16)
 
 
-# ---- SPEC section 4: low-latency dispatch -----------------------------------------------------------------------
+# ---- semantics.md section 4: low-latency dispatch -----------------------------------------------------------------------
 def ll_blocks(all_topk: List[torch.Tensor], rank: int, num_experts: int) -> List[List[List[int]]]:
     """blocks[i][s]: tokens of source s that select local expert i of `rank`, in (token, slot) order."""
     R = len(all_topk)
@@ -294,12 +294,12 @@ def ue8m0_pack(scale: torch.Tensor) -> torch.Tensor:
     return ((packed + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)  # the same 32 bits, as int32
 
 
-# ---- SPEC section 5: low-latency combine --------------------------------------------------------------------------
+# ---- semantics.md section 5: low-latency combine --------------------------------------------------------------------------
 def ll_combine(expert_rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden: int,
                logfmt: bool = False) -> torch.Tensor:
     """expert_rows(e) -> [T, H] bf16: expert e's output for each token of this rank.
     out[t] = bf16(sum over k ascending, topk_idx >= 0, of w * float(row)), multiply then add. logfmt: each row
-    is first encoded and decoded (SPEC section 9, logfmt_round_trip)."""
+    is first encoded and decoded (semantics.md section 9, logfmt_round_trip)."""
     T, K = topk_idx.shape
     acc = torch.zeros(T, hidden)
     for k in range(K):
@@ -314,7 +314,7 @@ def ll_combine(expert_rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, 
     return acc.to(torch.bfloat16)
 
 
-# ---- SPEC section 9: LogFMT (docs/logfmt.md), written from the document, not from the C++ -------------------------
+# ---- semantics.md section 9: LogFMT (docs/logfmt.md), written from the document, not from the C++ -------------------------
 LOGFMT_GROUP = 128
 
 
@@ -372,6 +372,6 @@ def logfmt_round_trip(rows: torch.Tensor) -> torch.Tensor:
 
 
 def diff_measure(x: torch.Tensor, y: torch.Tensor) -> float:
-    """SPEC section 9's 1 - 2 * sum(x * y) / sum(x * x + y * y), in float64."""
+    """semantics.md section 9's 1 - 2 * sum(x * y) / sum(x * x + y * y), in float64."""
     x, y = x.double(), y.double()
     return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())

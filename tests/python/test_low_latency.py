@@ -244,8 +244,8 @@ def case_clean_then_reuse(ctx):
 
 
 def case_logfmt_combine(ctx):
-    """use_logfmt: bit for bit the reference's encode, decode and sum; within 1e-5 of the BF16 combine by SPEC
-    section 9's measure."""
+    """use_logfmt: bit for bit the reference's encode, decode and sum; within 1e-5 of the BF16 combine by
+    semantics.md section 9's measure."""
     all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 20, use_fp8=False)
     combined, event, hook = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle, use_logfmt=True)
     mine = all_inputs[ctx.rank]

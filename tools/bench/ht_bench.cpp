@@ -29,7 +29,7 @@ constexpr uint64_t kNcclDataSalt = 0x4cc1;
 constexpr double kLaunchTimeoutS = 1800;
 constexpr double kLaunchGraceS = 30;
 
-// Fills a device array with bytes that are neither zeros nor a pattern (GPU.md: never zeros).
+// Fills a device array with bytes that are neither zeros nor a pattern (a benchmark never moves zeros).
 void fill_random(DeviceArray<uint8_t>& a, uint64_t seed, cudaStream_t stream) {
   std::vector<uint8_t> host(a.size());
   for (size_t i = 0; i < host.size(); i += 8) {

@@ -32,7 +32,7 @@ void print_usage(std::FILE* out) {
   for (const Subcommand& s : kSubcommands) std::fprintf(out, "  %-12s %s\n", s.name, s.summary);
 }
 
-// NVLink multicast (NVLS) can put a shared host out of service (shared/GPU.md): keep it off in this process and
+// NVLink multicast (NVLS) can put a shared host out of service: keep it off in this process and
 // the ranks it forks, unless the caller set these already. Done before anything can load NCCL or CUDA.
 void keep_multicast_off() {
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);

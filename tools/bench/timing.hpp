@@ -1,4 +1,4 @@
-// How every number of epx-bench is taken (shared/GPU.md): CUDA events around the operation, warm-up first, all
+// How every number of epx-bench is taken: CUDA events around the operation, warm-up first, all
 // ranks started together after a barrier, median over the timed iterations.
 #pragma once
 

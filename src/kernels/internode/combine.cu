@@ -1,4 +1,4 @@
-// Internode combine (SPEC sections 3 and 6): the dispatch run backwards. Two blocks per channel c.
+// Internode combine (semantics.md sections 3 and 6): the dispatch run backwards. Two blocks per channel c.
 //
 // Block 2c:
 //  - NVLink senders (G > 1): for every other rank s of this domain and source domain i, the rows this rank received
@@ -173,7 +173,7 @@ __device__ void nvl_sender_coordinator(const InternodeCombineParams& p, int chan
 // ---- network receivers --------------------------------------------------------------------------------------------
 
 // Token t's reduction from the records in records[m] (null where the token did not go), into combined_x. rows:
-// this warp's list (shared), filled here with the rows to sum in the order SPEC section 6 names: two-level, one
+// this warp's list (shared), filled here with the rows to sum in the order semantics.md section 6 names: two-level, one
 // partial per domain in ascending m; flat, every rank's row in ascending global rank.
 __device__ void reduce_token(const InternodeCombineParams& p, int t, const uint8_t* const* records, const int4** rows,
                              int lane) {

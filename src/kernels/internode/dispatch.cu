@@ -1,4 +1,4 @@
-// Internode dispatch (SPEC sections 2 and 6): tokens cross the network once per destination domain and are
+// Internode dispatch (semantics.md sections 2 and 6): tokens cross the network once per destination domain and are
 // forwarded inside it over NVLink. Two blocks per channel c; channel c is the same contiguous token range of every
 // rank (ChannelRange), so every stream below is in token order.
 //

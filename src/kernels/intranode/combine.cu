@@ -1,4 +1,4 @@
-// High-throughput combine inside one NVLink domain (SPEC section 3): the dispatch run backwards.
+// High-throughput combine inside one NVLink domain (semantics.md section 3): the dispatch run backwards.
 //
 // Block 2c sends channel c: for every source rank s, the rows that dispatch put at
 // [recv_channel_prefix_matrix[s][c], ...) go back, in the same order, into ring (c, me) of rank s. So the

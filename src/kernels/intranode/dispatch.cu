@@ -1,4 +1,4 @@
-// High-throughput dispatch inside one NVLink domain (SPEC section 2).
+// High-throughput dispatch inside one NVLink domain (semantics.md section 2).
 //
 // Block 2c sends channel c, block 2c+1 receives it. Channel c covers a contiguous token range of every rank.
 // Ring (c, s) lives in receiver r's buffer; sender s writes records and advances its tail, r copies them to recv_x

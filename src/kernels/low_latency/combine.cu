@@ -1,4 +1,4 @@
-// Low-latency combine (SPEC section 5).
+// Low-latency combine (semantics.md section 5).
 //
 // Send phase: rows are cut into work items of kChunk int4, one per warp at a time over the whole grid; a row
 // goes back into its source rank's receive area at [global expert][source token] once every rank has received

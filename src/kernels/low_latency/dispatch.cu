@@ -1,4 +1,4 @@
-// Low-latency dispatch (SPEC section 4): no exchange of counts before the data, fixed-size receive areas.
+// Low-latency dispatch (semantics.md section 4): no exchange of counts before the data, fixed-size receive areas.
 //
 // Send phase: every warp owning an expert counts this rank's selections of it and sends the count (+ 1) to
 // the expert's rank at once, before any row, as a relaxed store (it carries no data; a release would wait for
