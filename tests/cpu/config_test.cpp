@@ -14,22 +14,13 @@
 #include "kernels/intranode/sender_groups.hpp"
 #include "layout/limits.hpp"
 #include "layout/nvl_layout.hpp"
+#include "test_helpers.hpp"
 
 using ::testing::HasSubstr;
 
 namespace {
 
-// Runs f, which must throw epx::Error with kInvalidArgument; returns the message ("" when it did not throw).
-std::string invalid_argument_message(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const epx::Error& e) {
-    EXPECT_EQ(e.status(), epx::Status::kInvalidArgument) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "expected epx::Error(kInvalidArgument), nothing was thrown";
-  return "";
-}
+using epx_test::invalid_argument_message;
 
 epx::Config valid_config() { return epx::Config{24, 6, 256}; }
 

@@ -14,16 +14,13 @@
 #include <vector>
 
 #include "epx/reference.hpp"
+#include "test_helpers.hpp"
 
 namespace ref = epx::ref;
 
 namespace {
 
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using epx_test::from_bits;
 
 uint16_t bf16_of(float f) { return ref::float_to_bf16(f); }
 

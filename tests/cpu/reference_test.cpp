@@ -13,15 +13,13 @@
 #include <utility>
 #include <vector>
 
+#include "test_helpers.hpp"
+
 namespace ref = epx::ref;
 
 namespace {
 
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using epx_test::from_bits;
 
 uint32_t to_bits(float f) {
   uint32_t u;

@@ -15,21 +15,13 @@
 #include "runtime/config.hpp"
 #include "runtime/domains.hpp"
 #include "runtime/validate.hpp"
+#include "test_helpers.hpp"
 
 using ::testing::HasSubstr;
 
 namespace {
 
-std::string invalid_argument_message(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const epx::Error& e) {
-    EXPECT_EQ(e.status(), epx::Status::kInvalidArgument) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "expected epx::Error(kInvalidArgument), nothing was thrown";
-  return "";
-}
+using epx_test::invalid_argument_message;
 
 // Whether the low-latency calls of a buffer of R ranks take this shape: the check validate_shape runs first.
 bool ll_ops_take(int R, int M, int H, int E) {
