@@ -171,7 +171,7 @@ TEST(CApi, EveryOperationRejectsANullBuffer) {
   epx_layout_args layout{};
   epx_layout_outputs layout_out{};
   epx_dispatch_args dargs{};
-  epx_config config{24, 6, 256};
+  epx_config config{24, 6, 256, 8, 128};
   epx_dispatch_handle handle{};
   epx_dispatch_counts counts{};
   epx_dispatch_outputs dout{};

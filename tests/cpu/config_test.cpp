@@ -22,7 +22,7 @@ namespace {
 
 using epx_test::invalid_argument_message;
 
-epx::Config valid_config() { return epx::Config{24, 6, 256}; }
+epx::Config valid_config() { return epx::Config{24, 6, 256, 8, 128}; }
 
 }  // namespace
 

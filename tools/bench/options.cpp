@@ -177,7 +177,10 @@ std::vector<Config> sweep_configs(const IntranodeOptions& o, int num_ranks, std:
   for (int s : sms)
     for (int c : chunks)
       for (int r : rings) {
-        const Config cfg{s, c, r};
+        Config cfg = d;  // the network fields are the default config's (unused by the intranode mode)
+        cfg.num_sms = s;
+        cfg.num_max_send_tokens = c;
+        cfg.num_max_recv_tokens = r;
         if (!seen.insert({s, c, r}).second) continue;
         try {
           validate_config(cfg, num_ranks);

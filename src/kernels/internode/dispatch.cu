@@ -271,7 +271,7 @@ __device__ void nvl_receiver(const InternodeDispatchParams& p, int channel, int 
     int wait_peer = -1;
     uint64_t wait_seen = 0, wait_need = 0;
     for (int item = w; item < items; item += warps) {
-      const int st = item / streams.slices, slice = item % streams.slices;
+      const int st = item / streams.slices;
       int i, s;
       RecvStreams::source(st, g, G, i, s);
       const RowRange rows = source_rows(p.h, i * G + s, channel, C);
