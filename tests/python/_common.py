@@ -33,3 +33,19 @@ class Ctx:
     device: torch.device
     buffer: object
     extra: dict = field(default_factory=dict)
+
+
+def profiled_kernels(fn):
+    """Runs fn under torch.profiler; -> (fn's result, the names of the CUDA kernels it ran, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def assert_one_kernel(what: str, names, word: str) -> None:
+    """Exactly one of the kernel names contains word (case-insensitive): what users' timing scripts select."""
+    hits = [n for n in names if word in n.lower()]
+    assert len(hits) == 1, f"{what}: {len(hits)} kernels whose name contains {word!r}: {hits} (all: {names})"

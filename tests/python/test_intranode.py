@@ -13,7 +13,7 @@ import torch.distributed as dist  # noqa: E402
 
 import _dist  # noqa: E402
 import _ref  # noqa: E402
-from _common import Ctx, assert_bitwise  # noqa: E402
+from _common import Ctx, assert_bitwise, assert_one_kernel, profiled_kernels  # noqa: E402
 
 H = 512            # hidden of most cases
 H_MAX = 1024
@@ -458,6 +458,26 @@ def case_destroy_warns_about_live_views(ctx):
     with pytest.raises(epx.FailedStateError):
         buffer.get_local_buffer_tensor(torch.uint8)
     del view
+
+
+def case_profiler_one_kernel_per_call(ctx):
+    """torch.profiler shows one kernel whose name contains "dispatch" per dispatch (normal and cached) and one
+    with "combine" per combine, and neither word for the layout: users time the calls by kernel name. Every
+    collective call comes before the checks."""
+    mine = inputs(ctx, 31, tokens_of(ctx, 31))[ctx.rank]
+    idx, w, x = cuda(mine.topk_idx, ctx), cuda(mine.topk_weights, ctx), cuda(mine.x, ctx)
+    (ntr, _, nte, itr, _), layout = profiled_kernels(lambda: ctx.buffer.get_dispatch_layout(idx, E))
+    out, normal = profiled_kernels(lambda: ctx.buffer.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                                               num_tokens_per_expert=nte, topk_idx=idx,
+                                                               topk_weights=w))
+    recv_x, _, recv_w, _, handle, _ = out
+    _, cached = profiled_kernels(lambda: ctx.buffer.dispatch(x, handle=handle))
+    y = expert_outputs(ctx, recv_x)
+    _, combine = profiled_kernels(lambda: ctx.buffer.combine(y, handle, topk_weights=recv_w))
+    assert_one_kernel("dispatch", normal, "dispatch")
+    assert_one_kernel("cached dispatch", cached, "dispatch")
+    assert_one_kernel("combine", combine, "combine")
+    assert not [n for n in layout if "dispatch" in n.lower() or "combine" in n.lower()], layout
 
 
 CASES = [name for name in list(globals()) if name.startswith("case_")]

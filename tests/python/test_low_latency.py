@@ -12,7 +12,7 @@ import torch.distributed as dist  # noqa: E402
 
 import _dist  # noqa: E402
 import _ref  # noqa: E402
-from _common import Ctx, assert_bitwise  # noqa: E402
+from _common import Ctx, assert_bitwise, assert_one_kernel, profiled_kernels  # noqa: E402
 
 M = 32      # num_max_dispatch_tokens_per_rank
 H = 1024    # hidden (a multiple of 512 for UE8M0)
@@ -333,6 +333,26 @@ def case_local_buffer_tensor_of_the_low_latency_area(ctx):
         buf.get_local_buffer_tensor(torch.uint8, (rdma - 127,), offset=128, use_rdma_buffer=True)
     del whole, sub, end
     case_clean_then_reuse(ctx)
+
+
+def case_profiler_one_kernel_per_phase(ctx):
+    """torch.profiler shows one kernel whose name contains "dispatch" per dispatch call and per phase (hook), and
+    one with "combine" per combine call and phase. Every collective call comes before the checks."""
+    x, idx, w = on(ctx, inputs(ctx, 32)[ctx.rank])
+    seen = {}
+    (recv_x, _, handle, _, _), seen["dispatch"] = profiled_kernels(
+        lambda: ctx.buffer.low_latency_dispatch(x, idx, M, E, use_fp8=False))
+    y = run_experts(ctx, recv_x)
+    _, seen["combine"] = profiled_kernels(lambda: ctx.buffer.low_latency_combine(y, idx, w, handle))
+    (recv_x, _, handle, _, hook), seen["dispatch send phase"] = profiled_kernels(
+        lambda: ctx.buffer.low_latency_dispatch(x, idx, M, E, use_fp8=False, return_recv_hook=True))
+    _, seen["dispatch receive phase"] = profiled_kernels(hook)
+    y = run_experts(ctx, recv_x)
+    (_, _, hook), seen["combine send phase"] = profiled_kernels(
+        lambda: ctx.buffer.low_latency_combine(y, idx, w, handle, return_recv_hook=True))
+    _, seen["combine receive phase"] = profiled_kernels(hook)
+    for what, names in seen.items():
+        assert_one_kernel(what, names, what.split()[0])
 
 
 CASES = [name for name in list(globals()) if name.startswith("case_")]
