@@ -73,18 +73,6 @@ struct ForwardShared {
   uint64_t nvl_base[kMaxNvlRanks][kMaxDomains];  // sub-ring (from j, domain i) positions at the start
 };
 
-// The forwarder warps of destination domain i: warps [i * per, (i + 1) * per), per = warps / D (the rest idle).
-struct ForwardGroup {
-  int domain;  // -1: idle
-  int index;
-  int warps;
-  __device__ static ForwardGroup of(int warp, int warps, int num_domains) {
-    const int per = warps / num_domains;
-    if (warp >= per * num_domains) return {-1, 0, per};
-    return {warp / per, warp % per, per};
-  }
-};
-
 // Records a forwarder warp writes before it completes its puts and publishes its progress (and before any wait).
 constexpr int kAnnounceEvery = 4;
 
@@ -488,12 +476,7 @@ __device__ void forward_block(const InternodeCombineParams& p, int channel) {
   InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
   for (int x = threadIdx.x; x < G * D; x += blockDim.x)
     sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->combine_base[channel][x / D][x % D]);
-  for (int x = threadIdx.x; x < kForwarders * D; x += blockDim.x) {
-    const int w = x / D, i = x % D;
-    const int n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
-    const ForwardGroup group = ForwardGroup::of(w, kForwarders, D);
-    sh.progress[w][i] = group.domain == i ? min(group.index, n) : n;  // other groups never hold domain i back
-  }
+  init_forward_progress(sh.progress, kForwarders, D, p.h.recv_rdma_channel_prefix_matrix, channel, C);
   __syncthreads();
   if (warp < kForwarders)
     forwarder(p, channel, warp, kForwarders, sh);

@@ -135,6 +135,34 @@ __device__ __forceinline__ void sum_rows_bf16(int4* out, const int4* const* rows
 constexpr int kReduceBatch = 2;
 constexpr int kReduceVectors = 2;
 
+// The forwarder warps that serve domain i (the records' source domain in the dispatch, their destination in the
+// combine): warps [i * per, (i + 1) * per), per = warps / D, the rest idle. Each domain has its own warps, so a
+// warp waiting on one domain never holds back another's records.
+struct ForwardGroup {
+  int domain;  // -1: idle
+  int index;
+  int warps;
+  __device__ static ForwardGroup of(int warp, int warps, int num_domains) {
+    const int per = warps / num_domains;
+    if (warp >= per * num_domains) return {-1, 0, per};
+    return {warp / per, warp % per, per};
+  }
+};
+
+// Block-wide, before the forwarders start: progress[w][i] = the first record of domain i (channel `channel`)
+// forwarder warp w owns, or all n of them where w does not serve domain i (it never holds that domain back).
+// recv_rdma_channel_prefix_matrix: the handle's [D, C] matrix ([3]).
+__device__ __forceinline__ void init_forward_progress(int (*progress)[kMaxDomains], int forwarders, int num_domains,
+                                                      const int* recv_rdma_channel_prefix_matrix, int channel,
+                                                      int num_channels) {
+  for (int x = threadIdx.x; x < forwarders * num_domains; x += blockDim.x) {
+    const int w = x / num_domains, i = x % num_domains;
+    const int n = channel_count(recv_rdma_channel_prefix_matrix, i, channel, num_channels);
+    const ForwardGroup group = ForwardGroup::of(w, forwarders, num_domains);
+    progress[w][i] = group.domain == i ? min(group.index, n) : n;
+  }
+}
+
 // A coordinator's loop: until done(), call step(); spin with a budget only while a step made no progress.
 template <typename Step>
 __device__ __forceinline__ void coordinate(const FailState& fail, int role, int channel, Step step) {

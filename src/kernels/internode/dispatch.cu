@@ -62,19 +62,6 @@ struct ForwardShared {
   uint64_t nvl_base[kMaxNvlRanks][kMaxDomains];  // sub-ring (to j, domain i) positions at the start
 };
 
-// The forwarder warps of source domain i: warps [i * per, (i + 1) * per), per = warps / D (the rest idle). Each
-// stream has its own warps, so a warp waiting on one domain never holds back another's records.
-struct ForwardGroup {
-  int domain;  // -1: idle
-  int index;
-  int warps;
-  __device__ static ForwardGroup of(int warp, int warps, int num_domains) {
-    const int per = warps / num_domains;
-    if (warp >= per * num_domains) return {-1, 0, per};
-    return {warp / per, warp % per, per};
-  }
-};
-
 // Writes token t's record for one domain into a ring slot: row, scales, meta (mask, this lane's ordinal if
 // lane < G), global top-k ids and weights. Warp-collective.
 __device__ __forceinline__ void write_record(const InternodeDispatchParams& p, int t, uint8_t* slot, uint32_t mask,
@@ -480,12 +467,7 @@ __device__ void forward_block(const InternodeDispatchParams& p, int channel) {
   InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
   for (int x = threadIdx.x; x < G * D; x += blockDim.x)
     sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->dispatch_head[channel][x / D][x % D]);  // idle sub-rings
-  for (int x = threadIdx.x; x < kForwarders * D; x += blockDim.x) {
-    const int w = x / D, i = x % D;
-    const int n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
-    const ForwardGroup group = ForwardGroup::of(w, kForwarders, D);
-    sh.progress[w][i] = group.domain == i ? min(group.index, n) : n;  // other groups never hold domain i back
-  }
+  init_forward_progress(sh.progress, kForwarders, D, p.h.recv_rdma_channel_prefix_matrix, channel, C);
   __syncthreads();
   if (warp < kForwarders)
     forwarder(p, channel, warp, kForwarders, sh);
