@@ -6,7 +6,7 @@
 # cases and statuses; fails on any broken rule, sanitizer report or leak. scripts/test.sh runs it with the defaults
 # (about a minute on 2 cores with the build, a few seconds after).
 #   scripts/fuzz.sh [BUILD_DIR] [CASES] [SEED]     (defaults: build-sanitize, 2000, 30)
-#   scripts/fuzz.sh build-sanitize 20000 7 --model-gaps   (extra arguments go to epx_capi_fuzz)
+#   scripts/fuzz.sh build-sanitize 1 7 --first 123   (extra arguments go to epx_capi_fuzz: here, case 123 alone)
 # Sanitizer settings (set here unless already set):
 #   ASAN_OPTIONS=protect_shadow_gap=0  the CUDA runtime maps memory where ASan keeps its shadow gap; without this,
 #                                      CUDA calls of an instrumented process fail on a GPU machine

@@ -43,13 +43,14 @@ std::vector<int> inclusive(std::vector<int> counts) {
 int channel_of(int num_tokens, int num_channels, int token) {
   require(num_tokens > 0 && num_channels >= 1, "channel_of: needs num_tokens > 0 and num_channels >= 1");
   require(token >= 0 && token < num_tokens, "channel_of: token outside [0, num_tokens)");
-  const int per = (num_tokens + num_channels - 1) / num_channels;
-  return token / per;
+  const int64_t per = (int64_t(num_tokens) + num_channels - 1) / num_channels;
+  return int(token / per);
 }
 
 uint32_t domain_mask(const Source& src, int num_ranks, int num_nvl_ranks, int token, int domain) {
   require_domains(num_ranks, num_nvl_ranks, "domain_mask");
   require(domain >= 0 && domain < num_ranks / num_nvl_ranks, "domain_mask: domain outside [0, D)");
+  require(token >= 0 && token < src.num_tokens, "domain_mask: token outside [0, num_tokens)");
   uint32_t mask = 0;
   for (int j = 0; j < num_nvl_ranks; ++j)
     if (goes_to(src, num_ranks, token, domain * num_nvl_ranks + j)) mask |= uint32_t(1) << j;

@@ -116,6 +116,7 @@ std::vector<int> rank_prefix_matrix(const std::vector<Source>& sources) {
 
 std::vector<RecvRow> recv_rows(const std::vector<Source>& sources, int rank) {
   const int R = int(sources.size());
+  require(rank >= 0 && rank < R, "recv_rows: rank outside [0, R)");
   std::vector<RecvRow> rows;
   for (int s = 0; s < R; ++s)
     for (int t = 0; t < sources[s].num_tokens; ++t)
@@ -131,7 +132,8 @@ RecvMeta dispatch_meta(const std::vector<Source>& sources, int rank, int num_top
   meta.recv_src_idx.reserve(rows.size());
   for (const RecvRow& row : rows) meta.recv_src_idx.push_back(row.src_token);
   if (!with_topk) return meta;
-  require(num_experts > 0 && num_experts % R == 0 && expert_alignment >= 1, "dispatch_meta: bad sizes");
+  require(num_topk >= 0 && num_experts > 0 && num_experts % R == 0 && expert_alignment >= 1,
+          "dispatch_meta: bad sizes");
   const int L = num_experts / R;
   const bool weights = with_weights;
   meta.recv_topk_idx.assign(rows.size() * num_topk, -1);
@@ -148,7 +150,11 @@ RecvMeta dispatch_meta(const std::vector<Source>& sources, int rank, int num_top
       ++meta.num_recv_tokens_per_expert[e - int64_t(rank) * L];
     }
   }
-  for (int& c : meta.num_recv_tokens_per_expert) c = (c + expert_alignment - 1) / expert_alignment * expert_alignment;
+  for (int& c : meta.num_recv_tokens_per_expert) {
+    const int64_t aligned = (int64_t(c) + expert_alignment - 1) / expert_alignment * expert_alignment;
+    require(aligned <= INT32_MAX, "dispatch_meta: an aligned count past INT32_MAX");
+    c = int(aligned);
+  }
   return meta;
 }
 
@@ -165,6 +171,7 @@ void reduce_bf16_rows(int hidden, const std::vector<const uint16_t*>& rows, cons
 
 Combined combine(const Source& own, int num_ranks, int hidden, int num_topk, const ContributionRow& row,
                  const ContributionWeights& weights, const uint16_t* bias0, const uint16_t* bias1) {
+  require(num_ranks >= 1 && hidden >= 0 && num_topk >= 0 && own.num_tokens >= 0, "combine: bad sizes");
   Combined out;
   out.x.assign(size_t(own.num_tokens) * hidden, 0);
   if (weights) out.weights.assign(size_t(own.num_tokens) * num_topk, 0.f);
@@ -219,6 +226,7 @@ uint8_t ue8m0(float pow2_scale) { return uint8_t(float_bits(pow2_scale) >> 23); 
 std::vector<std::vector<RecvRow>> low_latency_rows(const std::vector<Source>& sources, int num_topk, int num_experts,
                                                    int rank) {
   const int R = int(sources.size());
+  require(R >= 1 && num_topk >= 0, "low_latency_rows: needs a source and num_topk >= 0");
   require(num_experts > 0 && num_experts % R == 0, "low_latency_rows: num_experts must be a multiple of R");
   const int L = num_experts / R;
   std::vector<std::vector<RecvRow>> rows(L);
@@ -226,7 +234,7 @@ std::vector<std::vector<RecvRow>> low_latency_rows(const std::vector<Source>& so
     for (int t = 0; t < sources[s].num_tokens; ++t)
       for (int k = 0; k < num_topk; ++k) {
         const int64_t e = sources[s].topk_idx[size_t(t) * num_topk + k];
-        if (e >= int64_t(rank) * L && e < int64_t(rank + 1) * L) rows[e - int64_t(rank) * L].push_back({s, t});
+        if (e >= int64_t(rank) * L && e < (int64_t(rank) + 1) * L) rows[e - int64_t(rank) * L].push_back({s, t});
       }
   return rows;
 }

@@ -16,11 +16,10 @@
 // exercised), and the argument checks behind them (runtime/validate.hpp, config.hpp, domains.hpp, transport.hpp)
 // are fuzzed directly, with fake device pointers that they never dereference.
 //
-// Reference model: some of its functions do not check every input, and the fuzzer keeps to what they take unless
-// Options::model_gaps asks for the rest (each is then an out-of-bounds access, undefined behaviour or a bad_alloc):
-// a rank outside [0, R) for recv_rows / dispatch_meta, num_topk < 0 for dispatch_meta, an expert_alignment near
-// INT_MAX, T + C beyond INT_MAX for channel_of, a rank of INT_MAX for low_latency_rows, a token outside [0, T) for
-// domain_mask, no sources for low_latency_rows, a negative hidden for combine.
+// Reference model: every function checks its inputs (std::invalid_argument); the fuzzer draws the edges too: a rank
+// outside [0, R) for recv_rows / dispatch_meta, num_topk < 0, an expert_alignment near INT_MAX, T + C beyond
+// INT_MAX for channel_of, a rank of INT_MAX for low_latency_rows (no rows), a token outside [0, T) for domain_mask,
+// no sources for low_latency_rows, a negative hidden for combine.
 #include "capi_fuzz.hpp"
 
 #include <fcntl.h>
@@ -1317,10 +1316,10 @@ class Fuzzer {
     if (out.num_tokens_per_rdma_rank.size() != (rdma ? size_t(R / G) : 0)) fail(cat(call, ": rdma counts' size"));
   }
   void ref_low_latency_rows(Rng& r) {
-    const int R = opt_.model_gaps && r.chance(5) ? 0 : r.irange(1, 8);
+    const int R = r.chance(5) ? 0 : r.irange(1, 8);
     const int K = r.irange(0, 9);
-    const int E = R == 0 ? 8 : draw_experts(r, R);  // R == 0: a model gap (E % 0)
-    const int rank = opt_.model_gaps && r.chance(5) ? INT_MAX : r.irange(-2, R + 2);
+    const int E = R == 0 ? 8 : draw_experts(r, R);
+    const int rank = r.chance(5) ? INT_MAX : r.irange(-2, R + 2);
     World w = make_world(r, R, K, E, 12, true);
     const bool valid = R >= 1 && E > 0 && E % R == 0;
     std::vector<std::vector<epx::ref::RecvRow>> rows;
@@ -1336,15 +1335,13 @@ class Fuzzer {
   }
   void ref_dispatch_meta(Rng& r) {
     const int R = r.irange(1, 8);
-    const int rank = opt_.model_gaps && r.chance(10) ? R + r.irange(0, 3) : r.irange(0, R - 1);
-    const int K = opt_.model_gaps && r.chance(5) ? -1 : r.irange(0, 9);
+    const int rank = r.chance(10) ? R + r.irange(0, 3) : r.irange(0, R - 1);
+    const int K = r.chance(5) ? -1 : r.irange(0, 9);
     const int E = draw_experts(r, R);
-    const int align = r.chance(80)   ? r.irange(1, 64)
-                      : r.chance(50) ? r.pick({0, -1, INT_MIN})
-                                     : (opt_.model_gaps ? INT_MAX : 1 << 20);
+    const int align = r.chance(80) ? r.irange(1, 64) : r.chance(50) ? r.pick({0, -1, INT_MIN}) : INT_MAX;
     const bool with_topk = r.chance(80), with_weights = with_topk && r.chance(50);
     World w = make_world(r, R, K, E, 12, true);
-    const bool valid = !with_topk || (E > 0 && E % R == 0 && align >= 1);
+    const bool valid = rank >= 0 && rank < R && (!with_topk || (K >= 0 && E > 0 && E % R == 0 && align >= 1));
     epx::ref::RecvMeta meta;
     const std::string call = cat("dispatch_meta(", R, " ranks, rank ", rank, ", top-", K, ", ", E, " experts, align ",
                                  align, with_topk ? ", top-k" : "", with_weights ? ", weights)" : ")");
@@ -1374,9 +1371,7 @@ class Fuzzer {
       fail(cat(call, ": arrays of the wrong shapes"));
   }
   void ref_channel_of(Rng& r) {
-    // The model computes T + C - 1 in int: the fuzzer keeps the sum in range unless it draws the model's gaps.
-    const int cap = opt_.model_gaps ? INT_MAX : (1 << 30) - 1;
-    const int T = std::min(edgy(r, 1, 1 << 20), cap), C = std::min(edgy(r, 1, 64), cap);
+    const int T = edgy(r, 1, INT_MAX), C = edgy(r, 1, 64);
     const int last = T > 0 ? T - 1 : 0;
     const int t = r.chance(80) ? r.irange(0, last) : edgy(r, 0, last);
     const bool valid = T > 0 && C >= 1 && t >= 0 && t < T;
@@ -1392,10 +1387,10 @@ class Fuzzer {
     std::vector<uint8_t> in_rank(size_t(T) * R);
     for (auto& b : in_rank) b = uint8_t(r.chance(50));
     const epx::ref::Source src{.num_tokens = T, .is_token_in_rank = in_rank.data()};
-    const int token = opt_.model_gaps && r.chance(10) ? T : r.irange(0, T - 1);
+    const int token = r.chance(10) ? T : r.irange(0, T - 1);
     const int D = G >= 1 ? R / G : 1;
     const int domain = r.chance(80) ? r.irange(0, std::max(D - 1, 0)) : edgy(r, 0, std::max(D - 1, 0));
-    const bool valid = G >= 1 && G <= 32 && R % G == 0 && domain >= 0 && domain < D;
+    const bool valid = G >= 1 && G <= 32 && R % G == 0 && domain >= 0 && domain < D && token >= 0 && token < T;
     uint32_t mask = 0;
     const std::string call = cat("domain_mask(", R, " ranks, G ", G, ", token ", token, ", domain ", domain, ")");
     check_model([&] { mask = epx::ref::domain_mask(src, R, G, token, domain); }, !valid, call);
@@ -1404,7 +1399,7 @@ class Fuzzer {
   void ref_combine(Rng& r) {
     // The flat order, and the two-level order of the same contributions: one domain without biases must agree.
     const int R = r.irange(1, 8);
-    const int hidden = opt_.model_gaps && r.chance(5) ? -8 : r.irange(0, 48);
+    const int hidden = r.chance(5) ? -8 : r.irange(0, 48);
     const int K = r.irange(0, 9);
     const int G = r.chance(70) ? r.pick({1, 2, 4, 8, R}) : edgy(r, 1, 32);
     World w = make_world(r, 1, K, 1, 6, false);
@@ -1430,7 +1425,7 @@ class Fuzzer {
     const uint16_t* b1 = with_bias && r.chance(50) ? biases.data() + size_t(T) * std::max(hidden, 0) : nullptr;
     epx::ref::Combined flat, two;
     const std::string call = cat("combine(", R, " ranks, ", T, " tokens, hidden ", hidden, ", top-", K, ", G ", G, ")");
-    check_model([&] { flat = epx::ref::combine(own, R, hidden, K, row, wts, b0, b1); }, false, call);
+    check_model([&] { flat = epx::ref::combine(own, R, hidden, K, row, wts, b0, b1); }, hidden < 0, call);
     const bool valid2 = G >= 1 && G <= 32 && R % G == 0 && hidden >= 0;
     check_model([&] { two = epx::ref::combine_two_level(own, R, G, hidden, K, row, wts, b0, b1); }, !valid2,
                 "combine_two_level: " + call);

@@ -15,9 +15,8 @@ namespace epx_fuzz {
 struct Options {
   uint64_t seed = 1;
   int64_t cases = 2000;
-  int64_t first_case = 0;   // replays cases [first_case, first_case + cases)
-  bool model_gaps = false;  // also the reference-model inputs it does not check (see capi_fuzz.cpp)
-  std::string trace_file;   // rewritten with the case's line before each case: what ran last when the process died
+  int64_t first_case = 0;  // replays cases [first_case, first_case + cases)
+  std::string trace_file;  // rewritten with the case's line before each case: what ran last when the process died
 };
 
 // What one fuzzed function (an entry point of the C ABI, or a check of the C++ side) was called with and said.

@@ -1,6 +1,6 @@
 // epx_capi_fuzz: the C ABI fuzzer (capi_fuzz.hpp) as a program, for bounded runs under the sanitizers
 // (scripts/fuzz.sh). Prints the table of targets, cases and outcomes; exits 1 on any failure.
-//   epx_capi_fuzz [--cases N] [--seed S] [--first K] [--model-gaps] [--trace FILE]
+//   epx_capi_fuzz [--cases N] [--seed S] [--first K] [--trace FILE]
 // --trace FILE holds the line of the case running, for a death the program cannot report itself (UBSan's report
 // ends the process without calling back; scripts/fuzz.sh prints the file then).
 #include <unistd.h>
@@ -31,7 +31,7 @@ void on_signal(int sig) {
 }
 
 int usage() {
-  std::fprintf(stderr, "usage: epx_capi_fuzz [--cases N] [--seed S] [--first K] [--model-gaps] [--trace FILE]\n");
+  std::fprintf(stderr, "usage: epx_capi_fuzz [--cases N] [--seed S] [--first K] [--trace FILE]\n");
   return 2;
 }
 
@@ -50,8 +50,6 @@ int main(int argc, char** argv) {
       o.first_case = std::strtoll(argv[++i], nullptr, 10);
     } else if (a == "--trace" && has_value) {
       o.trace_file = argv[++i];
-    } else if (a == "--model-gaps") {
-      o.model_gaps = true;
     } else {
       return usage();
     }
@@ -61,8 +59,7 @@ int main(int argc, char** argv) {
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) std::signal(sig, on_signal);
 
   const epx_fuzz::Report report = epx_fuzz::run(o);
-  std::printf("epx_capi_fuzz: seed %llu, cases %lld..%lld%s\n%s", (unsigned long long)o.seed, (long long)o.first_case,
-              (long long)(o.first_case + o.cases - 1), o.model_gaps ? ", with the model's unchecked inputs" : "",
-              epx_fuzz::format(report).c_str());
+  std::printf("epx_capi_fuzz: seed %llu, cases %lld..%lld\n%s", (unsigned long long)o.seed, (long long)o.first_case,
+              (long long)(o.first_case + o.cases - 1), epx_fuzz::format(report).c_str());
   return report.num_failures == 0 ? 0 : 1;
 }
