@@ -10,6 +10,10 @@
 
 #include "epx/epx.hpp"
 
+namespace epx::harness {
+class HtSession;
+}
+
 namespace epx::gpu_test {
 
 struct Context {
@@ -46,6 +50,12 @@ std::string transport_mismatch(const LowLatencyTransportInfo& info, int num_rank
 
 // Runs the timeout scenario in its own processes (a timed-out rank's CUDA context is lost).
 int run_timeout_suite(int num_ranks);
+// The missing-rank scenario on one rank, after the session's layout: every rank but 0 comes to the dispatch two
+// budgets late, so rank 0's waits expire. Rank 0 must fail with kTimeout soon after `budget` seconds, with a
+// message that says "timed out" and contains `rank0_names`; every other rank with kTimeout or kRemote. Destroys the
+// buffer; returns the process's exit code (0: as expected).
+int missing_rank_dispatch(Bootstrap& bs, Buffer& buffer, harness::HtSession& s, cudaStream_t stream, double budget,
+                          const std::string& rank0_names);
 // Low-latency buffers created and destroyed several times in one process, and a missing rank on the
 // low-latency transport, each in its own processes.
 int run_low_latency_process_suites(int num_ranks, const std::string& expected);

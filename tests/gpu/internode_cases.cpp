@@ -1,11 +1,9 @@
 // GPU tests that only the internode mode has (the high-throughput cases run on internode buffers too): the same
 // routing through the intranode path, network-ring wrap-around, a worst-case overflow at one rank, a network ring
 // that does not fit, and a rank that never calls.
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <thread>
 
 #include "../../tools/harness/high_throughput.hpp"
 #include "epx/launcher.hpp"
@@ -151,32 +149,7 @@ int run_internode_timeout_suite(int num_ranks, int num_nvl_ranks) {
         cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
         HtSession s(buffer, internode_case(128, 2048, 46), default_dispatch_config(num_ranks),
                     default_combine_config(num_ranks), stream);
-        s.layout();
-        cudaStreamSynchronize(stream);
-        bs.barrier();
-        std::string problem;
-        const auto start = std::chrono::steady_clock::now();
-        try {
-          if (bs.rank() != 0) std::this_thread::sleep_for(std::chrono::duration<double>(2 * kBudget));
-          s.dispatch();
-          buffer.check(stream);
-          problem = "no error";
-        } catch (const Error& e) {
-          const std::string what = e.what();
-          const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          std::printf("[rank %d] failed after %.1f s as expected: %s\n", bs.rank(), took, what.c_str());
-          if (bs.rank() == 0) {
-            if (e.status() != Status::kTimeout) problem = "rank 0: want kTimeout";
-            if (what.find("timed out") == std::string::npos || what.find("hop") == std::string::npos)
-              problem += " rank 0: the message does not name the hop";
-            if (took > kBudget + 10) problem += " rank 0: took too long";
-          } else if (e.status() != Status::kRemote && e.status() != Status::kTimeout) {
-            problem = "want kRemote or kTimeout";
-          }
-        }
-        buffer.destroy();
-        if (!problem.empty()) std::printf("[rank %d] FAIL: %s\n", bs.rank(), problem.c_str());
-        return problem.empty() ? 0 : 1;
+        return missing_rank_dispatch(bs, buffer, s, stream, kBudget, "hop");  // the message names the hop
       },
       120, 60);
   std::printf("[%s] internode timeout (%d x %d): a missing rank fails every rank's call with a diagnostic\n",
