@@ -68,3 +68,22 @@ def low_latency_calls(lib, ptr, stream, x, idx, w, y, hidden, topk, experts, max
 
     dispatch.keep = combine.keep = keep
     return dispatch, combine
+
+
+def layout_call(lib, ptr, stream, idx, experts, world):
+    """-> a callable making one epx_get_dispatch_layout call on `stream` for idx [T, K] into preallocated outputs."""
+    tokens, topk = idx.shape
+    per_rank = torch.empty(world, dtype=torch.int32, device=idx.device)
+    per_expert = torch.empty(experts, dtype=torch.int32, device=idx.device)
+    in_rank = torch.empty(tokens, world, dtype=torch.bool, device=idx.device)
+    args = _lib.LayoutArgs(idx.data_ptr(), tokens, topk, experts)
+    outs = _lib.LayoutOutputs(per_rank.data_ptr(), None, per_expert.data_ptr(), in_rank.data_ptr())
+    refs = (byref(args), byref(outs))
+    fn = lib.epx_get_dispatch_layout
+
+    def call():
+        if fn(ptr, refs[0], refs[1], stream):
+            lib.check(1)
+
+    call.keep = (per_rank, per_expert, in_rank, args, outs)
+    return call

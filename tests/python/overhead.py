@@ -10,7 +10,10 @@ per call on the GPU, including what the stream waits for), once through the Pyth
 the C function through ctypes with prebuilt argument structs and preallocated outputs. Every rank makes
 the same calls (they are collective); rank 0 prints the table. The best of several repetitions is kept.
 Low-latency dispatch and combine must alternate, so they are timed as a pair, and each half on its own
-inside the same loop (host time only). tests/python/overhead_cpu.py times the Python side alone on a CPU.
+inside the same loop (host time only). Two rows at the issue's target shapes: get_dispatch_layout at 4096 tokens,
+top-8 of 256 (Python against ctypes), and the low-latency pair at the decoding shape (M tokens x 7168, top-8 of
+288, FP8 dispatch with cumulative stats) in an eager loop against the same pair replayed from a CUDA graph (its
+"ctypes" columns, and graph_* in the JSON). tests/python/overhead_cpu.py times the Python side alone on a CPU.
 """
 
 import argparse
@@ -31,9 +34,11 @@ except ImportError:  # a source checkout: the package is in python/
     import epx
 
 sys.path.insert(0, HERE)
-from _raw_calls import intranode_calls, low_latency_calls  # noqa: E402
+from _raw_calls import intranode_calls, layout_call, low_latency_calls  # noqa: E402
 
 TOKENS, HIDDEN, EXPERTS, TOPK, M = 128, 2048, 32, 4, 128
+DECODE_HIDDEN, DECODE_EXPERTS, DECODE_TOPK = 7168, 288, 8  # the decoding shape of the issue's targets (M tokens)
+LAYOUT_TOKENS, LAYOUT_EXPERTS, LAYOUT_TOPK = 4096, 256, 8
 
 
 def timed(fn, calls, reps):
@@ -153,6 +158,69 @@ def low_latency(rank, world, calls, reps):
     return rows
 
 
+def layout(rank, world, calls, reps):
+    """get_dispatch_layout at 4096 tokens, top-8 of 256 (local; every rank times its own)."""
+    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20)
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(LAYOUT_TOKENS, LAYOUT_EXPERTS, generator=g).topk(LAYOUT_TOPK, dim=1).indices.cuda()
+    rows = {"get_dispatch_layout 4096 top-8/256": [timed(lambda: buffer.get_dispatch_layout(idx, LAYOUT_EXPERTS),
+                                                           calls, reps)]}
+    lib, ptr, stream = epx.lib(), buffer._ptr(), buffer._streams.comm_raw
+    rows["get_dispatch_layout 4096 top-8/256"].append(timed(layout_call(lib, ptr, stream, idx, LAYOUT_EXPERTS, world),
+                                                            calls, reps))
+    torch.cuda.synchronize()
+    buffer.destroy()
+    return rows
+
+
+def decode(rank, world, calls, reps):
+    """The low-latency pair at the decoding shape (M tokens x 7168, top-8 of 288, FP8 dispatch with cumulative
+    stats): an eager Python loop against the same pair captured once in a CUDA graph and replayed."""
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, DECODE_HIDDEN, world, DECODE_EXPERTS)
+    buffer = epx.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
+    buffer.clean_low_latency_buffer(M, DECODE_HIDDEN, DECODE_EXPERTS)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(M, DECODE_HIDDEN, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.rand(M, DECODE_EXPERTS, generator=g).topk(DECODE_TOPK, dim=1).indices.cuda()
+    w = torch.rand(M, DECODE_TOPK, generator=g).cuda()
+    stats = torch.zeros(DECODE_EXPERTS // world, dtype=torch.int32, device="cuda")
+    y = torch.randn(DECODE_EXPERTS // world, world * M, DECODE_HIDDEN, generator=g).to(torch.bfloat16).cuda()
+
+    def pair():
+        _, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, M, DECODE_EXPERTS,
+                                                         cumulative_local_expert_recv_stats=stats, use_fp8=True)
+        buffer.low_latency_combine(y, idx, w, handle)
+
+    last = {}
+
+    def dispatch():
+        last["handle"] = buffer.low_latency_dispatch(x, idx, M, DECODE_EXPERTS, cumulative_local_expert_recv_stats=stats,
+                                                     use_fp8=True)[2]
+
+    def combine():
+        buffer.low_latency_combine(y, idx, w, last["handle"])
+
+    name = f"decode pair {M}x{DECODE_HIDDEN} top-{DECODE_TOPK}/{DECODE_EXPERTS} fp8"
+    rows = {name: [timed(pair, calls, reps)]}
+    halves = timed_halves(dispatch, combine, calls, reps)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pair()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads (NCCL watchdog) may query CUDA
+        pair()
+    rows[name].append(timed(graph.replay, calls, reps))  # the "ctypes" columns of this row: graph replays
+    nan = float("nan")
+    rows["  of which dispatch (eager)"] = [(halves[0], nan), (nan, nan)]
+    rows["  of which combine (eager)"] = [(halves[1], nan), (nan, nan)]
+    torch.cuda.synchronize()
+    del graph
+    buffer.destroy()
+    return rows
+
+
 def worker(rank, world, calls, reps, json_path, store_dir):
     for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
         os.environ.setdefault(k, v)
@@ -165,18 +233,23 @@ def worker(rank, world, calls, reps, json_path, store_dir):
         rank, world = dist.get_rank(), dist.get_world_size()
     rows = intranode(rank, world, calls, reps)
     rows.update(low_latency(rank, world, calls, reps))
+    rows.update(layout(rank, world, calls, reps))
+    rows.update(decode(rank, world, calls, reps))
     if rank == 0:
         print(f"{world} ranks, {calls} calls x {reps} repetitions (best), tokens {TOKENS}, hidden {HIDDEN}, "
               f"experts {EXPERTS}, top-{TOPK}; microseconds per call")
         print(f"{'operation':32} {'python host':>12} {'ctypes host':>12} {'overhead':>9} {'python gpu':>11} "
               f"{'ctypes gpu':>11}")
+        print("(decode pair: the second pair of columns is the pair replayed from a CUDA graph)")
         for name, ((py_host, py_gpu), (raw_host, raw_gpu)) in rows.items():
             print(f"{name:32} {py_host:12.1f} {raw_host:12.1f} {py_host - raw_host:9.1f} {py_gpu:11.1f} "
                   f"{raw_gpu:11.1f}")
         if json_path:
             with open(json_path, "w") as f:
-                json.dump({name.strip(): {"python_host_us": v[0][0], "python_gpu_us": v[0][1], "ctypes_host_us": v[1][0],
-                                          "ctypes_gpu_us": v[1][1]} for name, v in rows.items()}, f, indent=1)
+                other = lambda name: "graph" if name.startswith("decode pair") else "ctypes"  # noqa: E731
+                json.dump({name.strip(): {"python_host_us": v[0][0], "python_gpu_us": v[0][1],
+                                          f"{other(name)}_host_us": v[1][0], f"{other(name)}_gpu_us": v[1][1]}
+                           for name, v in rows.items()}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
