@@ -268,7 +268,7 @@ def _survive_masked(calls, buffer, victim, report, sequence):
         report.update(error=type(e).__name__, message=traceback.format_exc(), took=time.time() - report["t0"])
 
 
-# ---- pytest side ------------------------------------------------------------------------------------------------------
+# ---- pytest side -----------------------------------------------------------------------------------------------------
 def _shrink_supported():
     import epx
     try:
@@ -311,7 +311,8 @@ def _report_line(scenario, result):
             f"{survivor.get('error')} in {survivor.get('failed_in')} after {survivor.get('took', -1):.2f} s "
             f"(completed {survivor.get('completed')}); after: {survivor.get('after')}; destroy: "
             f"{survivor.get('destroy')} ({survivor.get('destroy_took', -1):.2f} s); exit codes "
-            f"{result['exitcodes']}, hung {result['hung']}; transport {survivor.get('transport')}; message: {msg[:600]}")
+            f"{result['exitcodes']}, hung {result['hung']}; transport {survivor.get('transport')}; "
+            f"message: {msg[:600]}")
     print(line)
     path = os.environ.get("EPX_KILL_REPORT")
     if path:
