@@ -3,7 +3,7 @@
 # full logs under OUT_DIR, a short summary table last.
 #   scripts/gpu-check.sh OUT_DIR [STEPS]
 # STEPS (default "tests bench"): any of tests, tests-all, tests-2, bench, bench-all, bench-2, ll, ll-nvshmem,
-# python, and the low-latency suite per transport (below), separated by spaces. Uses BUILD_DIR (default build)
+# python, kill, soak, and the low-latency suite per transport (below), separated by spaces. Uses BUILD_DIR (default build)
 # if its binaries are there (built elsewhere and carried), else builds into build-gpu.
 #
 # Low-latency transports (docs/design.md): ll-ipc, ll-nvshmem-ptr, ll-nvshmem-forced run the low-latency part
@@ -17,6 +17,10 @@
 # Internode (needs an NVSHMEM build): internode-DxG runs the high-throughput suite on D NVLink domains of G
 # GPUs each (D*G ranks; the timeout suite too), e.g. internode-2x1, internode-1x2, internode-2x2;
 # bench-internode-D runs epx-bench internode on all local GPUs split into D domains.
+#
+# kill: tests/python/test_kill.py (a rank SIGKILLed during each operation; one line per case in
+# OUT_DIR/kill-report.txt), then its low-latency cases again over the CUDA IPC buffer (EPX_DISABLE_NVSHMEM=1) on an
+# NVSHMEM build. soak: tests/python/soak.py on 2 GPUs, SOAK_ITERATIONS (default 10000) iterations.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -112,7 +116,8 @@ for step in $STEPS; do
       fi ;;
     python)  # the pytest suites against this build's libepx, then the host overhead per call (2 GPUs)
       start=$SECONDS
-      EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" timeout ${PYTHON_TIMEOUT:-300} bash python/tests/run.sh >"$OUT/python.log" 2>&1
+      EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" timeout ${PYTHON_TIMEOUT:-300} bash python/tests/run.sh \
+        --ignore=tests/python/test_kill.py >"$OUT/python.log" 2>&1
       rc=$?
       summary+=("python   rc=$rc  $(tail -1 "$OUT/python.log")  ($((SECONDS - start)) s)")
       grep -E "FAILED|Error" "$OUT/python.log" | head -10
@@ -120,6 +125,27 @@ for step in $STEPS; do
         --json "$OUT/overhead.json" >"$OUT/overhead.log" 2>&1
       summary+=("overhead rc=$?  (python host us per call over ctypes: $OUT/overhead.log)")
       tail -8 "$OUT/overhead.log" ;;
+    kill)  # killed ranks (the step "python" leaves them out: each case is a fresh pair of processes)
+      start=$SECONDS
+      : >"$OUT/kill-report.txt"
+      EPX_KILL_REPORT="$OUT/kill-report.txt" EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" timeout ${KILL_TIMEOUT:-600} \
+        bash python/tests/run.sh -rA -k test_killed_rank >"$OUT/kill.log" 2>&1
+      summary+=("kill     rc=$?  $(tail -1 "$OUT/kill.log")  ($((SECONDS - start)) s)")
+      if [ "$has_nvshmem" = 1 ]; then
+        start=$SECONDS
+        echo "# EPX_DISABLE_NVSHMEM=1 (low-latency region in the CUDA IPC buffer)" >>"$OUT/kill-report.txt"
+        EPX_DISABLE_NVSHMEM=1 EPX_KILL_REPORT="$OUT/kill-report.txt" EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" \
+          timeout ${KILL_TIMEOUT:-600} bash python/tests/run.sh -rA -k "test_killed_rank and ll_" \
+          >"$OUT/kill-ipc.log" 2>&1
+        summary+=("kill     ll over CUDA IPC rc=$?  $(tail -1 "$OUT/kill-ipc.log")  ($((SECONDS - start)) s)")
+      fi
+      cat "$OUT/kill-report.txt" ;;
+    soak)
+      start=$SECONDS
+      EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" PYTHONPATH=python timeout ${SOAK_TIMEOUT:-600} python3 \
+        tests/python/soak.py --iterations "${SOAK_ITERATIONS:-10000}" --json "$OUT/soak.json" >"$OUT/soak.log" 2>&1
+      summary+=("soak     rc=$?  $(tail -1 "$OUT/soak.log")  ($((SECONDS - start)) s)")
+      tail -8 "$OUT/soak.log" ;;
     ll-transports) for t in ipc nvshmem-ptr nvshmem-forced; do run_ll_counts "$t"; done ;;
     ll-ipc|ll-nvshmem-ptr|ll-nvshmem-forced) run_ll_counts "${step#ll-}" ;;
     ll-ipc-2|ll-nvshmem-ptr-2|ll-nvshmem-forced-2) t=${step#ll-}; run_ll_counts "${t%-2}" 2 ;;
