@@ -142,7 +142,7 @@ for step in $STEPS; do
       cat "$OUT/kill-report.txt" ;;
     soak)
       start=$SECONDS
-      EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" PYTHONPATH=python timeout ${SOAK_TIMEOUT:-600} python3 \
+      EPX_LIBRARY="$PWD/$BUILD_DIR/libepx.so" PYTHONPATH=python timeout ${SOAK_TIMEOUT:-600} "$(bash scripts/python-env.sh | tail -n 1)" \
         tests/python/soak.py --iterations "${SOAK_ITERATIONS:-10000}" --json "$OUT/soak.json" >"$OUT/soak.log" 2>&1
       summary+=("soak     rc=$?  $(tail -1 "$OUT/soak.log")  ($((SECONDS - start)) s)")
       tail -8 "$OUT/soak.log" ;;
