@@ -19,7 +19,7 @@ extern "C" {
 #endif
 
 #define EPX_VERSION_MAJOR 0
-#define EPX_VERSION_MINOR 5
+#define EPX_VERSION_MINOR 6
 
 typedef enum epx_status {
   EPX_OK = 0,
@@ -42,6 +42,10 @@ typedef enum epx_status {
 #define EPX_REDUCE_DEFAULT 0   /* flat inside one NVLink domain, two-level in an internode buffer */
 #define EPX_REDUCE_FLAT 1      /* every rank's row summed at the source in ascending global rank order */
 #define EPX_REDUCE_TWO_LEVEL 2 /* internode: per-domain partials rounded to bf16, then summed by domain */
+#define EPX_REDUCE_RANK                                                                    \
+  3 /* low-latency combine: each expert rank sums its experts' rows first, rounds to bf16, \
+       sends one row per (token, rank); the source sums those in ascending rank order.     \
+       Needs a dispatch with topk_weights (epx_ll_dispatch_args) */
 
 /* Data types of token rows. */
 typedef enum epx_dtype { EPX_BF16 = 0, EPX_FP8_E4M3 = 1 } epx_dtype;
@@ -213,6 +217,8 @@ typedef struct epx_ll_dispatch_args {
   int round_scale;                         /* scales rounded up to a power of two */
   int use_ue8m0;                           /* scales as packed 8-bit exponents (needs round_scale) */
   int* cumulative_local_expert_recv_stats; /* optional [num_local_experts], added to */
+  const float* topk_weights; /* optional [num_tokens, num_topk]: travel with the tokens, for a combine with
+                                EPX_REDUCE_RANK; needs outputs->recv_topk_slots (both or neither) */
 } epx_ll_dispatch_args;
 
 typedef struct epx_ll_dispatch_outputs {
@@ -221,6 +227,10 @@ typedef struct epx_ll_dispatch_outputs {
   int* packed_recv_count;     /* [L] */
   int* recv_src_info;         /* [L, R*M] */
   int64_t* recv_layout_range; /* [L, R]: (begin << 32) | count */
+  int32_t* recv_topk_slots;   /* with args->topk_weights, else NULL: int32 [R, M, num_topk, 2]; for source rank s,
+                                 its token t and slot k whose expert is on this rank: (packed row i * R*M + n, the
+                                 weight's float bits), else (-1, 0); only the tokens of s that reached this rank
+                                 are written */
 } epx_ll_dispatch_outputs;
 
 /* What the receive call and combine need from a low-latency dispatch. */
@@ -233,6 +243,7 @@ typedef struct epx_ll_handle {
   int num_max_dispatch_tokens_per_rank;
   const int* recv_src_info;
   const int64_t* recv_layout_range;
+  const int32_t* recv_topk_slots; /* the dispatch's recv_topk_slots (NULL: it had no topk_weights) */
 } epx_ll_handle;
 
 typedef struct epx_ll_combine_args {
@@ -242,6 +253,9 @@ typedef struct epx_ll_combine_args {
   const float* topk_weights; /* [num_tokens, num_topk] */
   int use_logfmt; /* nonzero: rows travel as LogFMT, ~10 bits a value, decoded before the sum (semantics.md section 9,
                      docs/logfmt.md); needs hidden % 128 == 0. The receive call repeats the send call's */
+  int reduction;  /* EPX_REDUCE_DEFAULT / EPX_REDUCE_FLAT (the same: flat), or EPX_REDUCE_RANK (semantics.md section
+                     5: needs a handle whose dispatch had topk_weights, which are the weights summed with; not with
+                     use_logfmt). The receive call repeats the send call's */
 } epx_ll_combine_args;
 
 /* How a buffer's low-latency mode reaches the other ranks (docs/design.md, "Low-latency transports"). Chosen at

@@ -152,6 +152,12 @@ std::vector<std::vector<RecvRow>> low_latency_rows(const std::vector<Source>& so
 using ExpertRow = std::function<const uint16_t*(int64_t expert)>;
 void low_latency_combine_row(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
                              const ExpertRow& row, uint16_t* out);
+// The rank-reduced order (EPX_REDUCE_RANK): for every rank r (experts r*E/R .. (r+1)*E/R - 1) holding one of the
+// token's experts, partial_r = bf16(sum over k ascending with idx[k] on r of w[k] * float(row(idx[k]))), each
+// product rounded to float32, added in float32 from 0, one rounding; out = bf16(sum over r ascending of
+// float(partial_r)), float32 from 0, one rounding. num_experts % num_ranks == 0.
+void low_latency_combine_row_rank_reduced(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
+                                          int num_ranks, const ExpertRow& row, uint16_t* out);
 
 // ---- semantics.md section 9: the LogFMT combine (use_logfmt; docs/logfmt.md)
 // ------------------------------------------- The encoding rules are src/layout/logfmt.hpp's, which the kernels use

@@ -18,7 +18,7 @@ from .errors import error_for
 
 # The ABI this package was written against (epx.h EPX_VERSION_MAJOR / MINOR).
 ABI_MAJOR = 0
-ABI_MIN_MINOR = 5  # strided FP8 scales (epx_dispatch_args), use_logfmt (epx_ll_combine_args)
+ABI_MIN_MINOR = 6  # topk_weights / recv_topk_slots and reduction of the low-latency structs (rank-reduced combine)
 
 LIBRARY_NAME = "libepx.so"
 
@@ -42,6 +42,7 @@ EPX_LL_TRANSPORT_NVSHMEM = 2
 EPX_REDUCE_DEFAULT = 0
 EPX_REDUCE_FLAT = 1
 EPX_REDUCE_TWO_LEVEL = 2
+EPX_REDUCE_RANK = 3  # low-latency combine only (epx_ll_combine_args.reduction)
 
 # int (*)(void* ctx, const void* send, void* recv, size_t bytes)
 ALLGATHER_FN = CFUNCTYPE(c_int, c_void_p, c_void_p, c_void_p, c_size_t)
@@ -122,23 +123,23 @@ class LLDispatchArgs(Structure):
     _fields_ = [("x", c_void_p), ("num_tokens", c_int), ("hidden", c_int), ("topk_idx", c_void_p),
                 ("num_topk", c_int), ("num_experts", c_int), ("num_max_dispatch_tokens_per_rank", c_int),
                 ("use_fp8", c_int), ("round_scale", c_int), ("use_ue8m0", c_int),
-                ("cumulative_local_expert_recv_stats", c_void_p)]
+                ("cumulative_local_expert_recv_stats", c_void_p), ("topk_weights", c_void_p)]
 
 
 class LLDispatchOutputs(Structure):
     _fields_ = [("packed_recv_x", c_void_p), ("packed_recv_x_scales", c_void_p), ("packed_recv_count", c_void_p),
-                ("recv_src_info", c_void_p), ("recv_layout_range", c_void_p)]
+                ("recv_src_info", c_void_p), ("recv_layout_range", c_void_p), ("recv_topk_slots", c_void_p)]
 
 
 class LLHandle(Structure):
     _fields_ = [("buffer_set", c_int), ("num_tokens", c_int), ("hidden", c_int), ("num_topk", c_int),
                 ("num_experts", c_int), ("num_max_dispatch_tokens_per_rank", c_int),
-                ("recv_src_info", c_void_p), ("recv_layout_range", c_void_p)]
+                ("recv_src_info", c_void_p), ("recv_layout_range", c_void_p), ("recv_topk_slots", c_void_p)]
 
 
 class LLCombineArgs(Structure):
     _fields_ = [("x", c_void_p), ("zero_copy", c_int), ("topk_idx", c_void_p), ("topk_weights", c_void_p),
-                ("use_logfmt", c_int)]
+                ("use_logfmt", c_int), ("reduction", c_int)]
 
 
 class LLTransportInfo(Structure):

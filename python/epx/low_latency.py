@@ -25,6 +25,9 @@ _LOGFMT_GROUP = 128   # elements per LogFMT scale (use_logfmt)
 # Names of the hot paths, looked up once (each torch.X or _lib.X costs an attribute lookup per use).
 _BF16, _FP8, _FP32, _INT32, _INT64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
 _SEND, _RECV, _BOTH = _lib.EPX_LL_SEND, _lib.EPX_LL_RECV, _lib.EPX_LL_BOTH
+_REDUCE_FLAT, _REDUCE_RANK = _lib.EPX_REDUCE_FLAT, _lib.EPX_REDUCE_RANK
+# low_latency_combine's reduction argument -> epx_ll_combine_args.reduction
+_LL_REDUCTIONS = {"flat": _REDUCE_FLAT, "rank": _REDUCE_RANK}
 
 
 def _noop() -> None:
@@ -131,7 +134,7 @@ class LowLatencyMixin:
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False, *, topk_weights: Optional[torch.Tensor] = None):
         """Collective: sends each token to the experts it selected, for decoding (semantics.md section 4): no CPU sync,
         outputs of fixed size, capturable in a CUDA graph, and send and receive phases separable through a hook.
         Needs a Buffer created with low_latency_mode=True inside one NVLink domain.
@@ -158,6 +161,9 @@ class LowLatencyMixin:
             return_recv_hook: bool, default False. True: the call only sends (on the current stream) and returns
                 a hook; calling the hook queues the receive phase on that same stream, after which the outputs
                 are ready. Lets the caller overlap other work with the transfer.
+            topk_weights: keyword-only epx extension, float32 [T, K] or None (default). Given, each token's top-k
+                weights travel with it (a few bytes per token and rank), so that low_latency_combine of this handle
+                can use reduction="rank" (semantics.md section 5), which sums with these weights.
 
         Returns:
             recv_x: with use_fp8, a tuple (data float8_e4m3fn [L, R*M, H], scales): scales float32 [L, R*M, H/128]
@@ -185,6 +191,8 @@ class LowLatencyMixin:
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             _checks.tensor("cumulative_local_expert_recv_stats", stats, _INT32, (L,), d)
+        if topk_weights is not None:
+            _checks.tensor("topk_weights", topk_weights, _FP32, (T, K), d)
         use_fp8 = _checks.flag("use_fp8", use_fp8)
         round_scale = _checks.flag("round_scale", round_scale)
         use_ue8m0 = _checks.flag("use_ue8m0", use_ue8m0)
@@ -213,6 +221,8 @@ class LowLatencyMixin:
         packed_recv_count = i32.new_empty(L)
         recv_src_info = i32.new_empty(L, rows)
         recv_layout_range = protos[_INT64].new_empty(L, R)
+        # [R, M, K] (packed row, weight bits) per source token slot: what the rank-reduced combine sums with
+        topk_slots = i32.new_empty(R, M, K, 2) if topk_weights is not None else None
 
         args, outs, args_ref, outs_ref = self._ll_dispatch_structs(
             (T, H, K, num_experts, M, use_fp8, round_scale, use_ue8m0), return_recv_hook)
@@ -224,7 +234,11 @@ class LowLatencyMixin:
         outs.packed_recv_count = packed_recv_count.data_ptr()
         outs.recv_src_info = recv_src_info.data_ptr()
         outs.recv_layout_range = recv_layout_range.data_ptr()
+        args.topk_weights = topk_weights.data_ptr() if topk_slots is not None else None
+        outs.recv_topk_slots = topk_slots.data_ptr() if topk_slots is not None else None
         h = _lib.LLHandle()
+        if topk_slots is not None:
+            h.topk_slots = topk_slots  # alive as long as the handle: the combine reads it
         lib = _lib.lib()
         phases = _SEND if return_recv_hook else _BOTH
         status = lib.epx_ll_dispatch(ptr, args_ref, outs_ref, phases, byref(h), stream)
@@ -234,7 +248,7 @@ class LowLatencyMixin:
         hook = _noop
         if async_finish or return_recv_hook:
             tensors = (x, topk_idx, stats, packed_recv_x, scales, packed_recv_count, recv_src_info,
-                       recv_layout_range)
+                       recv_layout_range, topk_weights, topk_slots)
             if return_recv_hook:
                 hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args_ref, outs_ref, _RECV,
                                                              byref(h), stream), tensors)
@@ -253,7 +267,8 @@ class LowLatencyMixin:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, *,
+                            reduction: Optional[str] = None):
         """Collective: sends the experts' outputs back to the tokens' ranks and sums them with the top-k weights
         (semantics.md section 5): combined_x[t] = bf16(sum over k ascending, slots with an expert, of topk_weights[t, k] *
         expert output row), float32 multiplies and adds, rounded once. No CPU sync, capturable in a CUDA graph.
@@ -280,6 +295,12 @@ class LowLatencyMixin:
                 a hook; calling the hook queues the receive phase (and the sum) on that same stream.
             out: bf16 [T, H] or None (default): if given, the result is written into it and it is returned.
             combine_wait_recv_cost_stats: accepted and ignored, default None (deep_ep's per-rank wait times).
+            reduction: keyword-only epx extension (semantics.md section 5), None (default) or "flat": the sum above.
+                "rank": each rank holding experts of a token first sums their rows (k ascending, float32, with the
+                topk_weights given to the dispatch) and rounds the partial to bf16; one row per (token, rank)
+                travels back (about 1 / (experts hit per rank) of the flat bytes) and combined_x[t] = bf16(sum over
+                ranks ascending of the partials). Needs a handle from low_latency_dispatch(..., topk_weights=...);
+                topk_weights here are then checked but not read. Not with use_logfmt.
 
         Returns:
             combined_x: bf16 [T, H] (out if given).
@@ -298,6 +319,18 @@ class LowLatencyMixin:
         if out is not None:
             _checks.tensor("out", out, _BF16, (T, H), d, aligned16=True)
         zero_copy = _checks.flag("zero_copy", zero_copy)
+        code = _REDUCE_FLAT
+        if reduction is not None:
+            code = _LL_REDUCTIONS.get(reduction) if isinstance(reduction, str) else None
+            if code is None:
+                if not isinstance(reduction, str):
+                    raise TypeError(f"reduction must be a str or None, got {type(reduction).__name__}")
+                raise ValueError(f"reduction must be 'flat', 'rank' or None, got {reduction!r}")
+            if code == _REDUCE_RANK and getattr(h, "topk_slots", None) is None:
+                raise ValueError("reduction='rank' needs a handle from low_latency_dispatch(..., topk_weights=...): "
+                                 "the expert ranks sum with the weights that travelled with the tokens")
+            if code == _REDUCE_RANK and use_logfmt:
+                raise ValueError("use_logfmt is not offered with reduction='rank' (the partial sums travel as bf16)")
         if use_logfmt is not False:
             use_logfmt = _checks.flag("use_logfmt", use_logfmt)
             if use_logfmt and H % _LOGFMT_GROUP != 0:
@@ -312,6 +345,7 @@ class LowLatencyMixin:
         args.x = x.data_ptr()
         args.zero_copy = zero_copy
         args.use_logfmt = use_logfmt
+        args.reduction = code
         args.topk_idx = topk_idx.data_ptr()
         args.topk_weights = topk_weights.data_ptr()
         lib = _lib.lib()
@@ -322,7 +356,7 @@ class LowLatencyMixin:
             lib.check(status)
         hook = _noop
         if async_finish or return_recv_hook:
-            tensors = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x)
+            tensors = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x, getattr(h, "topk_slots", None))
             if return_recv_hook:
                 hook = _RecvHook(lambda: lib.epx_ll_combine(self._ptr(), args_ref, byref(h), combined_ptr,
                                                             _RECV, buffer_set_ref, stream), tensors)

@@ -62,17 +62,21 @@ constexpr int kLowLatencyMaxRanks = kMaxNvlRanks;
 // Top-k slots per token: one lane per slot in the dispatch's send phase.
 constexpr int kLowLatencyMaxTopk = kMaxTopk;
 
-// One dispatch record: [row][scales (FP8 only)], 16-byte aligned. The source token is its index in [src rank][M]
-// (the row map names it per slot), so the record carries no metadata.
+// One dispatch record: [row][scales (FP8 only)][top-k (with weights only)], 16-byte aligned. The source token is
+// its index in [src rank][M] (the row map names it per slot). A dispatch given topk_weights (for the rank-reduced
+// combine) appends the token's top-k: float weights [K], then int16 global experts [K] (-1 for none), the same for
+// every destination (one staged record serves them all); the receiver finds its own slots among them.
 struct LowLatencyRecord {
   int64_t row_bytes;
   int64_t scale_offset;
+  int64_t topk_offset;  // weights [K] float at topk_offset, experts [K] int16 at topk_offset + 4 * K
   int64_t bytes;
-  EPX_HD static LowLatencyRecord make(int hidden, bool fp8) {
+  EPX_HD static LowLatencyRecord make(int hidden, bool fp8, int topk_carried = 0) {
     LowLatencyRecord r{};
     r.row_bytes = int64_t(hidden) * (fp8 ? 1 : 2);
     r.scale_offset = align_up(r.row_bytes, 16);
-    r.bytes = r.scale_offset + (fp8 ? align_up(int64_t(hidden / kFp8GroupSize) * 4, 16) : 0);
+    r.topk_offset = r.scale_offset + (fp8 ? align_up(int64_t(hidden / kFp8GroupSize) * 4, 16) : 0);
+    r.bytes = r.topk_offset + align_up(int64_t(topk_carried) * 6, 16);
     return r;
   }
 };
@@ -87,7 +91,8 @@ struct LowLatencyLayout {
   int64_t combine_send_bytes;  // of this call's shape
 
   // The dispatch's part of the receive area, [R][M] records and the [L][R][M] row map, for any rank count
-  // (R <= E): E * M records and E * M map entries.
+  // (R <= E): E * M records and E * M map entries. Records that carry the top-k are larger than this bound's
+  // (BF16 rows without it); a dispatch with them checks dispatch_fits with its rank count instead.
   EPX_HD static int64_t dispatch_receive_bound(int max_tokens, int num_experts, int64_t record_bytes) {
     return int64_t(num_experts) * max_tokens * (record_bytes + 4);
   }
@@ -108,6 +113,10 @@ struct LowLatencyLayout {
     return kSignalsBytes + l.receive_bytes + l.combine_send_bytes;
   }
   EPX_HD bool fits() const { return kSignalsBytes + receive_bytes + combine_send_bytes <= set_bytes; }
+  // Whether this shape's receive area holds R * M records of record_bytes and the [L][R][M] row map.
+  EPX_HD bool dispatch_fits(int num_ranks, int max_tokens, int num_experts, int64_t record_bytes) const {
+    return int64_t(num_ranks) * max_tokens * record_bytes + int64_t(num_experts) * max_tokens * 4 <= receive_bytes;
+  }
 
   EPX_HD uint8_t* set_base(void* region, int set) const { return static_cast<uint8_t*>(region) + set * set_bytes; }
   EPX_HD int32_t* dispatch_count(void* region, int set) const {

@@ -32,6 +32,8 @@ struct LowLatencyDispatchParams {
   int* packed_recv_count;      // [L]
   int* recv_src_info;          // [L, R*M]
   int64_t* recv_layout_range;  // [L, R]
+  const float* topk_weights;   // [T, K] or null: carried in the records (LowLatencyRecord) for the rank-reduced combine
+  int32_t* recv_topk_slots;    // [R, M, K] (packed row, weight bits) when topk_weights is given (epx.h)
 };
 
 struct LowLatencyCombineParams {
@@ -49,6 +51,8 @@ struct LowLatencyCombineParams {
   const int* recv_src_info;          // [L, R*M]
   const int64_t* recv_layout_range;  // [L, R]
   int4* out;                         // bf16 [T, H]
+  int rank_reduced;                  // EPX_REDUCE_RANK: one partial row per (token, rank) (semantics.md section 5)
+  const int2* recv_topk_slots;       // [R, M, K] (packed row, weight bits) of the dispatch (rank_reduced only)
 };
 
 // Grid of every low-latency launch on a GPU with that many SMs; a Buffer takes the smallest over its ranks, since

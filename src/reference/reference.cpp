@@ -253,4 +253,30 @@ void low_latency_combine_row(int hidden, const int64_t* idx, const float* w, int
   for (int h = 0; h < hidden; ++h) out[h] = float_to_bf16(acc[h]);
 }
 
+void low_latency_combine_row_rank_reduced(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
+                                          int num_ranks, const ExpertRow& row, uint16_t* out) {
+  if (hidden < 0 || num_topk < 0 || num_ranks < 1 || num_experts < num_ranks || num_experts % num_ranks != 0)
+    throw std::invalid_argument(
+        "low_latency_combine_row_rank_reduced: hidden, num_topk >= 0 and num_experts a "
+        "positive multiple of num_ranks");
+  const int64_t per_rank = num_experts / num_ranks;
+  std::vector<float> acc(hidden, 0.f), partial(hidden);
+  for (int r = 0; r < num_ranks; ++r) {
+    bool any = false;
+    std::fill(partial.begin(), partial.end(), 0.f);
+    for (int k = 0; k < num_topk; ++k) {
+      if (idx[k] < 0 || idx[k] >= num_experts || idx[k] / per_rank != r) continue;
+      any = true;
+      const uint16_t* x = row(idx[k]);
+      for (int h = 0; h < hidden; ++h) {
+        volatile float product = w[k] * bf16_to_float(x[h]);  // rounded to float32 before the add
+        partial[h] = partial[h] + product;
+      }
+    }
+    if (!any) continue;
+    for (int h = 0; h < hidden; ++h) acc[h] = acc[h] + bf16_to_float(float_to_bf16(partial[h]));
+  }
+  for (int h = 0; h < hidden; ++h) out[h] = float_to_bf16(acc[h]);
+}
+
 }  // namespace epx::ref

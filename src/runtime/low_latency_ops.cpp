@@ -70,11 +70,11 @@ void validate_shape(const Buffer::Impl& b, int num_tokens, int hidden, int num_t
 }
 
 // NVSHMEM puts read dispatch records staged in the combine-send area (LowLatencyLayout::dispatch_stage).
-// A guard: records carry no metadata, so M records always fit E * M combine rows for a shape that
-// validate_shape accepts; this fires only if the layout or the record format changes.
+// Records without the top-k always fit (M records, E * M combine rows); with it (topk_weights) they may not
+// for a single expert of a small hidden size.
 void check_staging(const Buffer::Impl& b, const LowLatencyLayout& layout, int max_tokens, int hidden, bool fp8,
-                   const char* op) {
-  const int64_t record = LowLatencyRecord::make(hidden, fp8).bytes;
+                   int topk_carried, const char* op) {
+  const int64_t record = LowLatencyRecord::make(hidden, fp8, topk_carried).bytes;
   if (b.peer_map.ll.num_nvshmem > 0 && !layout.dispatch_stage_fits(max_tokens, record))
     raise(Status::kNotSupported, op, ": the NVSHMEM transport stages ", max_tokens, " records of ", record,
           " bytes in the combine-send area of ", layout.combine_send_bytes, " bytes; use more experts");
@@ -150,11 +150,16 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
       o.packed_recv_x && aligned16(o.packed_recv_x) && o.packed_recv_count && o.recv_src_info && o.recv_layout_range,
       op, ": packed_recv_x (16-byte aligned), packed_recv_count, recv_src_info and recv_layout_range are needed");
   EPX_REQUIRE(!a.use_fp8 || o.packed_recv_x_scales != nullptr, op, ": FP8 dispatch needs packed_recv_x_scales");
+  EPX_REQUIRE((a.topk_weights != nullptr) == (o.recv_topk_slots != nullptr), op,
+              ": topk_weights and recv_topk_slots go together (both for a rank-reduced combine, or neither)");
+  const int topk_carried = a.topk_weights != nullptr ? a.num_topk : 0;  // in every record (LowLatencyRecord)
+  EPX_REQUIRE(a.num_tokens == 0 || topk_carried == 0 || aligned16(o.recv_topk_slots), op,
+              ": recv_topk_slots must be 16-byte aligned");
+  const LowLatencyRecord record = LowLatencyRecord::make(a.hidden, a.use_fp8 != 0, topk_carried);
   constexpr int64_t kMaxSharedBytes = 227 * 1024;  // per block on Hopper: the staged token and topk as int16
-  EPX_REQUIRE(LowLatencyRecord::make(a.hidden, a.use_fp8 != 0).bytes + int64_t(a.num_tokens) * a.num_topk * 2 <=
-                  kMaxSharedBytes,
-              op, ": num_tokens * num_topk (", int64_t(a.num_tokens) * a.num_topk, ") with hidden ", a.hidden,
-              " does not fit the ", kMaxSharedBytes, " bytes of shared memory a block can have");
+  EPX_REQUIRE(record.bytes + int64_t(a.num_tokens) * a.num_topk * 2 <= kMaxSharedBytes, op, ": num_tokens * num_topk (",
+              int64_t(a.num_tokens) * a.num_topk, ") with hidden ", a.hidden, " does not fit the ", kMaxSharedBytes,
+              " bytes of shared memory a block can have");
 
   if (!(phases & kLowLatencySendPhase)) {
     EPX_REQUIRE(h.buffer_set == 0 || h.buffer_set == 1, op, ": the handle has no buffer set (send first)");
@@ -169,6 +174,9 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
     EPX_REQUIRE(b.ll_waiting_format[set] == format, op, ": the receive call must repeat the send call's use_fp8 (",
                 b.ll_waiting_format[set] & 1, ") and use_ue8m0 (", b.ll_waiting_format[set] >> 1, "), got ", format & 1,
                 " and ", format >> 1);
+  if (phases == kLowLatencyRecvPhase)  // so does the top-k the records carry (the handle names the send's table)
+    EPX_REQUIRE(h.recv_topk_slots == o.recv_topk_slots, op,
+                ": the receive call must repeat the send call's topk_weights and recv_topk_slots");
   // The handle holds this call's shape: filled here (send; the caller's handle only once every check passed)
   // or checked against it above (receive; num_topk aside, which the send call's handle carries).
   const LowLatencyHandle shape = (phases & kLowLatencySendPhase) ? LowLatencyHandle{set,
@@ -178,11 +186,18 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
                                                                                     a.num_experts,
                                                                                     a.num_max_dispatch_tokens_per_rank,
                                                                                     o.recv_src_info,
-                                                                                    o.recv_layout_range}
+                                                                                    o.recv_layout_range,
+                                                                                    o.recv_topk_slots}
                                                                  : h;
   auto p = low_latency_params<LowLatencyDispatchParams>(b, shape, set, phases);
   p.num_topk = a.num_topk;
-  check_staging(b, p.layout, a.num_max_dispatch_tokens_per_rank, a.hidden, a.use_fp8 != 0, op);
+  check_staging(b, p.layout, a.num_max_dispatch_tokens_per_rank, a.hidden, a.use_fp8 != 0, topk_carried, op);
+  if (topk_carried > 0 &&
+      !p.layout.dispatch_fits(b.num_ranks, a.num_max_dispatch_tokens_per_rank, a.num_experts, record.bytes))
+    raise(Status::kNotSupported, op, ": records that carry the top-k (topk_weights) are ", record.bytes, " bytes; ",
+          b.num_ranks, " x ", a.num_max_dispatch_tokens_per_rank, " of them and the row map exceed the ",
+          p.layout.receive_bytes, "-byte receive area of this shape (", a.num_experts,
+          " experts); use more experts per rank or a larger hidden size");
   p.fp8 = a.use_fp8 != 0;
   p.round_scale = a.round_scale != 0;
   p.ue8m0 = a.use_ue8m0 != 0;
@@ -194,6 +209,8 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
   p.packed_recv_count = o.packed_recv_count;
   p.recv_src_info = o.recv_src_info;
   p.recv_layout_range = o.recv_layout_range;
+  p.topk_weights = a.topk_weights;
+  p.recv_topk_slots = o.recv_topk_slots;
   commit_set(b, kDispatchCall, phases, set, o.recv_src_info, o.recv_layout_range);
   b.ll_waiting_format[set] = format;
   h = shape;
@@ -207,8 +224,19 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
   validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false, false,
                  op);
   EPX_REQUIRE(h.recv_src_info != nullptr && h.recv_layout_range != nullptr, op, ": the handle is incomplete");
-  EPX_REQUIRE(h.num_tokens == 0 || (a.topk_idx != nullptr && a.topk_weights != nullptr), op,
-              ": topk_idx and topk_weights of the dispatch are needed");
+  EPX_REQUIRE(a.reduction == EPX_REDUCE_DEFAULT || a.reduction == EPX_REDUCE_FLAT || a.reduction == EPX_REDUCE_RANK, op,
+              ": reduction must be EPX_REDUCE_DEFAULT (0), EPX_REDUCE_FLAT (1) or EPX_REDUCE_RANK (3), got ",
+              a.reduction);
+  const bool rank_reduced = a.reduction == EPX_REDUCE_RANK;
+  EPX_REQUIRE(!rank_reduced || h.recv_topk_slots != nullptr, op,
+              ": the rank-reduced order (EPX_REDUCE_RANK) needs a handle whose dispatch was given topk_weights (and "
+              "recv_topk_slots): the expert ranks sum with the weights that travelled with the tokens");
+  EPX_REQUIRE(!rank_reduced || !a.use_logfmt, op,
+              ": use_logfmt is not offered with the rank-reduced order (EPX_REDUCE_RANK): the partial sums "
+              "travel as bf16");
+  EPX_REQUIRE(
+      h.num_tokens == 0 || (a.topk_idx != nullptr && (rank_reduced || a.topk_weights != nullptr)), op,
+      rank_reduced ? ": topk_idx of the dispatch is needed" : ": topk_idx and topk_weights of the dispatch are needed");
   EPX_REQUIRE(h.num_tokens == 0 || (combined_x != nullptr && aligned16(combined_x)), op,
               ": combined_x must be a 16-byte aligned device pointer");
   EPX_REQUIRE(a.zero_copy || (a.x != nullptr && aligned16(a.x)), op,
@@ -218,10 +246,11 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
 
   const int set = choose_set(b, kCombineCall, phases, buffer_set, h.recv_src_info, combined_x, op);
   // The row format decides how the receive reads the slots: it must be the send call's.
-  const int format = a.use_logfmt ? 1 : 0;
+  const int format = (a.use_logfmt ? 1 : 0) | (rank_reduced ? 2 : 0);
   if (phases == kLowLatencyRecvPhase)
     EPX_REQUIRE(b.ll_waiting_format[set] == format, op, ": the receive call must repeat the send call's use_logfmt (",
-                b.ll_waiting_format[set], "), got ", format);
+                b.ll_waiting_format[set] & 1, ") and reduction (", (b.ll_waiting_format[set] & 2) ? "rank" : "flat",
+                "), got ", format & 1, " and ", rank_reduced ? "rank" : "flat");
   auto p = low_latency_params<LowLatencyCombineParams>(b, h, set, phases);
   p.x =
       static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.peer_map.ll.local, set)) : a.x);
@@ -232,6 +261,8 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
   p.recv_src_info = h.recv_src_info;
   p.recv_layout_range = h.recv_layout_range;
   p.out = static_cast<int4*>(combined_x);
+  p.rank_reduced = rank_reduced ? 1 : 0;
+  p.recv_topk_slots = reinterpret_cast<const int2*>(h.recv_topk_slots);
   commit_set(b, kCombineCall, phases, set, h.recv_src_info, combined_x);
   b.ll_waiting_format[set] = format;
   launch_combine(b, p, stream);

@@ -280,6 +280,7 @@ class Fuzzer {
     add("epx::ref::combine", &Fuzzer::ref_combine);
     add("epx::ref::quantize_fp8_row", &Fuzzer::ref_quantize);
     add("epx::ref::low_latency_combine_row", &Fuzzer::ref_ll_combine_row);
+    add("epx::ref::low_latency_combine_row_rank_reduced", &Fuzzer::ref_ll_combine_row_rank_reduced);
     add("epx::ref numerics", &Fuzzer::ref_numerics);
   }
 
@@ -499,6 +500,7 @@ class Fuzzer {
     h.num_max_dispatch_tokens_per_rank = edgy(r, 1, 4096);
     h.recv_src_info = as<const int>(any_ptr(r));
     h.recv_layout_range = as<const int64_t>(any_ptr(r));
+    h.recv_topk_slots = as<const int32_t>(any_ptr(r));
     return h;
   }
   template <typename T>
@@ -764,12 +766,14 @@ class Fuzzer {
     a.round_scale = edgy(r, 0, 1);
     a.use_ue8m0 = edgy(r, 0, 1);
     a.cumulative_local_expert_recv_stats = as<int>(any_ptr(r));
+    a.topk_weights = as<const float>(any_ptr(r));
     epx_ll_dispatch_outputs o{};
     o.packed_recv_x = as<void>(any_ptr(r));
     o.packed_recv_x_scales = as<void>(any_ptr(r));
     o.packed_recv_count = as<int>(any_ptr(r));
     o.recv_src_info = as<int>(any_ptr(r));
     o.recv_layout_range = as<int64_t>(any_ptr(r));
+    o.recv_topk_slots = as<int32_t>(any_ptr(r));
     epx_ll_handle h = random_ll_handle(r);
     const int phases = edgy(r, 1, 3);
     check_is(epx_ll_dispatch(nullptr, maybe(r, a), maybe(r, o), phases, maybe(r, h), fake_stream(r)),
@@ -782,6 +786,7 @@ class Fuzzer {
     a.topk_idx = as<const int64_t>(any_ptr(r));
     a.topk_weights = as<const float>(any_ptr(r));
     a.use_logfmt = edgy(r, 0, 1);
+    a.reduction = edgy(r, 0, 3);
     epx_ll_handle h = random_ll_handle(r);
     int set = edgy(r, 0, 1);
     const int set_before = set;
@@ -1460,6 +1465,30 @@ class Fuzzer {
     const std::string call = cat("low_latency_combine_row(hidden ", hidden, ", top-", K, ", ", E, " experts)");
     check_model([&] { epx::ref::low_latency_combine_row(hidden, idx.data(), w.data(), K, E, row, out.data()); }, false,
                 call);
+    if (out_of_range) fail(cat(call, ": read the row of an expert outside [0, E)"));
+  }
+  void ref_ll_combine_row_rank_reduced(Rng& r) {
+    // Mostly valid sizes (E a multiple of R), sometimes not.
+    const int hidden = r.chance(5) ? -1 : r.irange(0, 64), K = r.chance(5) ? -1 : r.irange(0, 9);
+    const int R = r.chance(5) ? r.irange(-1, 1) : r.irange(1, 9);
+    const int E = r.chance(10) ? r.irange(0, 64) : std::max(R, 1) * r.irange(1, 8);
+    std::vector<int64_t> idx(size_t(std::max(K, 0)) + 1);
+    std::vector<float> w(idx.size());
+    for (auto& e : idx) e = draw_id(r, std::max(E, 1), true);
+    for (auto& v : w) v = float(r.range(-512, 512)) / 32.f;
+    std::vector<uint16_t> rows(size_t(std::max(E, 1)) * std::max(hidden, 0) + 1), out(size_t(std::max(hidden, 0)) + 1);
+    for (auto& v : rows) v = uint16_t(r.next());
+    bool out_of_range = false;
+    const epx::ref::ExpertRow row = [&](int64_t e) {
+      out_of_range |= e < 0 || e >= E;
+      return rows.data() + size_t(std::clamp<int64_t>(e, 0, std::max(E, 1) - 1)) * std::max(hidden, 0);
+    };
+    const bool invalid = hidden < 0 || K < 0 || R < 1 || E < R || E % R != 0;
+    const std::string call =
+        cat("low_latency_combine_row_rank_reduced(hidden ", hidden, ", top-", K, ", ", E, " experts, ", R, " ranks)");
+    check_model(
+        [&] { epx::ref::low_latency_combine_row_rank_reduced(hidden, idx.data(), w.data(), K, E, R, row, out.data()); },
+        invalid, call);
     if (out_of_range) fail(cat(call, ": read the row of an expert outside [0, E)"));
   }
   void ref_numerics(Rng& r) {

@@ -398,3 +398,94 @@ TEST(Combine, ReduceRowsDirectly) {
   ref::reduce_bf16_rows(1, {}, nullptr, nullptr, &out);
   EXPECT_EQ(out, 0x0000);
 }
+
+// ---- semantics.md section 5: the rank-reduced low-latency combine (EPX_REDUCE_RANK) ----------------------------
+
+namespace {
+
+// One-element rows of four experts, two per rank (R = 2: experts 0, 1 on rank 0; 2, 3 on rank 1).
+struct RankReducedData {
+  std::vector<uint16_t> rows;
+  ref::ExpertRow row_fn() const {
+    return [this](int64_t e) { return rows.data() + e; };
+  }
+};
+
+}  // namespace
+
+TEST(LowLatencyCombine, RankReducedRoundsEachRanksPartialOnce) {
+  // Rank 0's partial 1 + 2^-8 is a tie in bf16 and rounds to 1; rank 1's 2^-8 is exact; 1 + 2^-8 rounds to 1
+  // again. The flat order adds both 2^-8 to 1 before its one rounding: 1 + 2^-7.
+  const RankReducedData d{{0x3f80, 0x3b80, 0x3b80, 0x0000}};
+  const int64_t idx[3] = {0, 1, 2};
+  const float w[3] = {1.f, 1.f, 1.f};
+  uint16_t out = 0xffff;
+  ref::low_latency_combine_row(1, idx, w, 3, 4, d.row_fn(), &out);
+  EXPECT_EQ(out, 0x3f81);
+  ref::low_latency_combine_row_rank_reduced(1, idx, w, 3, 4, 2, d.row_fn(), &out);
+  EXPECT_EQ(out, 0x3f80);
+}
+
+TEST(LowLatencyCombine, RankReducedSumsRanksAscendingWhateverTheSlotOrder) {
+  // 2^24 + 1 rounds to 2^24 inside rank 0 (float32), -2^24 + 1 = -16777215 rounds to -2^24 as rank 1's bf16
+  // partial: 0 whatever the order of the slots. The flat order in slot order k gives 1.
+  const RankReducedData d{{0x4b80, 0x3f80, 0xcb80, 0x3f80}};
+  const float w[4] = {1.f, 1.f, 1.f, 1.f};
+  uint16_t out = 0xffff;
+  for (const auto& idx : {std::vector<int64_t>{0, 1, 2, 3}, std::vector<int64_t>{2, 0, 3, 1}}) {
+    ref::low_latency_combine_row_rank_reduced(1, idx.data(), w, 4, 4, 2, d.row_fn(), &out);
+    EXPECT_EQ(out, 0x0000);
+  }
+  const int64_t flat_idx[4] = {0, 1, 2, 3};
+  ref::low_latency_combine_row(1, flat_idx, w, 4, 4, d.row_fn(), &out);
+  EXPECT_EQ(out, 0x3f80);
+}
+
+TEST(LowLatencyCombine, RankReducedWeighsInsideTheRankAndSkipsEmptySlots) {
+  // Rank 1 holds slots 1 and 3 (experts 3 and 2): 0.5 * 3 + 0.25 * 2 = 2; rank 0 holds slot 4: 1 * 0.25.
+  // Slots 0 (-1) and 2 (outside [0, E)) are skipped; 2.25 is exact.
+  const RankReducedData d{{0x3e80, 0x0000, 0x4000, 0x4040}};
+  const int64_t idx[5] = {-1, 3, 9, 2, 0};
+  const float w[5] = {100.f, 0.5f, 100.f, 0.25f, 1.f};
+  uint16_t out = 0xffff;
+  ref::low_latency_combine_row_rank_reduced(1, idx, w, 5, 4, 2, d.row_fn(), &out);
+  EXPECT_EQ(out, 0x4010);
+  const int64_t none[2] = {-1, -1};
+  ref::low_latency_combine_row_rank_reduced(1, none, w, 2, 4, 2, d.row_fn(), &out);
+  EXPECT_EQ(out, 0x0000);
+}
+
+TEST(LowLatencyCombine, RankReducedOnOneRankIsTheFlatOrder) {
+  // One rank: its partial is the flat sum rounded once, and bf16(float(bf16(x))) == bf16(x).
+  std::vector<uint16_t> rows(8 * 16);
+  uint32_t state = 12345;
+  for (auto& v : rows) {
+    state = state * 1664525u + 1013904223u;
+    v = uint16_t(0x3c00 + (state >> 20) % 0x600) | uint16_t(state & 0x8000);
+  }
+  const ref::ExpertRow row = [&](int64_t e) { return rows.data() + e * 16; };
+  for (int trial = 0; trial < 50; ++trial) {
+    int64_t idx[6];
+    float w[6];
+    for (int k = 0; k < 6; ++k) {
+      state = state * 1664525u + 1013904223u;
+      idx[k] = int64_t(state >> 24) % 9 - 1;  // -1 .. 7
+      w[k] = float((state >> 8) & 0xff) / 64.f;
+    }
+    std::vector<uint16_t> flat(16), reduced(16);
+    ref::low_latency_combine_row(16, idx, w, 6, 8, row, flat.data());
+    ref::low_latency_combine_row_rank_reduced(16, idx, w, 6, 8, 1, row, reduced.data());
+    EXPECT_EQ(flat, reduced) << trial;
+  }
+}
+
+TEST(LowLatencyCombine, RankReducedRejectsBadSizes) {
+  const RankReducedData d{{0, 0, 0, 0}};
+  const int64_t idx[1] = {0};
+  const float w[1] = {1.f};
+  uint16_t out = 0;
+  EXPECT_THROW(ref::low_latency_combine_row_rank_reduced(1, idx, w, 1, 4, 3, d.row_fn(), &out), std::invalid_argument);
+  EXPECT_THROW(ref::low_latency_combine_row_rank_reduced(1, idx, w, 1, 4, 0, d.row_fn(), &out), std::invalid_argument);
+  EXPECT_THROW(ref::low_latency_combine_row_rank_reduced(-1, idx, w, 1, 4, 2, d.row_fn(), &out), std::invalid_argument);
+  EXPECT_THROW(ref::low_latency_combine_row_rank_reduced(1, idx, w, -1, 4, 2, d.row_fn(), &out), std::invalid_argument);
+}

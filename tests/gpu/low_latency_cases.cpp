@@ -34,6 +34,26 @@ LowLatencyCase logfmt_case(int tokens, int hidden, bool fp8, uint64_t seed) {
   return c;
 }
 
+// A case whose dispatch carries the weights and whose combine sums in the rank-reduced order (EPX_REDUCE_RANK),
+// checked against the reference model's rank-reduced combine.
+LowLatencyCase rank_case(int tokens, int hidden, bool fp8, uint64_t seed) {
+  LowLatencyCase c = ll_case(tokens, hidden, fp8, seed);
+  c.rank_reduced = true;
+  return c;
+}
+
+// The combine orders the multi-step cases run in: flat, LogFMT, rank-reduced.
+struct CombineVariant {
+  const char* prefix;  // of the case name
+  bool logfmt, rank_reduced;
+  void apply(LowLatencyCase& c) const {
+    c.logfmt = logfmt;
+    c.rank_reduced = rank_reduced;
+  }
+};
+constexpr CombineVariant kCombineVariants[] = {
+    {"ll: ", false, false}, {"ll: logfmt, ", true, false}, {"ll: rank-reduced, ", false, true}};
+
 // One step: dispatch and combine, each checked; `hook` splits send and receive with host work in between.
 std::string run_step(Context& ctx, const LowLatencyCase& c, bool hook) {
   LowLatencySession s(ctx.buffer, c, ctx.stream);
@@ -228,36 +248,135 @@ std::vector<Case> low_latency_cases() {
         return err;
       }});
 
-  for (const bool logfmt : {false, true})
-    cases.push_back(Case{std::string(logfmt ? "ll: logfmt, " : "ll: ") +
-                             "1000 steps, double-buffered (dispatch of step i+1 sent before combine i received)",
-                         [logfmt](Context& ctx) {
-                           auto c = ll_case(48, 2048, true, 60);
-                           c.num_experts = 32 / ctx.num_ranks * ctx.num_ranks;
-                           c.num_topk = 4;
-                           c.logfmt = logfmt;
-                           LowLatencySession a(ctx.buffer, c, ctx.stream);
-                           c.seed = 61;
-                           LowLatencySession b(ctx.buffer, c, ctx.stream);
-                           LowLatencySession* cur = &a;
-                           LowLatencySession* next = &b;
-                           cur->dispatch(kLowLatencyBothPhases);
-                           std::string err = cur->check_dispatch();
-                           for (int i = 0; i < 1000 && err.empty(); ++i) {
-                             cur->set_combine_inputs(7000 + i);
-                             cur->combine(kLowLatencySendPhase);
-                             next->set_step(9000 + i);
-                             next->dispatch(kLowLatencySendPhase);  // overlaps the combine still in flight
-                             cur->combine(kLowLatencyRecvPhase);
-                             next->dispatch(kLowLatencyRecvPhase);
-                             err += cur->check_combine();
-                             err += next->check_dispatch();
-                             if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
-                             std::swap(cur, next);
-                           }
-                           ctx.buffer.check(ctx.stream);
-                           return err;
-                         }});
+  // The rank-reduced combine (EPX_REDUCE_RANK): the flat cases above in the rank-reduced order, every one bit for
+  // bit against the reference model (the expert ranks' bf16 partials summed in ascending rank order). Hidden sizes
+  // with a partial last work item (1152, 2176, 640) as well as whole ones; an expert listed twice in a token (its
+  // two rows summed at its rank in slot order).
+  cases.push_back(step_case("ll: rank-reduced, 128 tokens, h7168, top-8 of 288", rank_case(128, 7168, false, 241)));
+  cases.push_back(step_case("ll: rank-reduced, fp8 dispatch, 128 tokens, h7168", rank_case(128, 7168, true, 242)));
+  for (int h : {128, 640, 1152, 2176, 4096, 6144})
+    cases.push_back(step_case("ll: rank-reduced h" + std::to_string(h), rank_case(96, h, h % 128 == 0, 245 + h)));
+  cases.push_back(step_case("ll: rank-reduced h2048, 1 token", rank_case(1, 2048, false, 246)));
+  cases.push_back(step_case("ll: rank-reduced h4096, 64 tokens", rank_case(64, 4096, true, 247)));
+  {
+    auto c = rank_case(3, 32768, false, 254);
+    c.max_tokens = 4;
+    c.num_experts = 16;
+    cases.push_back(step_case("ll: rank-reduced h32768", c));
+  }
+  {
+    auto c = rank_case(100, 4096, true, 248);
+    c.max_tokens = 256;
+    c.tokens = {100, 37, 256, 0, 5, 200, 1, 77};
+    cases.push_back(step_case("ll: rank-reduced, M=256, uneven tokens (one rank with 0, one with M)", c));
+  }
+  {
+    auto c = rank_case(128, 2048, true, 249);
+    c.empty_slot_prob = 0.4;
+    cases.push_back(step_case("ll: rank-reduced, 40% empty slots", c));
+  }
+  {
+    auto c = rank_case(128, 2048, false, 250);
+    c.routing = harness::Routing::kOneExpert;
+    cases.push_back(step_case("ll: rank-reduced, every token to expert 0", c));
+  }
+  {
+    auto c = rank_case(16, 2048, false, 255);
+    c.max_tokens = 64;  // 2 rows per token of expert 0: 32 of the 64 a source may send it
+    c.routing = harness::Routing::kZeroTwice;
+    cases.push_back(step_case("ll: rank-reduced, expert 0 listed twice in every token", c));
+    cases.push_back(step_case("ll: rank-reduced, expert 0 listed twice in every token, receive hook", c, true));
+  }
+  {
+    auto c = rank_case(128, 7168, false, 256);
+    c.num_topk = 1;  // one row per token: partial = bf16(w * row), then the sum of one
+    cases.push_back(step_case("ll: rank-reduced, top-1", c));
+  }
+  cases.push_back(step_case("ll: rank-reduced, receive hook", rank_case(128, 7168, false, 251), true));
+  cases.push_back(step_case("ll: rank-reduced, receive hook, fp8 dispatch", rank_case(128, 7168, true, 252), true));
+  {
+    auto c = rank_case(128, 7168, true, 253);
+    c.zero_copy = true;
+    cases.push_back(step_case("ll: rank-reduced, zero-copy combine", c));
+    cases.push_back(step_case("ll: rank-reduced, zero-copy combine, receive hook", c, true));
+  }
+  // The order is chosen per call: flat and rank-reduced combines alternate on one buffer (on handles whose
+  // dispatch carried the weights), a receive that does not repeat its send's reduction is rejected, and so are
+  // the rank-reduced order on a handle without weights and with use_logfmt, all without a launch.
+  cases.push_back(
+      Case{"ll: rank-reduced and flat combines alternating; the receive must repeat the reduction", [](Context& ctx) {
+             auto c = rank_case(64, 2176, true, 257);
+             c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+             std::string err;
+             const auto expect_rejected = [&](const char* what, const char* says, auto&& call) {
+               try {
+                 call();
+                 err += std::string(what) + ": not rejected\n";
+               } catch (const Error& e) {
+                 if (e.status() != Status::kInvalidArgument || std::string(e.what()).find(says) == std::string::npos)
+                   err += std::string(what) + ": wrong error: " + e.what() + "\n";
+               }
+             };
+             for (int i = 0; i < 6 && err.empty(); ++i) {
+               c.rank_reduced = i % 2 == 0;
+               c.seed = 2570 + i;
+               err += run_step(ctx, c, i % 3 == 0);
+             }
+             c.rank_reduced = true;
+             LowLatencySession s(ctx.buffer, c, ctx.stream);
+             s.dispatch(kLowLatencyBothPhases);
+             s.set_combine_inputs(2580);
+             s.combine(kLowLatencySendPhase);
+             expect_rejected("a flat receive of a rank-reduced send", "reduction",
+                             [&] { s.combine_with_reduction(kLowLatencyRecvPhase, EPX_REDUCE_FLAT); });
+             s.combine(kLowLatencyRecvPhase);
+             err += s.check_dispatch() + s.check_combine();
+             expect_rejected("rank-reduced with use_logfmt", "use_logfmt",
+                             [&] { s.combine_with_logfmt(kLowLatencyBothPhases, true); });
+             c.rank_reduced = false;
+             LowLatencySession flat(ctx.buffer, c, ctx.stream);  // a dispatch without the weights
+             flat.dispatch(kLowLatencyBothPhases);
+             flat.set_combine_inputs(2590);
+             expect_rejected("rank-reduced on a handle without weights", "topk_weights",
+                             [&] { flat.combine_with_reduction(kLowLatencyBothPhases, EPX_REDUCE_RANK); });
+             expect_rejected("reduction 2 (two-level)", "reduction must be",
+                             [&] { flat.combine_with_reduction(kLowLatencyBothPhases, EPX_REDUCE_TWO_LEVEL); });
+             flat.combine(kLowLatencyBothPhases);
+             err += flat.check_dispatch() + flat.check_combine();
+             ctx.buffer.check(ctx.stream);
+             return err;
+           }});
+
+  for (const CombineVariant v : kCombineVariants)
+    cases.push_back(Case{
+        std::string(v.prefix) + "1000 steps, double-buffered (dispatch of step i+1 sent before combine i received)",
+        [v](Context& ctx) {
+          auto c = ll_case(48, 2048, true, 60);
+          c.num_experts = 32 / ctx.num_ranks * ctx.num_ranks;
+          c.num_topk = 4;
+          v.apply(c);
+          LowLatencySession a(ctx.buffer, c, ctx.stream);
+          c.seed = 61;
+          LowLatencySession b(ctx.buffer, c, ctx.stream);
+          LowLatencySession* cur = &a;
+          LowLatencySession* next = &b;
+          cur->dispatch(kLowLatencyBothPhases);
+          std::string err = cur->check_dispatch();
+          for (int i = 0; i < 1000 && err.empty(); ++i) {
+            cur->set_combine_inputs(7000 + i);
+            cur->combine(kLowLatencySendPhase);
+            next->set_step(9000 + i);
+            next->dispatch(kLowLatencySendPhase);  // overlaps the combine still in flight
+            cur->combine(kLowLatencyRecvPhase);
+            next->dispatch(kLowLatencyRecvPhase);
+            err += cur->check_combine();
+            err += next->check_dispatch();
+            if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
+            std::swap(cur, next);
+          }
+          ctx.buffer.check(ctx.stream);
+          return err;
+        }});
 
   // Two micro-batches in flight (the overlap frameworks use): the combine of A lands on A's dispatch set. The
   // last rank starts receiving dispatch A late, so the other ranks' combine A must wait for it instead of
@@ -265,14 +384,13 @@ std::vector<Case> low_latency_cases() {
   // host work (inputs, checks) is done before the sends or after the receives, so that the other ranks reach
   // combine A well within the late rank's delay. Without the wait this fails (or, with garbage source indices,
   // faults); it cannot pass.
-  for (const bool logfmt : {false, true})
+  for (const CombineVariant v : kCombineVariants)
     cases.push_back(
-        Case{std::string(logfmt ? "ll: logfmt, " : "ll: ") +
-                 "two micro-batches (dispatch A, dispatch B, combine A, combine B), one rank late",
-             [logfmt](Context& ctx) {
+        Case{std::string(v.prefix) + "two micro-batches (dispatch A, dispatch B, combine A, combine B), one rank late",
+             [v](Context& ctx) {
                auto c = ll_case(64, 4096, true, 80);
                c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
-               c.logfmt = logfmt;
+               v.apply(c);
                LowLatencySession a(ctx.buffer, c, ctx.stream);
                c.seed = 81;
                LowLatencySession b(ctx.buffer, c, ctx.stream);
@@ -347,42 +465,41 @@ std::vector<Case> low_latency_cases() {
         return err;
       }});
 
-  for (const bool logfmt : {false, true})
-    cases.push_back(Case{
-        std::string(logfmt ? "ll: logfmt, " : "ll: ") + "CUDA graph of dispatch + combine, 100 replays with new data",
-        [logfmt](Context& ctx) {
-          auto c = ll_case(64, 4096, false, 70);
-          c.expert_identity = true;  // combine reads packed_recv_x: no host work between the two calls
-          c.logfmt = logfmt;
-          c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
-          LowLatencySession s(ctx.buffer, c, ctx.stream);
-          s.dispatch(kLowLatencyBothPhases);  // warm-up outside the graph (and keeps sets in step on every rank)
-          s.set_combine_inputs(0);
-          s.combine(kLowLatencyBothPhases);
-          std::string err = s.check_dispatch() + s.check_combine();
-          cudaGraph_t graph = nullptr;
-          cudaGraphExec_t exec = nullptr;
-          if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess)
-            return std::string("capture failed to begin\n");
-          s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
-          s.combine(kLowLatencyBothPhases);
-          cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
-          if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
-          e = cudaGraphInstantiate(&exec, graph, 0);
-          if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
-          for (int i = 0; i < 100 && err.empty(); ++i) {
-            s.set_step(100 + i);  // new routing, x and weights in the same device arrays
-            e = cudaGraphLaunch(exec, ctx.stream);
-            if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
-            s.note_replayed_dispatch();
-            err += s.check_dispatch() + s.check_combine();
-            if (!err.empty()) err = "replay " + std::to_string(i) + ":\n" + err;
-          }
-          cudaGraphExecDestroy(exec);
-          cudaGraphDestroy(graph);
-          ctx.buffer.check(ctx.stream);
-          return err;
-        }});
+  for (const CombineVariant v : kCombineVariants)
+    cases.push_back(
+        Case{std::string(v.prefix) + "CUDA graph of dispatch + combine, 100 replays with new data", [v](Context& ctx) {
+               auto c = ll_case(64, 4096, false, 70);
+               c.expert_identity = true;  // combine reads packed_recv_x: no host work between the two calls
+               v.apply(c);
+               c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+               LowLatencySession s(ctx.buffer, c, ctx.stream);
+               s.dispatch(kLowLatencyBothPhases);  // warm-up outside the graph (and keeps sets in step on every rank)
+               s.set_combine_inputs(0);
+               s.combine(kLowLatencyBothPhases);
+               std::string err = s.check_dispatch() + s.check_combine();
+               cudaGraph_t graph = nullptr;
+               cudaGraphExec_t exec = nullptr;
+               if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess)
+                 return std::string("capture failed to begin\n");
+               s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
+               s.combine(kLowLatencyBothPhases);
+               cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
+               if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
+               e = cudaGraphInstantiate(&exec, graph, 0);
+               if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
+               for (int i = 0; i < 100 && err.empty(); ++i) {
+                 s.set_step(100 + i);  // new routing, x and weights in the same device arrays
+                 e = cudaGraphLaunch(exec, ctx.stream);
+                 if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
+                 s.note_replayed_dispatch();
+                 err += s.check_dispatch() + s.check_combine();
+                 if (!err.empty()) err = "replay " + std::to_string(i) + ":\n" + err;
+               }
+               cudaGraphExecDestroy(exec);
+               cudaGraphDestroy(graph);
+               ctx.buffer.check(ctx.stream);
+               return err;
+             }});
   return cases;
 }
 

@@ -314,6 +314,31 @@ def ll_combine(expert_rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, 
     return acc.to(torch.bfloat16)
 
 
+def ll_combine_rank_reduced(expert_rows, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden: int,
+                            num_experts: int, num_ranks: int) -> torch.Tensor:
+    """The rank-reduced order (semantics.md section 5): for every rank r (experts r*L .. r*L+L-1, L = E / R)
+    partial_r = bf16(sum over k ascending with topk_idx[t, k] on r of w * float(row)), multiply then add from 0;
+    out[t] = bf16(sum over r ascending, ranks holding any of t's experts, of float(partial_r))."""
+    T, K = topk_idx.shape
+    L = num_experts // num_ranks
+    acc = torch.zeros(T, hidden)
+    for r in range(num_ranks):
+        partial = torch.zeros(T, hidden)
+        hit = torch.zeros(T, 1, dtype=torch.bool)
+        for k in range(K):
+            ids = topk_idx[:, k]
+            here = ((ids >= r * L) & (ids < (r + 1) * L)).unsqueeze(1)
+            rows = torch.zeros(T, hidden, dtype=torch.bfloat16)
+            for e in ids[here.squeeze(1)].unique().tolist():
+                sel = ids == e
+                rows[sel] = expert_rows(e)[sel]
+            prod = topk_weights[:, k:k + 1] * rows.float()
+            partial = torch.where(here, partial + prod, partial)
+            hit |= here
+        acc = torch.where(hit, acc + partial.to(torch.bfloat16).float(), acc)
+    return acc.to(torch.bfloat16)
+
+
 # ---- semantics.md section 9: LogFMT (docs/logfmt.md), written from the document, not from the C++ -------------------------
 LOGFMT_GROUP = 128
 

@@ -64,7 +64,8 @@ STATIC = {"is_sm90_compiled", "set_num_sms", "capture", "get_low_latency_rdma_si
 # group may be omitted when comm is given.
 EPX_EXTRA_DEFAULTS = {("__init__", "group"): None}
 # epx's own keyword-only extensions (they cannot shift a positional argument).
-EPX_KEYWORD_ONLY = {("combine", "reduction"): None, ("internode_combine", "reduction"): None}
+EPX_KEYWORD_ONLY = {("combine", "reduction"): None, ("internode_combine", "reduction"): None,
+                    ("low_latency_dispatch", "topk_weights"): None, ("low_latency_combine", "reduction"): None}
 
 
 def _params(name):

@@ -1,6 +1,6 @@
 """epx.Buffer's low-latency methods on 2 and 4 GPUs against the torch reference (_ref.py): dispatch rows,
 counts and layout exact; FP8 rows equal to the reference quantization (plain, round_scale, UE8M0); combine
-bit-identical, also with use_logfmt; hooks, async, zero-copy, out=, statistics, clean, double buffering and a CUDA
+bit-identical, also with use_logfmt and reduction="rank"; hooks, async, zero-copy, out=, statistics, clean, double buffering and a CUDA
 graph."""
 
 import os
@@ -65,6 +65,11 @@ def combine_reference(ctx, mine, logfmt=False):
                            logfmt=logfmt)
 
 
+def rank_reduced_reference(ctx, mine):
+    return _ref.ll_combine_rank_reduced(lambda e: _ref.scale_rows(mine.x, expert_factor(e)), mine.topk_idx,
+                                        mine.topk_weights, H, E, ctx.world)
+
+
 def check_dispatch(ctx, all_inputs, recv_x, recv_count, handle, fp8=False, round_scale=False, ue8m0=False):
     L = E // ctx.world
     blocks = _ref.ll_blocks([i.topk_idx for i in all_inputs], ctx.rank, E)
@@ -111,9 +116,12 @@ def check_dispatch(ctx, all_inputs, recv_x, recv_count, handle, fp8=False, round
             pos += count
 
 
-def dispatch_and_check(ctx, seed, counts=None, **kwargs):
+def dispatch_and_check(ctx, seed, counts=None, weights=False, **kwargs):
+    """weights=True: the topk_weights travel with the dispatch (for reduction="rank")."""
     all_inputs = inputs(ctx, seed, counts)
     x, idx, w = on(ctx, all_inputs[ctx.rank])
+    if weights:
+        kwargs["topk_weights"] = w
     recv_x, recv_count, handle, event, hook = ctx.buffer.low_latency_dispatch(x, idx, M, E, **kwargs)
     if kwargs.get("return_recv_hook"):
         hook()
@@ -271,6 +279,60 @@ def case_logfmt_hook_zero_copy_and_out(ctx):
     assert_bitwise("combined_x (bf16 after logfmt)", combined, combine_reference(ctx, all_inputs[ctx.rank]))
 
 
+def case_rank_reduced_combine(ctx):
+    """reduction="rank": the weights travel with the dispatch; bit for bit the reference's per-rank partials
+    summed in rank order; then a flat combine of the same handle (both orders on one dispatch)."""
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 30, use_fp8=False, topk_weights=None)
+    with pytest.raises(ValueError, match="topk_weights"):
+        ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle, reduction="rank")
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 31, use_fp8=False, weights=True)
+    mine = all_inputs[ctx.rank]
+    y = run_experts(ctx, recv_x)
+    combined, event, hook = ctx.buffer.low_latency_combine(y, idx, w, handle, reduction="rank")
+    assert_bitwise("combined_x (rank-reduced)", combined, rank_reduced_reference(ctx, mine))
+    combined, _, _ = ctx.buffer.low_latency_combine(y, idx, w, handle, reduction="flat")
+    assert_bitwise("combined_x (flat, same handle)", combined, combine_reference(ctx, mine))
+
+
+def case_rank_reduced_fp8_hook_zero_copy_and_out(ctx):
+    """reduction="rank" after an FP8 dispatch with hooks, a zero-copy input and out=."""
+    all_inputs, (x, idx, w), recv_x, handle = dispatch_and_check(ctx, 32, return_recv_hook=True, weights=True)
+    data, scales = recv_x
+    L = E // ctx.world
+    dequant = (data.float().view(L, -1, H // 128, 128) * scales.unsqueeze(-1)).view(L, -1, H).to(torch.bfloat16)
+    y = run_experts(ctx, dequant)
+    ctx.buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=ctx.device)
+    combined, _, hook = ctx.buffer.low_latency_combine(y, idx, w, handle, zero_copy=True, return_recv_hook=True,
+                                                       out=out, reduction="rank")
+    hook()
+    assert combined is out
+    # the reference of the dequantized rows: each source's rows as its experts saw them
+    mine = all_inputs[ctx.rank]
+    q, sc = _ref.quantize(mine.x, False)
+    deq = (q.float().view(-1, H // 128, 128) * sc.unsqueeze(-1)).view(-1, H).to(torch.bfloat16)
+    want = _ref.ll_combine_rank_reduced(lambda e: _ref.scale_rows(deq, expert_factor(e)), mine.topk_idx,
+                                        mine.topk_weights, H, E, ctx.world)
+    assert_bitwise("combined_x (rank-reduced, fp8, hook, zero copy)", combined, want)
+
+
+def case_rank_reduced_double_buffering(ctx):
+    """Dispatch 2 sent while combine 1 (rank-reduced) is in flight."""
+    all1, (x1, idx1, w1), recv1, handle1 = dispatch_and_check(ctx, 33, use_fp8=False, weights=True)
+    combined1, _, combine1_recv = ctx.buffer.low_latency_combine(run_experts(ctx, recv1), idx1, w1, handle1,
+                                                                 return_recv_hook=True, reduction="rank")
+    all2, (x2, idx2, w2), recv2, handle2 = dispatch_and_check(ctx, 34, use_fp8=False, weights=True,
+                                                              return_recv_hook=True)
+    combine1_recv()
+    assert_bitwise("combined_x 1 (rank-reduced)", combined1, rank_reduced_reference(ctx, all1[ctx.rank]))
+    combined2, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv2), idx2, w2, handle2, reduction="rank")
+    assert_bitwise("combined_x 2 (rank-reduced)", combined2, rank_reduced_reference(ctx, all2[ctx.rank]))
+
+
+def case_rank_reduced_cuda_graph(ctx):
+    cuda_graph(ctx, use_logfmt=False, reduction="rank")
+
+
 def case_cuda_graph(ctx):
     cuda_graph(ctx, use_logfmt=False)
 
@@ -279,16 +341,18 @@ def case_logfmt_cuda_graph(ctx):
     cuda_graph(ctx, use_logfmt=True)
 
 
-def cuda_graph(ctx, use_logfmt):
+def cuda_graph(ctx, use_logfmt, reduction=None):
     """Dispatch, experts and combine captured once, replayed with new data."""
     counts = tokens_of(ctx, 15)
     first = inputs(ctx, 15, counts)
     static_x, static_idx, static_w = (t.clone() for t in on(ctx, first[ctx.rank]))
+    rank = reduction == "rank"
 
     def step():
-        recv_x, _, handle, _, _ = ctx.buffer.low_latency_dispatch(static_x, static_idx, M, E, use_fp8=False)
+        recv_x, _, handle, _, _ = ctx.buffer.low_latency_dispatch(static_x, static_idx, M, E, use_fp8=False,
+                                                                  topk_weights=static_w if rank else None)
         out, _, _ = ctx.buffer.low_latency_combine(run_experts(ctx, recv_x), static_idx, static_w, handle,
-                                                   use_logfmt=use_logfmt)
+                                                   use_logfmt=use_logfmt, reduction=reduction)
         return out
 
     side = torch.cuda.Stream()
@@ -306,8 +370,9 @@ def cuda_graph(ctx, use_logfmt):
         static_idx.copy_(idx)
         static_w.copy_(w)
         graph.replay()
-        assert_bitwise(f"combined_x (graph replay, seed {seed})", static_out,
-                       combine_reference(ctx, data[ctx.rank], logfmt=use_logfmt))
+        want = (rank_reduced_reference(ctx, data[ctx.rank]) if rank else
+                combine_reference(ctx, data[ctx.rank], logfmt=use_logfmt))
+        assert_bitwise(f"combined_x (graph replay, seed {seed})", static_out, want)
 
 
 def case_local_buffer_tensor_of_the_low_latency_area(ctx):

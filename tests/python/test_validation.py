@@ -64,9 +64,10 @@ EXPECTED_SIGNATURES = {
     "low_latency_dispatch": "self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
                             "cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, "
                             "use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False, "
-                            "return_recv_hook=False",
+                            "return_recv_hook=False, topk_weights=None",
     "low_latency_combine": "self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False, "
-                           "async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None",
+                           "async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None, "
+                           "reduction=None",
     "get_next_low_latency_combine_buffer": "self, handle",
     "clean_low_latency_buffer": "self, num_max_dispatch_tokens_per_rank, hidden, num_experts",
     "get_local_buffer_tensor": "self, dtype, size=None, offset=0, use_rdma_buffer=False",
@@ -352,8 +353,10 @@ def test_internode_checks():
 M = 16
 
 
-def ll_handle(tokens=T, topk=K, hidden=H, experts=E):
+def ll_handle(tokens=T, topk=K, hidden=H, experts=E, weights=False):
     native = _lib.LLHandle(0, tokens, hidden, topk, experts, M, None, None)
+    if weights:  # a dispatch given topk_weights: its recv_topk_slots
+        native.topk_slots = torch.zeros(R, M, topk, 2, dtype=torch.int32)
     L = experts // R
     return (torch.zeros(L, R * M, dtype=torch.int32), torch.zeros(L, R, dtype=torch.int64), M, hidden, experts, native)
 
@@ -388,6 +391,15 @@ def test_low_latency_dispatch_checks(buf):
         buf.low_latency_dispatch(x, idx, M, E, async_finish=True, return_recv_hook=True)
     with pytest.raises(ValueError, match="16-byte"):
         buf.low_latency_dispatch(misaligned_bf16(T, H), idx, M, E)
+    # topk_weights (keyword-only): carried for the rank-reduced combine
+    with launched:
+        buf.low_latency_dispatch(x, idx, M, E, topk_weights=torch.zeros(T, K))
+    with launched:
+        buf.low_latency_dispatch(x, idx, M, E, topk_weights=torch.zeros(T, K), return_recv_hook=True)
+    with pytest.raises(TypeError, match="topk_weights"):
+        buf.low_latency_dispatch(x, idx, M, E, topk_weights=torch.zeros(T, K, dtype=torch.float64))
+    with pytest.raises(ValueError, match="topk_weights"):
+        buf.low_latency_dispatch(x, idx, M, E, topk_weights=torch.zeros(T, K + 1))
 
 
 def test_low_latency_combine_checks(buf):
@@ -417,6 +429,19 @@ def test_low_latency_combine_checks(buf):
         buf.low_latency_combine(y, idx, w, ll_handle(), out=torch.zeros(T, H))
     with pytest.raises(ValueError, match="both"):
         buf.low_latency_combine(y, idx, w, ll_handle(), async_finish=True, return_recv_hook=True)
+    # reduction (keyword-only): "flat" (the default) or "rank" (needs a dispatch with topk_weights)
+    with launched:
+        buf.low_latency_combine(y, idx, w, ll_handle(), reduction="flat")
+    with launched:
+        buf.low_latency_combine(y, idx, w, ll_handle(weights=True), reduction="rank", return_recv_hook=True)
+    with pytest.raises(ValueError, match="topk_weights"):
+        buf.low_latency_combine(y, idx, w, ll_handle(), reduction="rank")
+    with pytest.raises(ValueError, match="use_logfmt"):
+        buf.low_latency_combine(y, idx, w, ll_handle(weights=True), reduction="rank", use_logfmt=True)
+    with pytest.raises(ValueError, match="reduction"):
+        buf.low_latency_combine(y, idx, w, ll_handle(weights=True), reduction="two_level")
+    with pytest.raises(TypeError, match="reduction"):
+        buf.low_latency_combine(y, idx, w, ll_handle(weights=True), reduction=3)
     with pytest.raises(TypeError, match="handle"):
         buf.get_next_low_latency_combine_buffer((1, 2, 3))
 

@@ -1,7 +1,8 @@
 // epx-bench low-latency: decoding-sized dispatch / combine latency per rank, checked against the reference model
 // first, with the NCCL all-to-all of the same tokens as a baseline.
 //   epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]
-//                         [--logfmt] [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate] [--seed S]
+//                         [--logfmt | --rank-reduced] [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate]
+//                         [--seed S]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,7 +27,8 @@ struct LowLatencyOptions {
   int topk = 8;
   int experts = 288;
   bool fp8 = true;
-  bool logfmt = false;  // combine with use_logfmt (docs/logfmt.md)
+  bool logfmt = false;        // combine with use_logfmt (docs/logfmt.md)
+  bool rank_reduced = false;  // dispatch with the weights; rank-reduced combine rows beside the flat ones
   int iters = 200;
   int warmup = 20;
   bool nccl = true;
@@ -37,8 +39,8 @@ struct LowLatencyOptions {
 
 const char* kUsage =
     "usage: epx-bench low-latency [--gpus N] [--tokens 128] [--hidden 7168] [--topk 8] [--experts 288] [--bf16]\n"
-    "                             [--logfmt] [--iters 200] [--warmup 20] [--no-nccl] [--fixed-gate] [--seed S]\n"
-    "                             [--json FILE]\n"
+    "                             [--logfmt | --rank-reduced] [--iters 200] [--warmup 20] [--no-nccl]\n"
+    "                             [--fixed-gate] [--seed S] [--json FILE]\n"
     "Times low-latency dispatch (FP8 unless --bf16), combine (LogFMT rows with --logfmt), dispatch + combine,\n"
     "and the send / receive phases with the receive hook, per rank (CUDA events, median), after checking one\n"
     "step against the reference model; NCCL all-to-all of the same tokens (one row per token per destination\n"
@@ -49,7 +51,9 @@ const char* kUsage =
     "at the same moment (rank 0 releases them 200 us after the ranks' shared start): the GPU's time only,\n"
     "without the host's launch latency (which the single-call rows include) or the ranks' launch skew.\n"
     "--fixed-gate: each rank's gate ends 200 us after its own launch instead (as before v0.18; the ranks'\n"
-    "launch skew then lands in the queued rows).\n";
+    "launch skew then lands in the queued rows).\n"
+    "--rank-reduced: every dispatch also carries the weights (its rows include that cost), and rows 'combine\n"
+    "rank-reduced' (EPX_REDUCE_RANK: one partial row per token and expert rank) follow the flat combine's.\n";
 
 LowLatencyOptions parse(int argc, char** argv, bool* help) {
   LowLatencyOptions o;
@@ -76,6 +80,8 @@ LowLatencyOptions parse(int argc, char** argv, bool* help) {
       o.fp8 = false;
     else if (a == "--logfmt")
       o.logfmt = true;
+    else if (a == "--rank-reduced")
+      o.rank_reduced = true;
     else if (a == "--iters")
       o.iters = parse_int(a, value(), 1, 100000);
     else if (a == "--warmup")
@@ -91,6 +97,7 @@ LowLatencyOptions parse(int argc, char** argv, bool* help) {
     else
       throw UsageError{"unknown option " + a};
   }
+  if (o.logfmt && o.rank_reduced) throw UsageError{"--logfmt and --rank-reduced exclude each other"};
   return o;
 }
 
@@ -179,15 +186,23 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   c.num_topk = o.topk;
   c.fp8 = o.fp8;
   c.logfmt = o.logfmt;
+  c.rank_reduced = o.rank_reduced;
   c.seed = o.seed;
   harness::LowLatencySession s(buffer, c, stream);
+  s.set_combine_rank_reduced(false);  // the flat rows; the rank-reduced ones switch it on around themselves
 
-  // Correctness first.
+  // Correctness first (with --rank-reduced: both orders).
   s.dispatch(kLowLatencyBothPhases);
   std::string err = s.check_dispatch();
   s.set_combine_inputs(o.seed + 1);
   s.combine(kLowLatencyBothPhases);
   err += s.check_combine();
+  if (o.rank_reduced) {
+    s.set_combine_rank_reduced(true);
+    s.combine(kLowLatencyBothPhases);
+    err += s.check_combine();
+    s.set_combine_rank_reduced(false);
+  }
   char mine[512] = {};
   std::snprintf(mine, sizeof(mine), "%s", err.c_str());
   std::vector<char> all(size_t(R) * sizeof(mine));
@@ -200,8 +215,8 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     std::printf(
         "epx-bench low-latency: %d ranks x %s, %d tokens/rank, hidden %d, top-%d of %d experts, %s dispatch, "
         "%s combine, median of %d iterations after %d warm-up\n",
-        R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16", o.logfmt ? "LogFMT" : "BF16",
-        o.iters, o.warmup);
+        R, prop.name, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "FP8" : "BF16",
+        o.logfmt ? "LogFMT" : (o.rank_reduced ? "BF16 (flat and rank-reduced)" : "BF16"), o.iters, o.warmup);
     std::printf("low-latency transport: %s\n", describe_low_latency_transport(buffer.low_latency_transport()).c_str());
     std::printf("check vs reference model: %s\n", ok ? "PASS" : "FAIL");
     if (have_line)
@@ -224,6 +239,16 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
       bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan, [&](int) {},
       [&] { s.dispatch(kLowLatencyBothPhases); }));
   rows.push_back(measure(bs, stream, combine_name, plan, none, [&] { s.combine(kLowLatencyBothPhases); }));
+  // --rank-reduced: the same row in that order, beside the flat one.
+  const auto rank_reduced_row = [&](auto&& measure_row) {
+    if (!o.rank_reduced) return;
+    s.set_combine_rank_reduced(true);
+    rows.push_back(measure_row());
+    s.set_combine_rank_reduced(false);
+  };
+  rank_reduced_row([&] {
+    return measure(bs, stream, "combine rank-reduced", plan, none, [&] { s.combine(kLowLatencyBothPhases); });
+  });
   rows.push_back(measure(bs, stream, "dispatch + combine", plan, none, [&] {
     s.dispatch(kLowLatencyBothPhases);
     s.combine(kLowLatencyBothPhases);
@@ -231,6 +256,9 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   rows.push_back(measure_in_a_row(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan,
                                   [&] { s.dispatch(kLowLatencyBothPhases); }));
   rows.push_back(measure_in_a_row(bs, stream, combine_name, plan, [&] { s.combine(kLowLatencyBothPhases); }));
+  rank_reduced_row([&] {
+    return measure_in_a_row(bs, stream, "combine rank-reduced", plan, [&] { s.combine(kLowLatencyBothPhases); });
+  });
   rows.push_back(measure_in_a_row(bs, stream, "dispatch + combine", plan, [&] {
     s.dispatch(kLowLatencyBothPhases);
     s.combine(kLowLatencyBothPhases);
@@ -272,6 +300,9 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
                                 [&] { s.dispatch(kLowLatencyBothPhases); }));
   rows.push_back(
       measure_queued(bs, stream, combine_name + " (queued)", plan, [&] { s.combine(kLowLatencyBothPhases); }));
+  rank_reduced_row([&] {
+    return measure_queued(bs, stream, "combine rank-reduced (queued)", plan, [&] { s.combine(kLowLatencyBothPhases); });
+  });
 
   // The same tokens through a CUDA graph (dispatch + combine), as frameworks run decoding.
   {
@@ -377,9 +408,11 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
     if (std::FILE* f = std::fopen(o.json.c_str(), "w")) {
       std::fprintf(f,
                    "{\"mode\": \"low-latency\", \"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"topk\": %d, "
-                   "\"experts\": %d, \"fp8\": %s, \"logfmt\": %s, \"transport\": \"%s\", \"queued_start\": "
+                   "\"experts\": %d, \"fp8\": %s, \"logfmt\": %s, \"rank_reduced\": %s, \"transport\": \"%s\", "
+                   "\"queued_start\": "
                    "\"%s\", \"gate_expired\": %u, \"rows\": [",
                    R, o.tokens, o.hidden, o.topk, experts, o.fp8 ? "true" : "false", o.logfmt ? "true" : "false",
+                   o.rank_reduced ? "true" : "false",
                    describe_low_latency_transport(buffer.low_latency_transport()).c_str(),
                    have_line ? "released together" : "fixed gate", total_expired);
       for (size_t i = 0; i < rows.size(); ++i) {

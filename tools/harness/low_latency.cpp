@@ -1,7 +1,10 @@
 #include "low_latency.hpp"
 
 #include <cstring>
+#include <set>
 #include <sstream>
+#include <stdexcept>
+#include <utility>
 
 namespace epx::harness {
 namespace {
@@ -35,7 +38,7 @@ uint32_t bits(float f) {
 }  // namespace
 
 LowLatencySession::LowLatencySession(Buffer& buffer, const LowLatencyCase& c, cudaStream_t stream)
-    : buffer_(buffer), c_(c), stream_(stream) {
+    : buffer_(buffer), c_(c), stream_(stream), combine_rank_(c.rank_reduced) {
   rank_ = buffer.rank();
   num_ranks_ = buffer.num_ranks();
   num_experts_ = c.num_experts;
@@ -53,6 +56,7 @@ LowLatencySession::LowLatencySession(Buffer& buffer, const LowLatencyCase& c, cu
   packed_count_.resize(L);
   src_info_.resize(rows);
   layout_range_.resize(size_t(L) * num_ranks_);
+  topk_slots_.resize(c.rank_reduced ? size_t(num_ranks_) * M * K * 2 : 1);
   expert_out_.resize(rows * H);
   combined_.resize(size_t(std::max(num_tokens_, 1)) * H);
   packed_x_.fill_bytes(0x7b, stream);
@@ -110,6 +114,7 @@ LowLatencyDispatchArgs LowLatencySession::dispatch_args() const {
   a.round_scale = c_.round_scale;
   a.use_ue8m0 = c_.ue8m0;
   a.cumulative_local_expert_recv_stats = stats_.get();
+  a.topk_weights = c_.rank_reduced ? topk_weights_.get() : nullptr;
   return a;
 }
 
@@ -118,8 +123,9 @@ void LowLatencySession::note_replayed_dispatch() {
 }
 
 void LowLatencySession::dispatch(int phases, bool counted) {
-  LowLatencyDispatchOutputs o{packed_x_.get(), c_.fp8 ? packed_scales_.get() : nullptr, packed_count_.get(),
-                              src_info_.get(), layout_range_.get()};
+  LowLatencyDispatchOutputs o{packed_x_.get(),     c_.fp8 ? packed_scales_.get() : nullptr,
+                              packed_count_.get(), src_info_.get(),
+                              layout_range_.get(), c_.rank_reduced ? topk_slots_.get() : nullptr};
   buffer_.low_latency_dispatch(dispatch_args(), o, phases, handle_, stream_);
   if (counted && (phases & kLowLatencyRecvPhase)) note_replayed_dispatch();
 }
@@ -127,8 +133,8 @@ void LowLatencySession::dispatch(int phases, bool counted) {
 void LowLatencySession::receive_with_fp8(bool fp8) {
   LowLatencyDispatchArgs a = dispatch_args();
   a.use_fp8 = fp8;
-  LowLatencyDispatchOutputs o{packed_x_.get(), packed_scales_.get(), packed_count_.get(), src_info_.get(),
-                              layout_range_.get()};
+  LowLatencyDispatchOutputs o{packed_x_.get(), packed_scales_.get(), packed_count_.get(),
+                              src_info_.get(), layout_range_.get(),  c_.rank_reduced ? topk_slots_.get() : nullptr};
   buffer_.low_latency_dispatch(a, o, kLowLatencyRecvPhase, handle_, stream_);
 }
 
@@ -153,6 +159,7 @@ LowLatencyCombineArgs LowLatencySession::combine_args() const {
   a.topk_idx = topk_idx_.get();
   a.topk_weights = topk_weights_.get();
   a.use_logfmt = c_.logfmt;
+  a.reduction = combine_rank_ ? EPX_REDUCE_RANK : EPX_REDUCE_DEFAULT;
   return a;
 }
 
@@ -163,6 +170,18 @@ void LowLatencySession::combine(int phases) {
 void LowLatencySession::combine_with_logfmt(int phases, bool logfmt) {
   LowLatencyCombineArgs a = combine_args();
   a.use_logfmt = logfmt;
+  combine_set_ = buffer_.low_latency_combine(a, handle_, combined_.get(), phases, combine_set_, stream_);
+}
+
+void LowLatencySession::set_combine_rank_reduced(bool rank_reduced) {
+  if (rank_reduced && !c_.rank_reduced)
+    throw std::invalid_argument("set_combine_rank_reduced: the case's dispatches carry no weights (rank_reduced)");
+  combine_rank_ = rank_reduced;
+}
+
+void LowLatencySession::combine_with_reduction(int phases, int reduction) {
+  LowLatencyCombineArgs a = combine_args();
+  a.reduction = reduction;
   combine_set_ = buffer_.low_latency_combine(a, handle_, combined_.get(), phases, combine_set_, stream_);
 }
 
@@ -251,6 +270,8 @@ std::string LowLatencySession::check_combine() const {
     const float* w = weights_[rank_].data() + size_t(t) * K;
     if (c_.logfmt)
       ref::low_latency_combine_row_logfmt(H, idx, w, K, num_experts_, row, want.data());
+    else if (combine_rank_)
+      ref::low_latency_combine_row_rank_reduced(H, idx, w, K, num_experts_, num_ranks_, row, want.data());
     else
       ref::low_latency_combine_row(H, idx, w, K, num_experts_, row, want.data());
     if (std::memcmp(got.data() + size_t(t) * H, want.data(), size_t(H) * 2) != 0) {
@@ -273,21 +294,34 @@ double LowLatencySession::dispatch_bytes() const {
 
 std::vector<size_t> LowLatencySession::combine_rows_to() const {
   std::vector<size_t> n(num_ranks_, 0);
+  std::set<std::pair<int, int>> tokens;  // rank-reduced: one row per (source, token) with any expert here
   for (const auto& expert_rows : rows_)
-    for (const auto& row : expert_rows) ++n[row.src_rank];
+    for (const auto& row : expert_rows)
+      if (!combine_rank_ || tokens.insert({row.src_rank, int(row.src_token)}).second) ++n[row.src_rank];
   return n;
 }
 
 std::vector<size_t> LowLatencySession::combine_rows_from() const {
   std::vector<size_t> n(num_ranks_, 0);
-  const int per_rank = num_experts_ / num_ranks_;
-  for (int64_t e : topk_[rank_])
-    if (e >= 0 && e < num_experts_) ++n[e / per_rank];
+  const int per_rank = num_experts_ / num_ranks_, K = c_.num_topk;
+  for (size_t t = 0; t * K < topk_[rank_].size(); ++t) {
+    std::vector<bool> seen(num_ranks_, false);  // rank-reduced: one row per rank holding any of t's experts
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = topk_[rank_][t * K + k];
+      if (e < 0 || e >= num_experts_ || (combine_rank_ && seen[e / per_rank])) continue;
+      seen[e / per_rank] = true;
+      ++n[e / per_rank];
+    }
+  }
   return n;
 }
 
 double LowLatencySession::combine_bytes() const {
   size_t n = 0;
+  if (combine_rank_) {
+    for (size_t rows : combine_rows_from()) n += rows;
+    return double(n) * c_.hidden * 2.0;
+  }
   for (int t = 0; t < num_tokens_; ++t)
     for (int k = 0; k < c_.num_topk; ++k) n += topk_[rank_][size_t(t) * c_.num_topk + k] >= 0 ? 1 : 0;
   return double(n) * (c_.logfmt ? double(ref::logfmt_row_bytes(c_.hidden)) : c_.hidden * 2.0);

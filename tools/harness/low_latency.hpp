@@ -27,6 +27,7 @@ struct LowLatencyCase {
   bool ue8m0 = false;
   bool zero_copy = false;
   bool logfmt = false;           // combine with use_logfmt (docs/logfmt.md), checked against the LogFMT reference
+  bool rank_reduced = false;     // dispatch with topk_weights, combine in the rank-reduced order (EPX_REDUCE_RANK)
   bool expert_identity = false;  // combine input = the dispatch's packed_recv_x (BF16 only): graph friendly
   Routing routing = Routing::kUniform;
   double empty_slot_prob = 0.0;
@@ -53,6 +54,11 @@ class LowLatencySession {
   void combine(int phases);
   // combine(phases) with use_logfmt replaced (for tests of the Buffer's checks).
   void combine_with_logfmt(int phases, bool logfmt);
+  // combine(phases) with the reduction order replaced (EPX_REDUCE_*; for tests of the Buffer's checks).
+  void combine_with_reduction(int phases, int reduction);
+  // The order of the next combines and checks: rank-reduced (needs a case with rank_reduced, whose dispatches
+  // carry the weights) or flat. The case's rank_reduced at first.
+  void set_combine_rank_reduced(bool rank_reduced);
 
   std::string check_dispatch() const;
   std::string check_combine() const;
@@ -88,9 +94,11 @@ class LowLatencySession {
   DeviceArray<int32_t> packed_scales_;
   DeviceArray<int> packed_count_, src_info_;
   DeviceArray<int64_t> layout_range_;
+  DeviceArray<int32_t> topk_slots_;  // [R, M, K, 2] with rank_reduced
   DeviceArray<uint16_t> expert_out_, combined_;
   LowLatencyHandle handle_{};
   int combine_set_ = -1;
+  bool combine_rank_ = false;  // the combine's order (set_combine_rank_reduced)
 };
 
 }  // namespace epx::harness

@@ -19,6 +19,10 @@
 // writes that instead (NVSHMEM peers: staged at the item's own place in the combine-send area, which the block never
 // outgrows), every row including this rank's own (no rows read in place); the receive phase decodes each slot's row
 // to float32 before the same weighted sum. A separate instantiation of each phase, so the BF16 path is unchanged.
+// Rank-reduced (EPX_REDUCE_RANK): the same items, targets and counters; the item of a token's first row on this rank
+// sums that part of all the token's rows here (weights and slots from the dispatch, recv_topk_slots) and sends the
+// bf16 partial; the other rows' items send nothing. The source sums one partial per rank (receive_rank_phase). Own
+// rows are never read in place. A separate instantiation of each phase too.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -55,11 +59,55 @@ __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, in
   return reinterpret_cast<int32_t*>(receive + slot * row_int4);
 }
 
+// Rank-reduced (kRank): the item [first, last) of row `row` (source s, token t, local expert i = row / (R*M), global
+// expert e). Only the token's first row here (its lowest slot k on this rank, recv_topk_slots) sends: the item's
+// part of the partial bf16(sum over the token's slots on this rank, k ascending, of w * float(row)), float32
+// multiply then add from 0, one rounding, into the source's slot of expert e. The other rows' items send nothing;
+// they still count as sent, so every pair's target stays the flat combine's and the source awaits the first
+// expert's counter.
+__device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p, int64_t row, int s, int t, int e,
+                                               int first, int last, int lane, int4* receive, int4* stage) {
+  constexpr int kPer = kChunk / 32;  // int4 per lane
+  const int K = p.num_topk, row_int4 = p.hidden / 8;
+  const int2 entry = lane < K ? p.recv_topk_slots[(int64_t(s) * p.max_tokens + t) * K + lane] : make_int2(-1, 0);
+  const uint32_t here = __ballot_sync(kFullMask, entry.x >= 0);
+  if (here == 0 || __shfl_sync(kFullMask, entry.x, __ffs(here) - 1) != int(row)) return;  // not the first row
+  float acc[kPer][8] = {};
+  for (uint32_t m = here; m != 0; m &= m - 1) {
+    const int k = __ffs(m) - 1;  // ascending
+    const int64_t rk = __shfl_sync(kFullMask, entry.x, k);
+    const float w = __int_as_float(__shfl_sync(kFullMask, entry.y, k));
+    const int4* src = p.x + rk * row_int4 + first;
+    int4 v[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      if (first + j * 32 + lane < last) v[j] = ld_nc(src + j * 32 + lane);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (first + j * 32 + lane >= last) continue;
+      const uint32_t words[4] = {uint32_t(v[j].x), uint32_t(v[j].y), uint32_t(v[j].z), uint32_t(v[j].w)};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
+        acc[j][2 * q] = __fadd_rn(acc[j][2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
+        acc[j][2 * q + 1] = __fadd_rn(acc[j][2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
+      }
+    }
+  }
+  int4 out[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) out[j] = pack_bf16x8(acc[j]);
+  // NVSHMEM peers: staged at the row's own place in the combine-send area (with zero-copy that is x itself: this
+  // item's part of the row, which only this item reads, and its loads are done).
+  put_warp_values<kPer>(p.peers.ll, s, receive + (int64_t(e) * p.max_tokens + t) * row_int4 + first, out, last - first,
+                        lane, stage + row * row_int4 + first);
+}
+
 // Rows this rank sends back, in items of kChunk int4 spread over the whole grid's warps. Row g of the
 // concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and
 // source rank s (from the layout range). s_items counts the block's items per (local expert, source) pair.
 // kLogfmt: each item goes as its LogFMT block (an item of kChunk int4 is 8 groups: one block).
-template <bool kLogfmt>
+// kRank: the rank-reduced order (send_partial_item).
+template <bool kLogfmt, bool kRank = false>
 __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
   static_assert(kChunk == kLogfmtGroupsPerBlock * kLogfmtGroupInt4, "a work item encodes into one LogFMT block");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -123,7 +171,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // With both phases in this launch, this rank's own rows are not copied: the receive phase reads them from x
   // in place, through the row index each one leaves in its receive slot (local_row_of). A send-only launch
   // (hook) copies them, since x may change before the hook runs.
-  const bool local_in_place = !kLogfmt && (p.phases & kLowLatencyRecv) != 0;
+  const bool local_in_place = !kLogfmt && !kRank && (p.phases & kLowLatencyRecv) != 0;
   const int64_t slot_int4 = kLogfmt ? logfmt_row_bytes(p.hidden) / 16 : row_int4;  // a receive slot (one row)
   // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
   // the start of the next): faster than items a grid apart, than 4 adjacent ones, and than spreading a block's
@@ -165,6 +213,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
           __syncwarp();
           put_warp_once<kChunk / 32>(p.peers.ll, s, block, staged, block_int4, lane, LoadNc{});
         }
+      } else if constexpr (kRank) {
+        send_partial_item(p, row, s, t, e, first, last, lane, receive, stage);
       } else if (s == me && local_in_place) {
         if (part == 0 && lane == 0)  // published like the data items (the block's fence and add)
           *local_row_of(receive, int64_t(e) * M + t, row_int4) = int32_t(row);
@@ -228,6 +278,64 @@ __device__ __forceinline__ void reduce_logfmt_token(const LowLatencyCombineParam
     }
     st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
   }
+}
+
+// Rank-reduced (p.rank_reduced): block b sums tokens b, b+G, ..., each from one partial row per rank that holds
+// any of its experts, in ascending rank order: out[t] = bf16(sum over r ascending of float(partial_r)), float32
+// from 0, one rounding. Rank r's partial sits in the slot of the token's first expert on r (lowest k), written by
+// r's send phase (send_partial_item) and published by that expert's arrival counter, awaited as in the flat order.
+__device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p) {
+  __shared__ const int4* s_partial[kMaxNvlRanks];  // rank r's partial row of token t, null where r has none
+  const int M = p.max_tokens, K = p.num_topk, E = p.num_experts, R = p.num_ranks;
+  const int L = E / R;
+  const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // the send phase's too (same block, same op)
+  const int32_t* arrived = p.layout.combine_arrived(p.peers.ll.local, p.set);
+  const uint64_t* targets = p.layout.combine_target(p.peers.ll.local, p.set);
+  const int row_int4 = p.hidden / 8;
+  const int4* recv = reinterpret_cast<const int4*>(p.layout.receive(p.peers.ll.local, p.set));
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    if (threadIdx.x < 32) {  // warp 0: a lane per slot (K <= 32) and per rank (R <= 32)
+      const int lane = threadIdx.x;
+      if (lane < R) s_partial[lane] = nullptr;
+      __syncwarp();
+      const int64_t e = lane < K ? p.topk_idx[int64_t(t) * K + lane] : -1;
+      const bool valid = e >= 0 && e < E;
+      const int r = valid ? int(e) / L : -1;
+      const uint32_t same_rank = __match_any_sync(kFullMask, r) & __ballot_sync(kFullMask, valid);
+      if (valid && (same_rank & lanemask_lt()) == 0) {  // the token's first slot on rank r
+        // Acquire, as in receive_phase: pairs with the adds of r's blocks after their last items (each behind a
+        // fence); the __syncthreads below orders every thread's row loads after it.
+        const uint32_t tag = k_ops + 1u;
+        const WaitSite site{kRoleLowLatencyCombineRecv, -1, r, int(e)};
+        const int slot = arrival_slot(r, int(e) % L, R);
+        const uint64_t posted = wait_until(
+            targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.fail, site);
+        wait_epoch(arrived + slot, int32_t(uint32_t(posted)), p.fail, site);
+        s_partial[r] = recv + (e * M + t) * row_int4;
+      }
+    }
+    __syncthreads();
+    for (int h = threadIdx.x; h < row_int4; h += kThreads) {
+      int4 v[kMaxNvlRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxNvlRanks; ++r)  // every partial's load in flight, then r ascending
+        if (r < R && s_partial[r] != nullptr) v[r] = ld_cg(s_partial[r] + h);
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int r = 0; r < kMaxNvlRanks; ++r) {
+        if (r >= R || s_partial[r] == nullptr) continue;
+        const uint32_t words[4] = {uint32_t(v[r].x), uint32_t(v[r].y), uint32_t(v[r].z), uint32_t(v[r].w)};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(words[q] << 16));
+          acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __uint_as_float(words[q] & 0xffff0000u));
+        }
+      }
+      st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
+    }
+    __syncthreads();  // s_partial is rewritten for the next token
+  }
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks);
 }
 
 // Block b reduces tokens b, b+G, ... as soon as the arrival counters of that token's experts reach their
@@ -324,12 +432,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (p.phases & kLowLatencySend) {
     if (p.logfmt)
       send_phase<true>(p, s_first, s_range, s_items);
+    else if (p.rank_reduced)
+      send_phase<false, true>(p, s_first, s_range, s_items);
     else
       send_phase<false>(p, s_first, s_range, s_items);
   }
   if (p.phases & kLowLatencyRecv) {
     if (p.logfmt)
       receive_phase<false, true>(p);
+    else if (p.rank_reduced)
+      receive_rank_phase(p);
     else if (p.phases & kLowLatencySend)
       receive_phase<true, false>(p);
     else

@@ -23,6 +23,9 @@
 // epoch counter (recv_seen), which (once all blocks have) lets the next op on this set write here. The receive
 // phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its registers do
 // not add to the send phase's.
+// With topk_weights (for the rank-reduced combine) each record also carries the token's top-k experts and weights;
+// the receive turns them into recv_topk_slots (note_topk_slot), the expert rank's table of which packed rows and
+// weights make each source token's partial sum. Without them nothing of this runs.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -46,6 +49,11 @@ using namespace dev;
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
+
+// The record of this call: with topk_weights it carries the token's top-k (LowLatencyRecord).
+__host__ __device__ __forceinline__ LowLatencyRecord record_of(const LowLatencyDispatchParams& p) {
+  return LowLatencyRecord::make(p.hidden, p.fp8 != 0, p.topk_weights != nullptr ? p.num_topk : 0);
+}
 
 // The block's copy of topk_idx as int16 in shared memory (indices outside [-1, E) become -2, which no expert
 // matches), so that the scans below cost shared-memory latency instead of one L2 round trip per 32 entries.
@@ -94,6 +102,13 @@ __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyR
       if (lane == 0) s_scales[g] = scale;
     }
   }
+  if (p.topk_weights != nullptr && threadIdx.x < p.num_topk) {  // the token's top-k, for the rank-reduced combine
+    // From global memory: s_topk is complete only after the barrier that follows staging.
+    const int k = threadIdx.x, K = p.num_topk;
+    const int64_t e = p.topk_idx[int64_t(t) * K + k];
+    reinterpret_cast<float*>(s_rec + rec.topk_offset)[k] = p.topk_weights[int64_t(t) * K + k];
+    reinterpret_cast<int16_t*>(s_rec + rec.topk_offset + 4 * K)[k] = int16_t(e >= -1 && e < p.num_experts ? e : -2);
+  }
 }
 
 // Token t's record in symmetric memory, the source of NVSHMEM puts.
@@ -125,7 +140,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk, me = p.peers.rank;
   const int L = p.num_experts / R;
-  const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
+  const LowLatencyRecord rec = record_of(p);
   const uint64_t* recv_seen = p.layout.recv_seen(p.peers.ll.local, p.set);
   // Earlier ops on this set, of either kind: every peer must have received them before this one writes there.
   // This block's receive count on the set (kernels/low_latency/epochs.cuh), written by an earlier kernel.
@@ -211,7 +226,7 @@ constexpr int kChunk = kCopyItemInt4;  // int4 per receive work item (device/tra
 // every load issued before the first store, so the item costs one load latency.
 __device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p, const uint8_t* src, int i, int n,
                                               int token, int lane) {
-  const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
+  const LowLatencyRecord rec = record_of(p);
   const int groups = p.hidden / kFp8GroupSize;
   const int64_t rows_per_expert = int64_t(p.num_ranks) * p.max_tokens;
   if (p.fp8 && p.ue8m0) {  // 4 exponent bytes per int32, token-minor: [L][H/512][R*M]
@@ -239,6 +254,43 @@ __device__ __forceinline__ void copy_row_meta(const LowLatencyDispatchParams& p,
   if (lane == 0) p.recv_src_info[int64_t(i) * rows_per_expert + n] = token;
 }
 
+// With topk_weights (for the rank-reduced combine): row n of local expert i, from source s (its slot-th row of
+// that pair, source token `token`), is one of the token's top-k slots; finds which from the top-k its record
+// carries and writes (packed row, weight bits) into recv_topk_slots[s][token][k]. The row of the token's first
+// slot on this rank (lowest k) also writes (-1, 0) into the slots whose expert is elsewhere: every slot on this
+// rank has a row here (one writer each), so this dispatch writes all K entries of every token that reached this
+// rank. Read after the arrival acquire of the row (the top-k travels in the record, under the same release).
+__device__ __noinline__ void note_topk_slot(const LowLatencyDispatchParams& p, const uint8_t* src,
+                                            const int32_t* pair_map, int i, int s, int n, int slot, int token,
+                                            int lane) {
+  const LowLatencyRecord rec = record_of(p);
+  const int K = p.num_topk, R = p.num_ranks, M = p.max_tokens;
+  const int L = p.num_experts / R, first_expert = p.peers.rank * L;
+  int e = -1;
+  int32_t w = 0;
+  if (lane < K) {
+    w = ld_cg(reinterpret_cast<const int32_t*>(src + rec.topk_offset) + lane);
+    e = int16_t(ld_cg(reinterpret_cast<const uint16_t*>(src + rec.topk_offset + 4 * K) + lane));
+  }
+  const uint32_t here = __ballot_sync(kFullMask, e >= first_expert && e < first_expert + L);
+  const uint32_t mine = __ballot_sync(kFullMask, e == first_expert + i);
+  // A token that lists expert i more than once has that many consecutive rows of (i, s), in slot order: this
+  // row's occurrence is the number of rows right before it with the same token.
+  const int occurrences = __popc(mine);
+  int before = 0;
+  while (before + 1 < occurrences && slot - before - 1 >= 0 && ld_cg(pair_map + slot - before - 1) == token + 1)
+    ++before;
+  uint32_t m = mine;
+  for (int j = 0; j < before; ++j) m &= m - 1;
+  if (m == 0) return;  // the record names no slot of expert i: a broken protocol (reads stay in bounds)
+  const int k = __ffs(m) - 1;
+  int2* slots = reinterpret_cast<int2*>(p.recv_topk_slots) + (int64_t(s) * M + token) * K;
+  if (lane == k)
+    slots[k] = make_int2(int(int64_t(i) * R * M + n), w);
+  else if (k == __ffs(here) - 1 && lane < K && !(here >> lane & 1))
+    slots[lane] = make_int2(-1, 0);
+}
+
 // Receive warps: warps 0 .. recv_warps - 1 of the block (every warp without a send phase in this launch; with
 // one, all but the writers, which join at the end once their arrival adds are issued).
 __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int recv_warps) {
@@ -248,7 +300,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens;
   const int L = p.num_experts / R;
-  const LowLatencyRecord rec = LowLatencyRecord::make(p.hidden, p.fp8 != 0);
+  const LowLatencyRecord rec = record_of(p);
   const int64_t rows_per_expert = int64_t(R) * M;
   const uint8_t* records = p.layout.dispatch_records(p.peers.ll.local, p.set);
   const int32_t* row_map = p.layout.dispatch_row_map(p.peers.ll.local, p.set, R, M, rec.bytes);
@@ -315,6 +367,8 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
                                         reinterpret_cast<const int4*>(src) + first, min(2 * kChunk, end4 - first), lane,
                                         LoadCg{}, StoreNa{});
       if (c1 > chunks) copy_row_meta(p, src, i, n, token, lane);
+      if (c1 > chunks && p.recv_topk_slots != nullptr)
+        note_topk_slot(p, src, row_map + (int64_t(i) * R + s) * M, i, s, n, n - s_begin[s], token, lane);
     }
     named_barrier(1, threads);  // every row of expert i is copied; no warp reads s_begin / s_expected any more
     // The count and arrival slots are free for the next op on this set (published by the block's completion
@@ -329,14 +383,13 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
 
 // Dynamic shared memory of a launch: the staged record and topk as int16 (send).
 __host__ __device__ __forceinline__ size_t dispatch_smem_bytes(const LowLatencyDispatchParams& p) {
-  return size_t(LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes) +
-         size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
+  return size_t(record_of(p).bytes) + size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
     low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {
   extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
-  int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + LowLatencyRecord::make(p.hidden, p.fp8 != 0).bytes);
+  int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + record_of(p).bytes);
   wait_prior_grids();  // before any memory access (kernels/low_latency/launch.cuh)
   allow_next_grid();
   if (p.phases & kLowLatencySend) send_phase(p, s_rec, s_topk);
