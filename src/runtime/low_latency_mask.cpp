@@ -27,8 +27,8 @@ double shrink_timeout_seconds(double option_s, const char* env_value) {
       raise(Status::kInvalidArgument, "EPX_LL_SHRINK_TIMEOUT_S must be a number of seconds in (0, 1e7), got '",
             env_value, "'");
   }
-  EPX_REQUIRE(!std::isnan(option_s) && option_s < kMaxShrinkSeconds, "shrink_timeout_s must be < 1e7 seconds (<= 0: ",
-              "the default), got ", option_s);
+  EPX_REQUIRE(!std::isnan(option_s) && option_s < kMaxShrinkSeconds,
+              "shrink_timeout_s must be < 1e7 seconds (<= 0: ", "the default), got ", option_s);
   if (option_s > 0) return option_s;
   return env_s > 0 ? env_s : kDefaultShrinkTimeoutSeconds;
 }

@@ -1,5 +1,7 @@
 // Rank masking (enable_shrink, semantics.md section 9) on the CPU: the shrink budget's parsing, the reference model
 // under a mask, and the C ABI's mask calls without a buffer.
+#include "runtime/shrink.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,7 +11,6 @@
 #include "epx/epx.h"
 #include "epx/epx.hpp"
 #include "epx/reference.hpp"
-#include "runtime/shrink.hpp"
 
 namespace {
 

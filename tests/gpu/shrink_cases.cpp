@@ -191,36 +191,30 @@ std::vector<Case> shrink_cases() {
     cases.push_back(up_front_case("ll: shrink, last rank masked up front, zero-copy + logfmt, hook", c, true));
   }
   cases.push_back(Case{"ll: shrink, a CUDA graph's replays read the mask when they run", graph_reads_mask});
-  cases.push_back(Case{"ll: shrink, mask calls check their arguments", [](Context& ctx) {
-                         std::string err;
-                         auto expect_invalid = [&](const char* what, auto&& call) {
-                           try {
-                             call();
-                             err += std::string(what) + ": accepted\n";
-                           } catch (const Error& e) {
-                             if (e.status() != Status::kInvalidArgument)
-                               err += std::string(what) + ": " + e.what() + "\n";
-                           }
-                         };
-                         // The suite's buffer has no enable_shrink.
-                         expect_invalid("update_mask without enable_shrink", [&] {
-                           ctx.buffer.low_latency_update_mask_buffer(0, true, ctx.stream);
-                         });
-                         expect_invalid("clean_mask without enable_shrink",
-                                        [&] { ctx.buffer.low_latency_clean_mask_buffer(ctx.stream); });
-                         Buffer b(ctx.bootstrap, shrink_options(ctx.num_ranks, true));
-                         expect_invalid("update_mask(-1)",
-                                        [&] { b.low_latency_update_mask_buffer(-1, true, ctx.stream); });
-                         expect_invalid("update_mask(R)", [&] {
-                           b.low_latency_update_mask_buffer(ctx.num_ranks, true, ctx.stream);
-                         });
-                         expect_invalid("query_mask(NULL)",
-                                        [&] { b.low_latency_query_mask_buffer(nullptr, ctx.stream); });
-                         if (b.shrink_timeout() != kShrinkBudget)
-                           err += "shrink_timeout() " + std::to_string(b.shrink_timeout()) + "\n";
-                         b.destroy();
-                         return err;
-                       }});
+  cases.push_back(Case{
+      "ll: shrink, mask calls check their arguments", [](Context& ctx) {
+        std::string err;
+        auto expect_invalid = [&](const char* what, auto&& call) {
+          try {
+            call();
+            err += std::string(what) + ": accepted\n";
+          } catch (const Error& e) {
+            if (e.status() != Status::kInvalidArgument) err += std::string(what) + ": " + e.what() + "\n";
+          }
+        };
+        // The suite's buffer has no enable_shrink.
+        expect_invalid("update_mask without enable_shrink",
+                       [&] { ctx.buffer.low_latency_update_mask_buffer(0, true, ctx.stream); });
+        expect_invalid("clean_mask without enable_shrink",
+                       [&] { ctx.buffer.low_latency_clean_mask_buffer(ctx.stream); });
+        Buffer b(ctx.bootstrap, shrink_options(ctx.num_ranks, true));
+        expect_invalid("update_mask(-1)", [&] { b.low_latency_update_mask_buffer(-1, true, ctx.stream); });
+        expect_invalid("update_mask(R)", [&] { b.low_latency_update_mask_buffer(ctx.num_ranks, true, ctx.stream); });
+        expect_invalid("query_mask(NULL)", [&] { b.low_latency_query_mask_buffer(nullptr, ctx.stream); });
+        if (b.shrink_timeout() != kShrinkBudget) err += "shrink_timeout() " + std::to_string(b.shrink_timeout()) + "\n";
+        b.destroy();
+        return err;
+      }});
   return cases;
 }
 
@@ -276,9 +270,10 @@ int run_shrink_process_suite(int num_ranks) {
         return problem.empty() ? 0 : 1;
       },
       300, 60);
-  std::printf("[%s] ll: shrink, a silent rank is masked within the shrink budget, later calls work, it comes back "
-              "(%d ranks)\n",
-              r.num_failed == 0 ? "PASS" : "FAIL", num_ranks);
+  std::printf(
+      "[%s] ll: shrink, a silent rank is masked within the shrink budget, later calls work, it comes back "
+      "(%d ranks)\n",
+      r.num_failed == 0 ? "PASS" : "FAIL", num_ranks);
   if (r.num_failed) std::printf("%s", r.summary.c_str());
   rc |= r.num_failed == 0 ? 0 : 1;
 
