@@ -62,15 +62,20 @@ typedef struct epx_bootstrap {
 } epx_bootstrap;
 
 typedef struct epx_buffer_options {
-  int64_t num_nvl_bytes;  /* high-throughput ring buffers (see epx_config_nvl_size_hint) */
-  int64_t num_rdma_bytes; /* low-latency buffers (epx_ll_size_hint), or the internode network rings
-                             (epx_config_internode_size_hints) */
-  int low_latency_mode;   /* nonzero: the buffer serves low-latency dispatch/combine */
-  int num_nvl_ranks;      /* NVLink domain size G; 0: $EPX_NUM_NVL_RANKS if set, else the ranks that share a host */
-  double timeout_s;       /* wait budget of every device and host wait; <= 0 means the default, 100 s */
-  int device;             /* CUDA device; -1 means the current device */
-  int force_internode;    /* nonzero (or $EPX_FORCE_INTERNODE=1): the internode kernels also when every rank is in
-                             one domain (tests the NVLink forwarding on one host); needs NVSHMEM */
+  int64_t num_nvl_bytes;   /* high-throughput ring buffers (see epx_config_nvl_size_hint) */
+  int64_t num_rdma_bytes;  /* low-latency buffers (epx_ll_size_hint), or the internode network rings
+                              (epx_config_internode_size_hints) */
+  int low_latency_mode;    /* nonzero: the buffer serves low-latency dispatch/combine */
+  int num_nvl_ranks;       /* NVLink domain size G; 0: $EPX_NUM_NVL_RANKS if set, else the ranks that share a host */
+  double timeout_s;        /* wait budget of every device and host wait; <= 0 means the default, 100 s */
+  int device;              /* CUDA device; -1 means the current device */
+  int force_internode;     /* nonzero (or $EPX_FORCE_INTERNODE=1): the internode kernels also when every rank is in
+                              one domain (tests the NVLink forwarding on one host); needs NVSHMEM */
+  int enable_shrink;       /* nonzero: rank masking in the low-latency mode (semantics.md section 9; needs a low-latency
+                              region): a wait for one rank that outlasts shrink_timeout_s masks that rank and the call
+                              completes without it. The same on every rank */
+  double shrink_timeout_s; /* with enable_shrink: that budget in seconds, in (0, 1e7); <= 0 means
+                              $EPX_LL_SHRINK_TIMEOUT_S if set, else 1 s. Shorter than timeout_s to take effect */
 } epx_buffer_options;
 
 /* Limits of this library (its constants, for bindings and tools that must not repeat them). */
@@ -341,6 +346,18 @@ epx_status epx_ll_combine(epx_buffer* buffer, const epx_ll_combine_args* args, c
                           void* combined_x, int phases, int* buffer_set, void* stream);
 /* The bf16 [L, R*M, hidden] area the next low-latency call reads zero-copy combine inputs from. */
 epx_status epx_ll_next_combine_buffer(epx_buffer* buffer, const epx_ll_handle* handle, void** ptr);
+
+/* Rank masking (buffers created with enable_shrink; semantics.md section 9). This rank's mask of the ranks its
+ * low-latency calls leave out, in device memory: the kernels read it when they run (graph replays included) and
+ * set a rank's entry when a wait for it outlasts the shrink budget. Stream-ordered, local to this rank (not
+ * collective); only while no low-latency call of this buffer is waiting to be received. After a rank is unmasked
+ * (mask 0, or epx_ll_clean_mask) every rank must call epx_ll_clean before its next low-latency call (the buffer
+ * rejects the call until then). */
+epx_status epx_ll_update_mask(epx_buffer* buffer, int rank, int mask, void* stream); /* mask: nonzero masks rank */
+/* Copies the mask into out: num_ranks int32 in device memory, 1 where a rank is masked, else 0. */
+epx_status epx_ll_query_mask(epx_buffer* buffer, int32_t* out, void* stream);
+/* Unmasks every rank. */
+epx_status epx_ll_clean_mask(epx_buffer* buffer, void* stream);
 
 #ifdef __cplusplus
 }

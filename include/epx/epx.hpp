@@ -172,6 +172,15 @@ class Buffer {
                           int phases, int buffer_set, cudaStream_t stream);
   // Where the next low-latency call reads zero-copy combine inputs: bf16 [L, R*M, hidden].
   void* next_low_latency_combine_buffer(const LowLatencyHandle& handle);
+  // Rank masking (BufferOptions::enable_shrink; semantics.md section 9): this rank's device-side mask of the ranks its
+  // low-latency calls leave out. Stream-ordered and local (see epx_ll_update_mask). After unmasking a rank, every
+  // rank calls clean_low_latency_buffer before its next low-latency call.
+  void low_latency_update_mask_buffer(int rank, bool mask, cudaStream_t stream);
+  // Copies the mask into mask_status: num_ranks() int32 in device memory, 1 = masked.
+  void low_latency_query_mask_buffer(int32_t* mask_status, cudaStream_t stream);
+  void low_latency_clean_mask_buffer(cudaStream_t stream);
+  bool shrink_enabled() const;
+  double shrink_timeout() const;  // seconds a low-latency wait for one rank lasts before it masks the rank
 
   struct Impl;
   Impl* impl() { return impl_.get(); }

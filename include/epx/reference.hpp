@@ -159,6 +159,19 @@ void low_latency_combine_row(int hidden, const int64_t* idx, const float* w, int
 void low_latency_combine_row_rank_reduced(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
                                           int num_ranks, const ExpertRow& row, uint16_t* out);
 
+// ---- semantics.md section 9: rank masking (enable_shrink)
+// ---------------------------------------------------------------- mask[r] nonzero: rank r is masked in the view of
+// `rank` (each rank has its own mask). A rank whose own entry is set leaves every rank out (it takes no part).
+// Which ranks the low-latency calls of `rank` leave out (mask has one entry per rank).
+std::vector<bool> low_latency_left_out(const std::vector<int32_t>& mask, int rank);
+// low_latency_rows under a mask: no rows from ranks left out (none at all when `rank` itself is masked).
+std::vector<std::vector<RecvRow>> low_latency_rows_masked(const std::vector<Source>& sources, int num_topk,
+                                                          int num_experts, int rank, const std::vector<int32_t>& mask);
+// A token's topk_idx as the combine of `rank` sees it under a mask: slots whose expert is on a rank left out become
+// -1 (the combine then computes low_latency_combine_row on them); out may be idx.
+void mask_topk_slots(const int64_t* idx, int num_topk, int num_experts, const std::vector<int32_t>& mask, int rank,
+                     int64_t* out);
+
 // ---- semantics.md section 9: the LogFMT combine (use_logfmt; docs/logfmt.md)
 // ------------------------------------------- The encoding rules are src/layout/logfmt.hpp's, which the kernels use
 // too. hidden % 128 == 0. Bytes of one encoded row.

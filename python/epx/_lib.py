@@ -18,7 +18,8 @@ from .errors import error_for
 
 # The ABI this package was written against (epx.h EPX_VERSION_MAJOR / MINOR).
 ABI_MAJOR = 0
-ABI_MIN_MINOR = 6  # topk_weights / recv_topk_slots and reduction of the low-latency structs (rank-reduced combine)
+ABI_MIN_MINOR = 6  # rank-reduced combine (topk_weights / recv_topk_slots, reduction) and rank masking (enable_shrink,
+#                    shrink_timeout_s, epx_ll_*_mask)
 
 LIBRARY_NAME = "libepx.so"
 
@@ -54,7 +55,8 @@ class Bootstrap(Structure):
 
 class BufferOptions(Structure):
     _fields_ = [("num_nvl_bytes", c_int64), ("num_rdma_bytes", c_int64), ("low_latency_mode", c_int),
-                ("num_nvl_ranks", c_int), ("timeout_s", c_double), ("device", c_int), ("force_internode", c_int)]
+                ("num_nvl_ranks", c_int), ("timeout_s", c_double), ("device", c_int), ("force_internode", c_int),
+                ("enable_shrink", c_int), ("shrink_timeout_s", c_double)]
 
 
 class Limits(Structure):
@@ -195,6 +197,9 @@ SIGNATURES = {
                                 _stream]),
     "epx_ll_combine": (c_int, [_buffer_p, _P(LLCombineArgs), _P(LLHandle), c_void_p, c_int, _P(c_int), _stream]),
     "epx_ll_next_combine_buffer": (c_int, [_buffer_p, _P(LLHandle), _P(c_void_p)]),
+    "epx_ll_update_mask": (c_int, [_buffer_p, c_int, c_int, _stream]),
+    "epx_ll_query_mask": (c_int, [_buffer_p, c_void_p, _stream]),
+    "epx_ll_clean_mask": (c_int, [_buffer_p, _stream]),
 }
 
 

@@ -30,7 +30,7 @@ from .bootstrap import AllGather, from_mpi_comm, from_torch_group
 from .config import Config
 from .errors import FailedStateError, InternalError, NotSupportedError, error_for
 from .event import EventOverlap
-from .low_latency import LowLatencyMixin, _rank_masking_unsupported
+from .low_latency import LowLatencyMixin
 
 Handle = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # deep_ep's internode handle: (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
@@ -158,14 +158,15 @@ class Buffer(LowLatencyMixin):
             explicitly_destroy: bool, default False. True: you must call destroy() on every rank (a warning is
                 issued if the Buffer is collected without it). False: the Buffer is destroyed when it is garbage
                 collected or at interpreter exit; destruction is collective, so do not let one rank drop it early.
-            enable_shrink: bool, default False. deep_ep's rank masking ("shrink" mode, semantics.md section 9). Not
-                supported yet: True raises epx.NotSupportedError (nothing is created).
+            enable_shrink: bool, default False. deep_ep's rank masking ("shrink" mode, semantics.md section 9): a
+                low-latency wait for one rank that lasts longer than $EPX_LL_SHRINK_TIMEOUT_S seconds (default 1)
+                masks that rank and the call completes without it; the low_latency_*_mask_buffer methods manage the
+                mask. Needs num_rdma_bytes > 0 in a buffer over one NVLink domain, the same on every rank.
             comm: an mpi4py communicator (anything with Get_rank(), Get_size() and allgather(obj)), default None;
                 used to exchange the set-up bytes when group is None.
 
         Raises:
             TypeError / ValueError: an argument of the wrong type or out of range, or neither group nor comm.
-            epx.NotSupportedError: enable_shrink=True.
             RuntimeError: no CUDA device. epx.EpxError subclasses for failures of the library (BootstrapError
                 when the exchange of set-up bytes fails, RemoteError when another rank failed).
         """
@@ -177,8 +178,7 @@ class Buffer(LowLatencyMixin):
         _checks.flag("allow_mnnvl", allow_mnnvl)
         _checks.flag("use_fabric", use_fabric)
         explicitly_destroy = _checks.flag("explicitly_destroy", explicitly_destroy)
-        if _checks.flag("enable_shrink", enable_shrink):
-            raise _rank_masking_unsupported("Buffer(enable_shrink=True)")
+        enable_shrink = _checks.flag("enable_shrink", enable_shrink)
         if group is None and comm is None:
             raise ValueError("epx.Buffer needs group (a torch.distributed process group) or comm (an mpi4py comm)")
         if group is None:
@@ -192,7 +192,9 @@ class Buffer(LowLatencyMixin):
         lib = _lib.lib()
         # num_nvl_ranks 0 and force_internode 0: the library reads $EPX_NUM_NVL_RANKS, $EPX_FORCE_INTERNODE and
         # the hosts.
-        options = _lib.BufferOptions(num_nvl_bytes, num_rdma_bytes, int(low_latency_mode), 0, 0.0, device_index, 0)
+        # shrink_timeout_s 0: $EPX_LL_SHRINK_TIMEOUT_S, else the library's default (1 s).
+        options = _lib.BufferOptions(num_nvl_bytes, num_rdma_bytes, int(low_latency_mode), 0, 0.0, device_index, 0,
+                                     int(enable_shrink), 0.0)
         out = ctypes.c_void_p()
         status = lib.epx_buffer_create(byref(boot.struct), byref(options), byref(out))
         if status != _lib.EPX_OK:
@@ -202,6 +204,7 @@ class Buffer(LowLatencyMixin):
                          torch.device("cuda", device_index), num_nvl_bytes, num_rdma_bytes, low_latency_mode,
                          explicitly_destroy, num_nvl_ranks, internode)
         self._attach_streams(comm_stream)
+        self.enable_shrink = enable_shrink
         if explicitly_destroy:
             self._finalizer = weakref.finalize(self, self._native.warn_if_alive)
             self._finalizer.atexit = False
@@ -213,7 +216,7 @@ class Buffer(LowLatencyMixin):
         self._native = native
         self.group = group if group is not None else comm  # deep_ep keeps the communicator there when no group
         self.comm = comm
-        self.enable_shrink = False  # rank masking is not supported yet (enable_shrink=True raises)
+        self.enable_shrink = False  # set by __init__ after this (rank masking, low_latency_*_mask_buffer)
         self.rank = rank
         self.group_size = size
         self._device = device

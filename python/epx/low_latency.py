@@ -16,7 +16,6 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import _checks, _lib
-from .errors import NotSupportedError
 from .event import EventOverlap
 
 _FP8_GROUP = 128      # elements per FP8 scale
@@ -32,13 +31,6 @@ _LL_REDUCTIONS = {"flat": _REDUCE_FLAT, "rank": _REDUCE_RANK}
 
 def _noop() -> None:
     return None
-
-
-def _rank_masking_unsupported(what: str) -> NotSupportedError:
-    """The error of every rank-masking entry point (enable_shrink, the low_latency_*_mask_buffer methods) until
-    the library implements it."""
-    return NotSupportedError(f"{what}: rank masking (deep_ep's enable_shrink mode, semantics.md section 9) is not supported "
-                             f"by epx yet", NotSupportedError.status)
 
 
 class _RecvHook:
@@ -366,30 +358,52 @@ class LowLatencyMixin:
             event = EventOverlap() if return_recv_hook or compute is None else self._streams.end_sync(compute)
         return combined_x, event, hook
 
-    # ---- rank masking (deep_ep's enable_shrink mode) -------------------------------------------------------------
+    # ---- rank masking (deep_ep's enable_shrink mode; semantics.md section 9) --------------------------------------
+    def _require_shrink(self, what: str) -> None:
+        if not self.enable_shrink:
+            raise ValueError(f"{what}: the Buffer was created without enable_shrink=True (rank masking)")
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """deep_ep's rank masking: marks rank_to_mask as masked (mask=True: the low-latency calls neither send to
-        nor receive from it) or unmasked (mask=False, the default). Not supported by epx yet: raises
-        epx.NotSupportedError (a NotImplementedError), as Buffer(enable_shrink=True) does.
+        """deep_ep's rank masking: marks rank_to_mask as masked (mask=True: this rank's low-latency calls neither send
+        to nor wait for it, and its experts contribute nothing) or unmasked (mask=False, the default). This rank's
+        own mask, in device memory, changed on the current stream (not collective; capturable in a CUDA graph).
+        Only between low-latency calls (none waiting for its hook). After unmasking a rank, every rank must call
+        clean_low_latency_buffer before its next low-latency call (the call is refused until then).
 
         Arguments:
             rank_to_mask: int, the rank in [0, R).
             mask: bool, default False.
         """
-        raise _rank_masking_unsupported("low_latency_update_mask_buffer")
+        self._require_shrink("low_latency_update_mask_buffer")
+        rank_to_mask = _checks.integer("rank_to_mask", rank_to_mask, 0)
+        mask = _checks.flag("mask", mask)
+        if rank_to_mask >= self.group_size:
+            raise ValueError(f"low_latency_update_mask_buffer: rank_to_mask must be in [0, {self.group_size}), "
+                             f"got {rank_to_mask}")
+        lib = _lib.lib()
+        lib.check(lib.epx_ll_update_mask(self._ptr(), rank_to_mask, int(mask),
+                                         torch.cuda.current_stream(self._device).cuda_stream))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """deep_ep's rank masking: writes each rank's mask state into mask_status (1 masked, 0 not). Not
-        supported by epx yet: raises epx.NotSupportedError.
+        """deep_ep's rank masking: writes this rank's mask into mask_status (1 masked, 0 not) on the current stream.
+        A rank whose wait outlasted the shrink budget ($EPX_LL_SHRINK_TIMEOUT_S, default 1 s) is masked by the
+        kernel that waited.
 
         Arguments:
-            mask_status: int32 [R] on the Buffer's device, written in place.
+            mask_status: int32 [R] on the Buffer's device, contiguous, written in place.
         """
-        raise _rank_masking_unsupported("low_latency_query_mask_buffer")
+        self._require_shrink("low_latency_query_mask_buffer")
+        _checks.tensor("mask_status", mask_status, torch.int32, (self.group_size,), self._device)
+        lib = _lib.lib()
+        lib.check(lib.epx_ll_query_mask(self._ptr(), mask_status.data_ptr(),
+                                        torch.cuda.current_stream(self._device).cuda_stream))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """deep_ep's rank masking: unmasks every rank. Not supported by epx yet: raises epx.NotSupportedError."""
-        raise _rank_masking_unsupported("low_latency_clean_mask_buffer")
+        """deep_ep's rank masking: unmasks every rank, on the current stream. Every rank must then call
+        clean_low_latency_buffer before its next low-latency call."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+        lib = _lib.lib()
+        lib.check(lib.epx_ll_clean_mask(self._ptr(), torch.cuda.current_stream(self._device).cuda_stream))
 
     # ---- argument structs -----------------------------------------------------------------------------------------
     def _ll_dispatch_structs(self, key, fresh: bool):

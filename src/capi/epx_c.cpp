@@ -279,4 +279,19 @@ epx_status epx_ll_next_combine_buffer(epx_buffer* buffer, const epx_ll_handle* h
   });
 }
 
+epx_status epx_ll_update_mask(epx_buffer* buffer, int rank, int mask, void* stream) {
+  return guarded([&] { live(buffer).low_latency_update_mask_buffer(rank, mask != 0, as_stream(stream)); });
+}
+
+epx_status epx_ll_query_mask(epx_buffer* buffer, int32_t* out, void* stream) {
+  return guarded([&] {
+    require_non_null(out, "out");
+    live(buffer).low_latency_query_mask_buffer(out, as_stream(stream));
+  });
+}
+
+epx_status epx_ll_clean_mask(epx_buffer* buffer, void* stream) {
+  return guarded([&] { live(buffer).low_latency_clean_mask_buffer(as_stream(stream)); });
+}
+
 }  // extern "C"

@@ -63,6 +63,35 @@ __device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awa
   }
 }
 
+// A wait for one rank under rank masking (enable_shrink, kernels/low_latency/shrink.cuh): polls as wait_until does,
+// but gives up without failing once `rank` is left out: its mask word (or this rank's own, `me`) is set by another
+// thread, or the wait has lasted mask.budget_ns, when it sets the word itself (atomicExch: the first of the waits
+// that run out masks the rank, every later read of the word sees it) and the call goes on without the rank. The
+// abort flag and the hang budget (env.budget_ns, for a shrink budget set longer) still fail the call. Returns true
+// with *seen set once reached(v), false when the rank is left out.
+template <typename T, typename Reached>
+__device__ __forceinline__ bool wait_until_or_mask(const T* p, Reached reached, int64_t awaited, const RankMask& mask,
+                                                   int me, int rank, const FailState& env, const WaitSite& site,
+                                                   T* seen) {
+  const uint64_t start = globaltimer_ns();
+  while (true) {
+    const T v = ld_acquire_sys(p);
+    if (reached(v)) {
+      *seen = v;
+      return true;
+    }
+    // Relaxed: the word carries no data; a mask set by another thread is seen a few polls later at most.
+    if (ld_relaxed_sys(mask.words + rank) != 0 || ld_relaxed_sys(mask.words + me) != 0) return false;
+    check_abort(env, site);
+    const uint64_t waited = globaltimer_ns() - start;
+    if (waited > mask.budget_ns) {
+      atomicExch(mask.words + rank, 1);
+      return false;
+    }
+    if (waited > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(v), awaited);
+  }
+}
+
 // Waits until *p >= target (acquire). Returns the value seen.
 __device__ __forceinline__ uint64_t wait_at_least(const uint64_t* p, uint64_t target, const FailState& env,
                                                   const WaitSite& site) {

@@ -24,4 +24,11 @@ struct FailState {
   uint64_t budget_ns;  // every wait's budget
 };
 
+// Rank masking of the low-latency mode (enable_shrink; semantics.md section 9, kernels/low_latency/shrink.cuh). With
+// words null (a buffer without enable_shrink) every rank takes part and every wait fails with FailState's budget.
+struct RankMask {
+  int32_t* words;      // [num_ranks] this rank's mask (NvlControl::ll_mask): nonzero = left out; null: shrink off
+  uint64_t budget_ns;  // a wait for one rank that lasts this long masks that rank instead of failing
+};
+
 }  // namespace epx

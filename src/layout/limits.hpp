@@ -37,6 +37,8 @@ constexpr int kDataThreads = 768;
 constexpr int kDataWarps = kDataThreads / 32;
 // Default wait budget (semantics.md section 7).
 constexpr double kDefaultTimeoutSeconds = 100.0;
+// Budget of a low-latency wait for one rank under rank masking (enable_shrink) before the rank is masked.
+constexpr double kDefaultShrinkTimeoutSeconds = 1.0;
 
 EPX_HD constexpr int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 EPX_HD constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

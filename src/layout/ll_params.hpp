@@ -18,6 +18,7 @@ constexpr int kLowLatencyRecv = 2;
 
 struct LowLatencyDispatchParams {
   FailState fail;
+  RankMask mask;  // enable_shrink: the ranks this call leaves out (kernels/low_latency/shrink.cuh)
   PeerMap peers;  // the kernels reach the other ranks' low-latency regions through peers.ll
   LowLatencyLayout layout;
   int set;     // buffer set of this call
@@ -38,6 +39,7 @@ struct LowLatencyDispatchParams {
 
 struct LowLatencyCombineParams {
   FailState fail;
+  RankMask mask;  // enable_shrink: the ranks this call leaves out (kernels/low_latency/shrink.cuh)
   PeerMap peers;  // the kernels reach the other ranks' low-latency regions through peers.ll
   LowLatencyLayout layout;
   int set;

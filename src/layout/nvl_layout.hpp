@@ -47,6 +47,11 @@ struct NvlControl {
   uint64_t dispatch_head[kMaxChannels][kMaxNvlRanks];
   uint64_t combine_tail[kMaxChannels][kMaxNvlRanks];
   uint64_t combine_head[kMaxChannels][kMaxNvlRanks];
+  // Rank mask of the low-latency mode (buffers created with enable_shrink; semantics.md section 9): nonzero where
+  // this rank leaves rank r out. Set by the host's mask calls (stream-ordered) and by a low-latency kernel whose wait
+  // for r outlasted the shrink budget (atomicExch); read by the low-latency kernels at run time. This rank's own
+  // view: no other rank reads or writes it.
+  int32_t ll_mask[kMaxNvlRanks];
 };
 
 // Dispatch ring record: one token.

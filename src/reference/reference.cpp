@@ -239,6 +239,41 @@ std::vector<std::vector<RecvRow>> low_latency_rows(const std::vector<Source>& so
   return rows;
 }
 
+std::vector<bool> low_latency_left_out(const std::vector<int32_t>& mask, int rank) {
+  const int R = int(mask.size());
+  require(R >= 1 && rank >= 0 && rank < R, "low_latency_left_out: needs a mask entry per rank and a rank in [0, R)");
+  std::vector<bool> out(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) out[size_t(r)] = mask[size_t(rank)] != 0 || mask[size_t(r)] != 0;
+  return out;
+}
+
+std::vector<std::vector<RecvRow>> low_latency_rows_masked(const std::vector<Source>& sources, int num_topk,
+                                                          int num_experts, int rank, const std::vector<int32_t>& mask) {
+  require(mask.size() == sources.size(), "low_latency_rows_masked: the mask needs one entry per source");
+  const std::vector<bool> out = low_latency_left_out(mask, rank);
+  std::vector<std::vector<RecvRow>> rows = low_latency_rows(sources, num_topk, num_experts, rank);
+  for (auto& expert : rows) {
+    std::vector<RecvRow> kept;
+    for (const RecvRow& row : expert)
+      if (!out[size_t(row.src_rank)]) kept.push_back(row);
+    expert = std::move(kept);
+  }
+  return rows;
+}
+
+void mask_topk_slots(const int64_t* idx, int num_topk, int num_experts, const std::vector<int32_t>& mask, int rank,
+                     int64_t* out) {
+  const int R = int(mask.size());
+  require(num_topk >= 0 && num_experts > 0 && R >= 1 && num_experts % R == 0,
+          "mask_topk_slots: num_experts must be a positive multiple of the mask's ranks");
+  const std::vector<bool> left_out = low_latency_left_out(mask, rank);
+  const int64_t L = num_experts / R;
+  for (int k = 0; k < num_topk; ++k) {
+    const int64_t e = idx[k];
+    out[k] = e >= 0 && e < num_experts && left_out[size_t(e / L)] ? -1 : e;
+  }
+}
+
 void low_latency_combine_row(int hidden, const int64_t* idx, const float* w, int num_topk, int num_experts,
                              const ExpertRow& row, uint16_t* out) {
   std::vector<float> acc(hidden, 0.f);

@@ -13,6 +13,7 @@
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/diagnostics.hpp"
+#include "runtime/shrink.hpp"
 #include "runtime/validate.hpp"
 
 namespace epx {
@@ -156,6 +157,12 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   internode = domains.internode;
   num_domains = num_ranks / num_nvl_ranks;
   nvl_rank = rank % num_nvl_ranks;
+  // Rank masking is a feature of the low-latency region (an internode buffer's num_rdma_bytes are its rings).
+  shrink = opts.enable_shrink != 0;
+  shrink_timeout_s = shrink_timeout_seconds(opts.shrink_timeout_s, std::getenv("EPX_LL_SHRINK_TIMEOUT_S"));
+  EPX_REQUIRE(!shrink || (!internode && opts.num_rdma_bytes > 0),
+              "enable_shrink (rank masking) needs a low-latency region: num_rdma_bytes > 0 (low_latency_size_hint) "
+              "in a buffer over one NVLink domain");
   if (internode) {
     if (!built_with_nvshmem())
       raise(Status::kNotSupported, "the internode mode (", num_domains, " NVLink domains of ", num_nvl_ranks, " ranks",
@@ -212,6 +219,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   mine.ll_transport = int32_t(ll_transport);
   mine.ll_force_nvshmem = ll_force_nvshmem;
   mine.ll_early_launch = ll_launch.early;
+  mine.enable_shrink = shrink;
   mine.num_sms = num_device_sms;
   mine.alloc_bytes = alloc_bytes;
   gethostname(mine.hostname, sizeof(mine.hostname) - 1);
@@ -233,6 +241,8 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
                 rank, " chose ", transport_name(ll_transport), ll_force_nvshmem ? " (forced)" : "",
                 " (EPX_DISABLE_NVSHMEM and EPX_LL_FORCE_NVSHMEM must be the same on every rank, and libepx the same"
                 " build)");
+    EPX_REQUIRE(p.enable_shrink == mine.enable_shrink, "enable_shrink differs between ranks: rank ", i, " has ",
+                p.enable_shrink, ", rank ", rank, " has ", mine.enable_shrink);
     EPX_REQUIRE(p.ll_early_launch == mine.ll_early_launch, "EPX_LL_EARLY_LAUNCH differs between ranks: rank ", i,
                 " has ", p.ll_early_launch, ", rank ", rank, " has ", mine.ll_early_launch);
   }

@@ -31,6 +31,7 @@ struct PeerInfo {
   int32_t ll_transport;  // LowLatencyTransport: the same build and switches on every rank
   int32_t ll_force_nvshmem;
   int32_t ll_early_launch;
+  int32_t enable_shrink;
   int32_t num_sms;  // the low-latency grid is the smallest over the ranks (the same everywhere)
   int64_t alloc_bytes;
   char hostname[64];
@@ -76,6 +77,12 @@ struct Buffer::Impl {
   const void* ll_waiting_id[2][2] = {};
   LowLatencyTransport ll_transport = LowLatencyTransport::kNone;
   bool ll_force_nvshmem = false;
+  // Rank masking (options.enable_shrink; kernels/low_latency/shrink.cuh): the mask is NvlControl::ll_mask.
+  bool shrink = false;
+  double shrink_timeout_s = kDefaultShrinkTimeoutSeconds;
+  // Set when a rank is unmasked: the signals may hold what a masked rank wrote (or missed), so the next low-latency
+  // call needs clean_low_latency_buffer first (runtime/low_latency_mask.cpp).
+  bool ll_clean_needed = false;
 
   bool alive = false;
   bool failed = false;
@@ -87,6 +94,8 @@ struct Buffer::Impl {
   NetControl* net_control() const { return reinterpret_cast<NetControl*>(peer_map.net.local); }
   int64_t ring_bytes_available() const { return options.num_nvl_bytes; }
   FailState fail_state() const;
+  // What the low-latency kernels get of the mask: null words without enable_shrink.
+  RankMask rank_mask() const;
 
   // Throws kFailedState if an earlier failure made the buffer unusable; switches to the buffer's device.
   void enter(const char* op);

@@ -67,4 +67,22 @@ void* Buffer::next_low_latency_combine_buffer(const LowLatencyHandle& h) {
   return low_latency::next_combine_buffer(*impl_, h, op);
 }
 
+void Buffer::low_latency_update_mask_buffer(int rank, bool mask, cudaStream_t stream) {
+  const char* op = "low_latency_update_mask_buffer";
+  impl_->enter(op);
+  low_latency::update_mask(*impl_, rank, mask, stream, op);
+}
+
+void Buffer::low_latency_query_mask_buffer(int32_t* mask_status, cudaStream_t stream) {
+  const char* op = "low_latency_query_mask_buffer";
+  impl_->enter(op);
+  low_latency::query_mask(*impl_, mask_status, stream, op);
+}
+
+void Buffer::low_latency_clean_mask_buffer(cudaStream_t stream) {
+  const char* op = "low_latency_clean_mask_buffer";
+  impl_->enter(op);
+  low_latency::clean_mask(*impl_, stream, op);
+}
+
 }  // namespace epx

@@ -45,6 +45,13 @@ void commit_set(Buffer::Impl& b, LowLatencyCall call, int phases, int set, const
   b.ll_waiting_id[set][1] = id1;
 }
 
+// After a rank was unmasked the signals may hold what it wrote while masked, or lack what it skipped.
+void require_clean_after_unmask(const Buffer::Impl& b, const char* op) {
+  EPX_REQUIRE(!b.ll_clean_needed, op,
+              ": a rank was unmasked (low_latency_update_mask_buffer(rank, false) or low_latency_clean_mask_buffer); "
+              "call clean_low_latency_buffer on every rank before the next low-latency call");
+}
+
 void require_phases(int phases, const char* op) {
   EPX_REQUIRE(phases == kLowLatencySendPhase || phases == kLowLatencyRecvPhase || phases == kLowLatencyBothPhases, op,
               ": phases must be send (1), receive (2) or both (3), got ", phases);
@@ -85,6 +92,7 @@ template <typename Params>
 Params low_latency_params(const Buffer::Impl& b, const LowLatencyHandle& h, int set, int phases) {
   Params p{};
   p.fail = b.fail_state();
+  p.mask = b.rank_mask();
   p.peers = b.peer_map;
   p.layout = LowLatencyLayout::make(b.ll_set_bytes, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
   p.set = set;
@@ -135,11 +143,13 @@ void clean(Buffer::Impl& b, cudaStream_t stream, const char* op) {
   launch_barrier(b, 0x11c1ea7, stream, op);  // nobody sends into a peer before the peer has cleaned
   b.ll_next_set = 0;
   b.ll_waiting[0] = b.ll_waiting[1] = kNoCall;
+  b.ll_clean_needed = false;
 }
 
 void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatencyDispatchOutputs& o, int phases,
               LowLatencyHandle& h, cudaStream_t stream, const char* op) {
   require_phases(phases, op);
+  require_clean_after_unmask(b, op);
   validate_shape(b, a.num_tokens, a.hidden, a.num_topk, a.num_experts, a.num_max_dispatch_tokens_per_rank,
                  a.use_fp8 != 0, a.use_ue8m0 != 0, op);
   EPX_REQUIRE(!a.use_ue8m0 || (a.use_fp8 && a.round_scale), op, ": use_ue8m0 needs use_fp8 and round_scale");
@@ -221,6 +231,7 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
 int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x, int phases,
             int buffer_set, cudaStream_t stream, const char* op) {
   require_phases(phases, op);
+  require_clean_after_unmask(b, op);
   validate_shape(b, h.num_tokens, h.hidden, h.num_topk, h.num_experts, h.num_max_dispatch_tokens_per_rank, false, false,
                  op);
   EPX_REQUIRE(h.recv_src_info != nullptr && h.recv_layout_range != nullptr, op, ": the handle is incomplete");
@@ -231,6 +242,9 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
   EPX_REQUIRE(!rank_reduced || h.recv_topk_slots != nullptr, op,
               ": the rank-reduced order (EPX_REDUCE_RANK) needs a handle whose dispatch was given topk_weights (and "
               "recv_topk_slots): the expert ranks sum with the weights that travelled with the tokens");
+  EPX_REQUIRE(!rank_reduced || !b.shrink, op,
+              ": the rank-reduced order (EPX_REDUCE_RANK) is not offered on a Buffer with rank masking "
+              "(enable_shrink): its partial sums would need a rank masked mid-call left out on the expert side too");
   EPX_REQUIRE(!rank_reduced || !a.use_logfmt, op,
               ": use_logfmt is not offered with the rank-reduced order (EPX_REDUCE_RANK): the partial sums "
               "travel as bf16");

@@ -43,6 +43,10 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
 int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHandle& h, void* combined_x, int phases,
             int buffer_set, cudaStream_t stream, const char* op);
 void* next_combine_buffer(Buffer::Impl& b, const LowLatencyHandle& h, const char* op);
+// Rank masking (runtime/low_latency_mask.cpp).
+void update_mask(Buffer::Impl& b, int rank, bool mask, cudaStream_t stream, const char* op);
+void query_mask(Buffer::Impl& b, int32_t* out, cudaStream_t stream, const char* op);
+void clean_mask(Buffer::Impl& b, cudaStream_t stream, const char* op);
 }  // namespace low_latency
 
 }  // namespace epx

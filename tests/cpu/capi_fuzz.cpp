@@ -263,6 +263,9 @@ class Fuzzer {
     add("epx_ll_dispatch", &Fuzzer::ll_dispatch);
     add("epx_ll_combine", &Fuzzer::ll_combine);
     add("epx_ll_next_combine_buffer", &Fuzzer::ll_next_combine_buffer);
+    add("epx_ll_update_mask", &Fuzzer::ll_update_mask);
+    add("epx_ll_query_mask", &Fuzzer::ll_query_mask);
+    add("epx_ll_clean_mask", &Fuzzer::ll_clean_mask);
     num_c_abi_ = targets_.size();
     add("epx::validate_dispatch_args", &Fuzzer::validate_dispatch_args);
     add("epx::validate_combine_args", &Fuzzer::validate_combine_args);
@@ -580,6 +583,9 @@ class Fuzzer {
     o.timeout_s = edgy_double(r);
     o.device = r.irange(-1, 3);
     o.force_internode = r.chance(20) ? 1 : 0;
+    // Rank masking is valid with a low-latency region of one domain, and a budget <= 0 (the default) or in (0, 1e7).
+    o.enable_shrink = o.num_rdma_bytes > 0 && !o.force_internode && r.chance(30) ? 1 : 0;
+    o.shrink_timeout_s = r.pick({0.0, -1.0, 0.25, 3.0});
     epx_buffer* out = reinterpret_cast<epx_buffer*>(uintptr_t(0x10));  // must become NULL
     const epx_bootstrap* bs_arg = &bs;
     const epx_buffer_options* o_arg = &o;
@@ -588,7 +594,7 @@ class Fuzzer {
     int defects = (r.chance(30) && gpus_ == 0) ? 0 : r.irange(1, 3);
     std::string what;
     for (int d = 0; d < defects; ++d) {
-      switch (r.irange(0, 11)) {
+      switch (r.irange(0, 13)) {
         case 0:
           bs_arg = nullptr, what += " bootstrap NULL";
           break;
@@ -629,6 +635,21 @@ class Fuzzer {
           setenv(env_name, r.pick({"0", "9", "two", "-1", "1x", " 2"}), 1);
           what += cat(" ", env_name, "=", std::getenv(env_name));
           break;
+        case 12:
+          if (r.chance(50)) {
+            o.shrink_timeout_s = r.pick({std::nan(""), HUGE_VAL, 1e7, 1e300});
+            what += cat(" shrink_timeout_s ", o.shrink_timeout_s);
+          } else {
+            o.enable_shrink = 1, o.num_rdma_bytes = 0;
+            what += " enable_shrink without num_rdma_bytes";
+          }
+          break;
+        case 13:
+          env_name = "EPX_LL_SHRINK_TIMEOUT_S";
+          setenv(env_name, r.pick({"0", "-1", "nan", "inf", "1e7", "0.5s", "", "1 "}), 1);
+          if (std::getenv(env_name)[0] == '\0') setenv(env_name, "x", 1);  // "" means unset
+          what += cat(" ", env_name, "=", std::getenv(env_name));
+          break;
         default:
           env_name = "EPX_FORCE_INTERNODE", o.force_internode = 0;
           setenv(env_name, r.pick({"2", "yes", "true", "01", "1 ", "-1"}), 1);
@@ -639,6 +660,7 @@ class Fuzzer {
     const epx_status s = epx_buffer_create(bs_arg, o_arg, out_arg);
     unsetenv("EPX_NUM_NVL_RANKS");
     unsetenv("EPX_FORCE_INTERNODE");
+    unsetenv("EPX_LL_SHRINK_TIMEOUT_S");
     if (defects == 0)
       check_is(s, {EPX_ERR_CUDA, EPX_ERR_NOT_SUPPORTED}, call);
     else
@@ -802,6 +824,20 @@ class Fuzzer {
     void* p = nullptr;
     check_is(epx_ll_next_combine_buffer(nullptr, maybe(r, h), maybe(r, p)), {EPX_ERR_INVALID_ARGUMENT},
              "epx_ll_next_combine_buffer(NULL, ...)");
+  }
+
+  // Rank masking: without a live buffer every call is an invalid argument, whatever the rank, mask or pointer.
+  void ll_update_mask(Rng& r) {
+    const int rank = edgy(r, 0, 7), mask = edgy(r, 0, 1);
+    check_is(epx_ll_update_mask(nullptr, rank, mask, fake_stream(r)), {EPX_ERR_INVALID_ARGUMENT},
+             cat("epx_ll_update_mask(NULL, ", rank, ", ", mask, ", stream)"));
+  }
+  void ll_query_mask(Rng& r) {
+    check_is(epx_ll_query_mask(nullptr, as<int32_t>(any_ptr(r)), fake_stream(r)), {EPX_ERR_INVALID_ARGUMENT},
+             "epx_ll_query_mask(NULL, ...)");
+  }
+  void ll_clean_mask(Rng& r) {
+    check_is(epx_ll_clean_mask(nullptr, fake_stream(r)), {EPX_ERR_INVALID_ARGUMENT}, "epx_ll_clean_mask(NULL, stream)");
   }
 
   // ---- C ABI: limits, configs, size hints -----------------------------------------------------------------------

@@ -41,6 +41,10 @@ BufferOptions internode_suite_options(int num_ranks, int num_nvl_ranks);
 // A rank that never calls, on an internode buffer, in its own processes.
 int run_internode_timeout_suite(int num_ranks, int num_nvl_ranks);
 std::vector<Case> low_latency_cases();
+// Rank masking (enable_shrink) in the low-latency mode: cases on buffers of their own, and (own processes) a rank that
+// stays silent, with and without enable_shrink.
+std::vector<Case> shrink_cases();
+int run_shrink_process_suite(int num_ranks);
 std::vector<Case> lifecycle_cases();
 // Which low-latency transport runs (checked against `expected`: "", "cuda-ipc", "nvshmem" or "nvshmem-forced"),
 // and a second low-latency buffer beside the first.

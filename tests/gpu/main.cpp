@@ -39,6 +39,7 @@ struct Options {
 };
 
 constexpr const char* kLowLatencyProcessSuites = "ll: create / destroy cycles and missing ranks (own processes)";
+constexpr const char* kShrinkProcessSuite = "ll: shrink, a silent rank with and without enable_shrink (own processes)";
 
 int suite(Bootstrap& bs, const Options& opt) {
   const int rank = bs.rank(), R = bs.size();
@@ -70,6 +71,7 @@ int suite(Bootstrap& bs, const Options& opt) {
     if (rank == 0) std::printf("low-latency transport: %s\n", describe_low_latency_transport(transport).c_str());
     for (auto& c : low_latency_transport_cases(transport, opt.expect_transport)) cases.push_back(std::move(c));
     for (auto& c : low_latency_cases()) cases.push_back(std::move(c));
+    for (auto& c : shrink_cases()) cases.push_back(std::move(c));
     for (auto& c : lifecycle_cases()) cases.push_back(std::move(c));
   }
   int failed = 0, run = 0;
@@ -205,6 +207,8 @@ int main(int argc, char** argv) {
     if (opt.timeout_suite && std::string(gpu_test::kLowLatencyProcessSuites).find(opt.filter) != std::string::npos &&
         R >= 2)
       rc |= gpu_test::run_low_latency_process_suites(R, opt.expect_transport);
+    if (opt.timeout_suite && std::string(gpu_test::kShrinkProcessSuite).find(opt.filter) != std::string::npos && R >= 2)
+      rc |= gpu_test::run_shrink_process_suite(R);
   }
   std::printf("epx_gpu_tests on %d GPUs: %s\n", R, rc == 0 ? "ALL PASSED" : "FAILURES");
   return rc;

@@ -120,6 +120,18 @@ epx_status epx_ll_clean(epx_buffer* buffer, void* stream) {
   (void)buffer, (void)stream;
   return EPX_OK;
 }
+epx_status epx_ll_update_mask(epx_buffer* buffer, int rank, int mask, void* stream) {
+  (void)buffer, (void)rank, (void)mask, (void)stream;
+  return EPX_OK;
+}
+epx_status epx_ll_query_mask(epx_buffer* buffer, int32_t* out, void* stream) {
+  (void)buffer, (void)out, (void)stream;
+  return EPX_OK;
+}
+epx_status epx_ll_clean_mask(epx_buffer* buffer, void* stream) {
+  (void)buffer, (void)stream;
+  return EPX_OK;
+}
 epx_status epx_ll_dispatch(epx_buffer* buffer, const epx_ll_dispatch_args* args, const epx_ll_dispatch_outputs* outputs,
                            int phases, epx_ll_handle* handle, void* stream) {
   (void)buffer, (void)stream;

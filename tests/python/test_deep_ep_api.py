@@ -1,6 +1,6 @@
 """epx.Buffer against deep_ep.Buffer's public API (the version the seeds describe), on a CPU: every method deep_ep
 has, with its parameter names, order and defaults (so that positional calls mean the same thing), the parameters
-that have no effect here (accepted and type-checked), rank masking (not supported yet: a clear error), and the
+that have no effect here (accepted and type-checked), rank masking (enable_shrink and the mask calls' checks), and the
 docstrings (every argument of every public method documented).
 
 The table below is deep_ep's API written out by hand; a drift of a name, an order or a default in epx fails here.
@@ -120,8 +120,8 @@ def test_positional_arguments_mean_what_they_mean_in_deep_ep(no_cuda):
         epx.Buffer(*base, "8th")
     with pytest.raises(TypeError, match="explicitly_destroy"):
         epx.Buffer(*base, False, "9th")
-    with pytest.raises(epx.NotSupportedError, match="enable_shrink"):
-        epx.Buffer(*base, False, False, True)
+    with pytest.raises(TypeError, match="enable_shrink"):
+        epx.Buffer(*base, False, False, "10th")
     with pytest.raises(TypeError, match="comm must be an mpi4py communicator"):
         epx.Buffer(None, *base[1:], False, False, False, object())
     with pytest.raises(RuntimeError, match="CUDA device"):  # every deep_ep argument given positionally, all valid
@@ -145,20 +145,38 @@ def test_parameters_without_effect_are_accepted(no_cuda):
                    use_fabric=True, enable_shrink=False)
 
 
-def test_enable_shrink_is_refused_before_anything_else(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("enable_shrink must be refused first"))
-    for call in (lambda: epx.Buffer(object(), enable_shrink=True), lambda: epx.Buffer(None, enable_shrink=1)):
-        with pytest.raises(epx.NotSupportedError, match="rank masking") as info:
-            call()
-        assert isinstance(info.value, NotImplementedError) and isinstance(info.value, epx.EpxError)
+def test_enable_shrink_is_accepted(no_cuda):
+    for value in (True, 1, False):
+        with pytest.raises(RuntimeError, match="CUDA device"):
+            epx.Buffer(object(), num_rdma_bytes=1 << 20, low_latency_mode=True, enable_shrink=value)
 
 
-def test_rank_masking_methods_raise_the_same_error():
+def test_rank_masking_methods_need_enable_shrink():
     buf = epx.Buffer._unlaunched(4)
     for call in (lambda: buf.low_latency_update_mask_buffer(1, True), lambda: buf.low_latency_update_mask_buffer(1),
                  lambda: buf.low_latency_query_mask_buffer(torch.zeros(4, dtype=torch.int32)),
                  buf.low_latency_clean_mask_buffer):
-        with pytest.raises(epx.NotSupportedError, match="rank masking"):
+        with pytest.raises(ValueError, match="enable_shrink"):
+            call()
+
+
+def test_rank_masking_methods_check_their_arguments():
+    buf = epx.Buffer._unlaunched(4)
+    buf.enable_shrink = True  # what Buffer(enable_shrink=True) sets
+    for bad, error in ((-1, ValueError), (4, ValueError), (1.0, TypeError), (None, TypeError)):
+        with pytest.raises(error, match="rank_to_mask"):
+            buf.low_latency_update_mask_buffer(bad, True)
+    with pytest.raises(TypeError, match="mask"):
+        buf.low_latency_update_mask_buffer(1, "yes")
+    for bad in (torch.zeros(4, dtype=torch.int64), torch.zeros(3, dtype=torch.int32),
+                torch.zeros(8, dtype=torch.int32)[::2], [0, 0, 0, 0]):
+        with pytest.raises((TypeError, ValueError), match="mask_status"):
+            buf.low_latency_query_mask_buffer(bad)
+    # Valid arguments reach the library, which this unlaunched Buffer does not have.
+    for call in (lambda: buf.low_latency_update_mask_buffer(3, True),
+                 lambda: buf.low_latency_query_mask_buffer(torch.zeros(4, dtype=torch.int32)),
+                 buf.low_latency_clean_mask_buffer):
+        with pytest.raises(epx.FailedStateError):
             call()
 
 

@@ -420,6 +420,74 @@ def case_profiler_one_kernel_per_phase(ctx):
         assert_one_kernel(what, names, what.split()[0])
 
 
+def masked_view(ctx, all_inputs, victim):
+    """The inputs as the model sees them with `victim` masked on every rank (semantics.md section 9): the victim's
+    tokens are not received and slots on its experts count as -1; on the victim itself (it masked itself) every
+    slot is -1."""
+    L = E // ctx.world
+    out = []
+    for s, i in enumerate(all_inputs):
+        idx = i.topk_idx.clone()
+        if s == victim or ctx.rank == victim:
+            idx[:] = -1
+        else:
+            idx[(idx >= 0) & (idx // L == victim)] = -1
+        out.append(_ref.RankInputs(i.x, idx, i.topk_weights))
+    return out
+
+
+def case_shrink_mask_calls_and_a_masked_rank(ctx):
+    import epx
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, H, ctx.world, E)
+    buf = epx.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True, enable_shrink=True,
+                     explicitly_destroy=True)
+    try:
+        buf.set_timeout(30.0)
+        assert buf.enable_shrink is True
+        victim = ctx.world - 1
+        status = torch.full((ctx.world,), 7, dtype=torch.int32, device=ctx.device)
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0] * ctx.world
+        buf.low_latency_update_mask_buffer(victim, True)
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [int(r == victim) for r in range(ctx.world)]
+        for seed, hook in ((91, False), (92, True)):  # masked steps, with and without the receive hook
+            all_inputs = inputs(ctx, seed)
+            x, idx, w = on(ctx, all_inputs[ctx.rank])
+            recv_x, recv_count, handle, _, hook_fn = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
+                                                                              return_recv_hook=hook)
+            if hook:
+                hook_fn()
+            view = masked_view(ctx, all_inputs, victim)
+            check_dispatch(ctx, view, recv_x, recv_count, handle)
+            combined, _, hook_fn = buf.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle,
+                                                           return_recv_hook=hook)
+            if hook:
+                hook_fn()
+            assert_bitwise("combined_x (masked)", combined, combine_reference(ctx, view[ctx.rank]))
+        buf.low_latency_clean_mask_buffer()
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0] * ctx.world
+        x, idx, w = on(ctx, inputs(ctx, 93)[ctx.rank])
+        with pytest.raises(epx.InvalidArgumentError, match="clean_low_latency_buffer"):
+            buf.low_latency_dispatch(x, idx, M, E)  # an unmasked rank needs clean_low_latency_buffer first
+        buf.clean_low_latency_buffer(M, H, E)
+        all_inputs = inputs(ctx, 94)
+        x, idx, w = on(ctx, all_inputs[ctx.rank])
+        recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        check_dispatch(ctx, all_inputs, recv_x, recv_count, handle)
+        combined, _, _ = buf.low_latency_combine(run_experts(ctx, recv_x), idx, w, handle)
+        assert_bitwise("combined_x (unmasked again)", combined, combine_reference(ctx, all_inputs[ctx.rank]))
+    finally:
+        buf.destroy()
+
+
+def case_shrink_off_refuses_the_mask_calls(ctx):
+    assert ctx.buffer.enable_shrink is False
+    with pytest.raises(ValueError, match="enable_shrink"):
+        ctx.buffer.low_latency_update_mask_buffer(0, True)
+
+
 CASES = [name for name in list(globals()) if name.startswith("case_")]
 
 

@@ -80,13 +80,8 @@ void LowLatencySession::set_step(uint64_t seed) {
   spec.seed = seed;
   topk_.assign(R, {});
   weights_.assign(R, {});
-  std::vector<ref::Source> sources(R);
-  for (int s = 0; s < R; ++s) {
-    make_topk(spec, s, R, c_.tokens_of(s), topk_[s], weights_[s]);
-    sources[s].num_tokens = c_.tokens_of(s);
-    sources[s].topk_idx = topk_[s].data();
-  }
-  rows_ = ref::low_latency_rows(sources, K, num_experts_, rank_);
+  for (int s = 0; s < R; ++s) make_topk(spec, s, R, c_.tokens_of(s), topk_[s], weights_[s]);
+  route();
 
   std::vector<uint16_t> x(size_t(num_tokens_) * H);
   for (int t = 0; t < num_tokens_; ++t) fill_bf16_row(seed, rank_, t, H, x.data() + size_t(t) * H);
@@ -99,6 +94,21 @@ void LowLatencySession::set_step(uint64_t seed) {
                              cudaMemcpyHostToDevice, stream_),
              "weights");
   cuda_check(cudaStreamSynchronize(stream_), "set_step");
+}
+
+void LowLatencySession::route() {
+  std::vector<ref::Source> sources(num_ranks_);
+  for (int s = 0; s < num_ranks_; ++s) {
+    sources[s].num_tokens = c_.tokens_of(s);
+    sources[s].topk_idx = topk_[s].data();
+  }
+  rows_ = mask_.empty() ? ref::low_latency_rows(sources, c_.num_topk, num_experts_, rank_)
+                        : ref::low_latency_rows_masked(sources, c_.num_topk, num_experts_, rank_, mask_);
+}
+
+void LowLatencySession::set_mask(const std::vector<int32_t>& mask) {
+  mask_ = mask;
+  route();
 }
 
 LowLatencyDispatchArgs LowLatencySession::dispatch_args() const {
@@ -266,7 +276,9 @@ std::string LowLatencySession::check_combine() const {
         fill_bf16_row(mix(combine_seed_, kExpertSalt, int(e)), rank_, t, H, buf.data());
       return buf.data();
     };
-    const int64_t* idx = topk_[rank_].data() + size_t(t) * K;
+    std::vector<int64_t> masked(topk_[rank_].begin() + ptrdiff_t(t) * K, topk_[rank_].begin() + ptrdiff_t(t + 1) * K);
+    if (!mask_.empty()) ref::mask_topk_slots(masked.data(), K, num_experts_, mask_, rank_, masked.data());
+    const int64_t* idx = masked.data();
     const float* w = weights_[rank_].data() + size_t(t) * K;
     if (c_.logfmt)
       ref::low_latency_combine_row_logfmt(H, idx, w, K, num_experts_, row, want.data());

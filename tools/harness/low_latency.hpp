@@ -41,6 +41,9 @@ class LowLatencySession {
 
   // New routing and x (and combine weights) for the next step, uploaded into the same device arrays.
   void set_step(uint64_t seed);
+  // Rank masking (enable_shrink): the mask this rank's calls run under (one entry per rank, nonzero = masked; empty:
+  // none). The expected outputs follow the reference model under it (ref::low_latency_rows_masked, mask_topk_slots).
+  void set_mask(const std::vector<int32_t>& mask);
   // A dispatch of this step ran outside dispatch() (a graph replay): count it in the expected statistics.
   void note_replayed_dispatch();
   // kLowLatencySendPhase, kLowLatencyRecvPhase or both. `counted`: false while capturing a graph (the
@@ -84,6 +87,8 @@ class LowLatencySession {
   std::vector<std::vector<int64_t>> topk_;
   std::vector<std::vector<float>> weights_;
   std::vector<std::vector<ref::RecvRow>> rows_;  // per local expert
+  std::vector<int32_t> mask_;                    // empty: no rank masked
+  void route();                                  // rows_ from topk_ and mask_
   std::vector<int> expected_stats_;
 
   DeviceArray<uint16_t> x_;

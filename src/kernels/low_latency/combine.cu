@@ -23,6 +23,9 @@
 // sums that part of all the token's rows here (weights and slots from the dispatch, recv_topk_slots) and sends the
 // bf16 partial; the other rows' items send nothing. The source sums one partial per rank (receive_rank_phase). Own
 // rows are never read in place. A separate instantiation of each phase too.
+// Rank masking (enable_shrink, kernels/low_latency/shrink.cuh): no targets, rows or arrival adds go to a rank left
+// out (its pairs' running totals stay as they are), and a slot whose expert is on a rank left out, or on a rank
+// masked while this call waited for it, counts as -1.
 #include <cuda_runtime.h>
 
 #include "device/bf16.cuh"
@@ -34,6 +37,7 @@
 #include "device/warp_copy.cuh"
 #include "kernels/low_latency/epochs.cuh"
 #include "kernels/low_latency/launch.cuh"
+#include "kernels/low_latency/shrink.cuh"
 #include "layout/limits.hpp"
 #include "layout/ll_params.hpp"
 
@@ -133,10 +137,20 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // words): every rank has received every earlier op on this set, so nothing unread is overwritten. Thread r's
   // acquire (alongside the range loads) pairs with the release at the end of r's receive phase
   // (finish_receive); the barrier orders every thread's writes into r's set after it.
-  if (threadIdx.x < R)
-    wait_blocks(recv_seen + threadIdx.x, k_ops * gridDim.x, p.fail,
-                WaitSite{kRoleLowLatencyCombineSend, -1, int(threadIdx.x), -1});
+  // With rank masking a rank left out is not waited for, one silent past the shrink budget is masked, and s_skip
+  // holds the ranks this op leaves out (as the mask says after the waits).
+  __shared__ uint32_t s_skip;
+  if (warp == 0) {
+    if (lane < R)
+      wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, p.mask, me, lane, p.fail,
+                          WaitSite{kRoleLowLatencyCombineSend, -1, lane, -1});
+    if (p.mask.words != nullptr) {
+      __syncwarp();  // the lanes' masking stores (atomicExch) come before lane 0's reads
+      if (lane == 0) s_skip = left_out_ranks(p.mask, me, R);
+    }
+  }
   __syncthreads();
+  const uint32_t skip = p.mask.words != nullptr ? s_skip : 0u;
   if (warp == 0) {
     int carry = 0;
     for (int base = 0; base < L; base += 32) {
@@ -164,6 +178,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
     if (lane != 0) continue;
     const int i = pair / R, s = pair % R;
+    if (skip >> s & 1) continue;  // left out: its running total stays
     const int32_t target = int32_t(uint32_t(sent[pair]) + uint32_t(s_range[pair].y * parts));  // wraps
     sent[pair] = target;
     post64(p.peers.ll, s, targets + arrival_slot(me, i, R), uint64_t(k_ops + 1u) << 32 | uint32_t(target));
@@ -196,6 +211,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       const int i = lo, n = g - s_first[i];
       int s = 0;
       while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;  // rows are by source, ascending
+      if (skip >> s & 1) continue;  // a source left out: nothing is written there (b_pair[j] stays -1)
       const int e = me * L + i;
       const int64_t row = int64_t(i) * rows_per_expert + n;
       const int t = p.recv_src_info[row];
@@ -364,20 +380,31 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
     if (threadIdx.x < K) {
       const int k = threadIdx.x;
       const int64_t e = p.topk_idx[int64_t(t) * K + k];
-      const bool valid = e >= 0 && e < E;
-      s_expert[k] = valid ? int(e) : -1;
-      s_weight[k] = valid ? p.topk_weights[int64_t(t) * K + k] : 0.f;
+      bool valid = e >= 0 && e < E;
+      const float w = valid ? p.topk_weights[int64_t(t) * K + k] : 0.f;
       if constexpr (kLogfmt) s_row[k] = nullptr;  // set below once the row is there
       // e's target for this op (tagged with its number; posted by e's rank before its rows), then the arrival
       // counter up to it. Acquire; pairs with the adds of e's rank's blocks after their last items (each
-      // behind a fence). The __syncthreads below orders every thread's row loads after it.
+      // behind a fence). The __syncthreads below orders every thread's row loads after it. With rank masking a
+      // slot on a rank left out (or masked by these waits) counts as -1.
       if (valid) {
         const uint32_t tag = k_ops + 1u;
         const WaitSite site{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)};
         const int slot = arrival_slot(int(e) / L, int(e) % L, p.num_ranks);
-        const uint64_t posted = wait_until(
-            targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.fail, site);
-        wait_epoch(arrived + slot, int32_t(uint32_t(posted)), p.fail, site);
+        uint64_t posted = 0;
+        valid = wait_for_rank(
+            targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.mask, me, int(e) / L, p.fail,
+            site, &posted);
+        const int32_t total = int32_t(uint32_t(posted));
+        int32_t seen = 0;
+        if (valid)
+          valid = wait_for_rank(
+              arrived + slot, [total](int32_t v) { return int32_t(uint32_t(v) - uint32_t(total)) >= 0; }, total, p.mask,
+              me, int(e) / L, p.fail, site, &seen);
+      }
+      s_expert[k] = valid ? int(e) : -1;
+      s_weight[k] = valid ? w : 0.f;
+      if (valid) {
         if constexpr (kInPlace) {
           const int64_t slot = e * M + t;
           s_row[k] = recv + slot * row_int4;
@@ -419,7 +446,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   }
   // The counters stay as they are (running totals; an add no token here waited for may still be on its way,
   // and lands before any of its sender's later writes to this set, which wait for this block's epoch).
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks);
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, p.mask);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)

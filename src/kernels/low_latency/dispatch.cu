@@ -20,7 +20,10 @@
 // of one load round each, a contiguous range of them per warp; an item waits until every row of its (expert,
 // source) has arrived (the arrival counter), so the rows of early sources are copied while later ones are in
 // flight. Then it clears the counts and arrival counters; every block then adds its completion to every rank's
-// epoch counter (recv_seen), which (once all blocks have) lets the next op on this set write here. The receive
+// epoch counter (recv_seen), which (once all blocks have) lets the next op on this set write here.
+// Rank masking (enable_shrink, kernels/low_latency/shrink.cuh): nothing is sent to a rank left out (records, map
+// entries, counts, arrivals); a source left out counts 0 rows; a source masked after its count arrived keeps its
+// rows in the layout, not copied (their contents are unspecified). The receive
 // phase is a function of its own (__noinline__, the parameters __grid_constant__), so that its registers do
 // not add to the send phase's.
 // With topk_weights (for the rank-reduced combine) each record also carries the token's top-k experts and weights;
@@ -40,6 +43,7 @@
 #include "device/warp_copy.cuh"
 #include "kernels/low_latency/epochs.cuh"
 #include "kernels/low_latency/launch.cuh"
+#include "kernels/low_latency/shrink.cuh"
 #include "layout/ll_params.hpp"
 
 namespace epx {
@@ -118,16 +122,16 @@ __device__ __forceinline__ int4* staged_record(const LowLatencyDispatchParams& p
 
 // Count senders: warps cw = 0 .. ncw-1 of block b own experts b + G * cw, stride G * ncw. Each sends its
 // selections of the expert (uncapped, + 1) to the expert's rank (called after the block's back-pressure poll
-// and a barrier: the rank has received every earlier op on this set). The count carries no data: the rows are
-// published by the arrival counters.
-__device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_topk, int cw, int ncw) {
+// and a barrier: the rank has received every earlier op on this set), except to the ranks in `skip` (left out by rank
+// masking). The count carries no data: the rows are published by the arrival counters.
+__device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_topk, int cw, int ncw, uint32_t skip) {
   const int lane = threadIdx.x % 32;
   const int R = p.num_ranks, me = p.peers.rank;
   const int L = p.num_experts / R;
   for (int e = blockIdx.x + gridDim.x * cw; e < p.num_experts; e += gridDim.x * ncw) {
     const int expected = selections_of(s_topk, p.num_tokens * p.num_topk, e, lane);
-    if (lane == 0) {
-      const int dest = e / L;
+    const int dest = e / L;
+    if (lane == 0 && !(skip >> dest & 1)) {
       post(p.peers.ll, dest, p.layout.dispatch_count(p.peers.ll.local, p.set) + (e % L) * R + me, expected + 1);
     }
   }
@@ -153,15 +157,27 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   // and BF16 int4 run out before it) polls rank r's epoch word, a local acquire that pairs with the release at
   // the end of r's receive phase (finish_receive); the barrier after staging (or before the counts when the
   // block has no token) orders every thread's writes into r's set after it.
-  if (warp == kWarps - 1 && lane < R)
-    wait_blocks(recv_seen + lane, k_ops * gridDim.x, p.fail, WaitSite{kRoleLowLatencySend, -1, lane, -1});
+  // With rank masking a rank left out is not waited for, one that stays silent past the shrink budget is masked,
+  // and s_skip holds the ranks this op leaves out (as the mask says after the waits; read after the same barrier).
+  __shared__ uint32_t s_skip;
+  if (warp == kWarps - 1) {
+    if (lane < R)
+      wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, p.mask, me, lane, p.fail,
+                          WaitSite{kRoleLowLatencySend, -1, lane, -1});
+    if (p.mask.words != nullptr) {
+      __syncwarp();  // the lanes' masking stores (atomicExch) come before lane 0's reads
+      if (lane == 0) s_skip = left_out_ranks(p.mask, me, R);
+    }
+  }
 
   int32_t* row_map = p.layout.dispatch_row_map(p.peers.ll.local, p.set, R, M, rec.bytes);
   const int writer0 = first_writer(R), d = warp - writer0;  // d: this warp's destination if it is a writer
   bool counted = false;
+  uint32_t skip = 0;  // the ranks left out: s_skip, once the first barrier below has passed
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
     __syncthreads();
+    if (p.mask.words != nullptr) skip = s_skip;
     if (uses_nvshmem(p.peers.ll)) {  // NVSHMEM puts read their source from symmetric memory: a copy there
       int4* staged = staged_record(p, rec, t);
       for (int i = threadIdx.x; i < int(rec.bytes / 16); i += kThreads)
@@ -175,8 +191,8 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
     if (d >= 0) {
       // Writer of destination d: the whole record once if the token has an expert at d, then the row map entry
       // of each of the token's slots at d.
-      const int e = lane < K ? int(s_topk[t * K + lane]) : -1;  // lane k holds slot k's expert
-      const bool here = e >= d * L && e < (d + 1) * L;          // -1 and -2 are at no rank
+      const int e = lane < K ? int(s_topk[t * K + lane]) : -1;              // lane k holds slot k's expert
+      const bool here = e >= d * L && e < (d + 1) * L && !(skip >> d & 1);  // -1 and -2 are at no rank
       const uint32_t at_d = __ballot_sync(kFullMask, here);
       if (at_d != 0) {
         int4* dst = reinterpret_cast<int4*>(p.layout.dispatch_records(p.peers.ll.local, p.set) +
@@ -197,16 +213,17 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
         }
       }
     } else if (!counted) {
-      send_counts(p, s_topk, warp, writer0);
+      send_counts(p, s_topk, warp, writer0, skip);
     }
     counted = true;
     __syncthreads();  // the staged record is free again (every lane's loads of it have returned)
   }
   if (!counted) {     // no token here: every warp sends counts
-    __syncthreads();  // s_topk is complete
-    send_counts(p, s_topk, warp, kWarps);
+    __syncthreads();  // s_topk (and s_skip) is complete
+    if (p.mask.words != nullptr) skip = s_skip;
+    send_counts(p, s_topk, warp, kWarps, skip);
   }
-  if (d >= 0) {
+  if (d >= 0 && !(skip >> d & 1)) {
     // Publication, one add per slot at d (also for slots past M, which the receiver's count includes but that
     // were not written: it waits for the arrivals its count names). A release: every lane's record stores and
     // lane 0's map entries (ordered by the __syncwarp) land before the add. Pairs with the receiver's
@@ -316,8 +333,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       if (lane < R) {
         // The count carries no data (its rows are published by the arrival counter below), so it is sent
         // before them; rows past M (an expert listed twice in a token) were reported and not written.
-        const int expected =
-            wait_nonzero(counts + i * R + lane, p.fail, WaitSite{kRoleLowLatencyRecv, -1, lane, i}) - 1;
+        // A source left out by rank masking (or masked by this wait) sends no rows: 0.
+        int32_t seen = 1;
+        wait_for_rank(
+            counts + i * R + lane, [](int32_t v) { return v != 0; }, 1, p.mask, p.peers.rank, lane, p.fail,
+            WaitSite{kRoleLowLatencyRecv, -1, lane, i}, &seen);
+        const int expected = seen - 1;
         s_expected[lane] = expected;
         count = min(expected, M);
       }
@@ -343,18 +364,24 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
     const int all_items = total * items, per_warp = (all_items + recv_warps - 1) / recv_warps;
     const int w_end = min(all_items, (warp + 1) * per_warp);
     uint32_t complete = 0;  // lane 0's: sources whose rows of expert i have all arrived
+    uint32_t dropped = 0;   // lane 0's: sources masked (rank masking) before all their rows arrived: not copied
     int s = 0;
     for (int w = warp * per_warp; w < w_end;) {
       // The warp's items of row n: [c0, c1) (data chunks below `chunks`, then the row's scales and token).
       const int n = w / items, c0 = w % items, c1 = min(w_end - n * items, items);
       w = n * items + c1;
       while (n >= s_begin[s + 1]) ++s;  // rows ascend, so s only moves forward
-      if (lane == 0 && !(complete >> s & 1)) {
+      if (lane == 0 && !((complete | dropped) >> s & 1)) {
         // Acquire; pairs with the writers' release adds (send_phase): the rows' records and map entries are here.
-        wait_at_least_i32(arrived + i * R + s, s_expected[s], p.fail, WaitSite{kRoleLowLatencyRecv, -1, s, i});
-        complete |= 1u << s;
+        const int32_t target = s_expected[s];
+        int32_t seen = 0;
+        const bool here = wait_for_rank(
+            arrived + i * R + s, [target](int32_t v) { return v >= target; }, target, p.mask, p.peers.rank, s, p.fail,
+            WaitSite{kRoleLowLatencyRecv, -1, s, i}, &seen);
+        (here ? complete : dropped) |= 1u << s;
       }
       __syncwarp();  // lane 0's acquire orders every lane's loads below
+      if (p.mask.words != nullptr && (__shfl_sync(kFullMask, dropped, 0) >> s & 1)) continue;
       // The entry is token + 1, below M + 1 unless a sender broke the protocol (or the receive call named
       // another shape); clamped, so that even then every read stays inside the records.
       const int token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + (n - s_begin[s])) - 1, 0), M - 1);
@@ -378,7 +405,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       arrived[i * R + lane] = 0;
     }
   }
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks);
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, p.mask);
 }
 
 // Dynamic shared memory of a launch: the staged record and topk as int16 (send).

@@ -8,6 +8,7 @@
 
 #include "device/transport.cuh"
 #include "device/wait.cuh"
+#include "kernels/low_latency/shrink.cuh"
 #include "layout/limits.hpp"
 #include "layout/ll_params.hpp"
 
@@ -29,15 +30,26 @@ __device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, 
       p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, env, site);
 }
 
+// wait_blocks for rank `rank`'s epoch word under rank masking (kernels/low_latency/shrink.cuh): false when the rank
+// is left out (nothing may then be written into its set). Without enable_shrink, wait_blocks.
+__device__ __forceinline__ bool wait_blocks_of_rank(const uint64_t* p, uint32_t target, const RankMask& mask, int me,
+                                                    int rank, const FailState& env, const WaitSite& site) {
+  uint64_t seen = 0;
+  return wait_for_rank(
+      p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, mask, me, rank, env, site, &seen);
+}
+
 // End of a receive phase, every thread of every block, after the block's last read of the receive area and its
 // clears of count slots: the block counts the op as received (its own block_ops) and adds one to every rank's
-// recv_seen[me]. Release (the barrier first, so it covers every thread's reads and clears): pairs with
-// the back-pressure polls (wait_blocks) at the senders of the next op on this set.
+// recv_seen[me], but not to ranks left out (rank masking: nothing is written into their regions). Release (the barrier
+// first, so it covers every thread's reads and clears): pairs with the back-pressure polls (wait_blocks) at the senders
+// of the next op on this set.
 __device__ __forceinline__ void finish_receive(const LowLatencyLayout& layout, const RegionMap& region, int set,
-                                               uint32_t k_ops, int me, int num_ranks) {
+                                               uint32_t k_ops, int me, int num_ranks, const RankMask& mask) {
   __syncthreads();
   if (threadIdx.x == 0) layout.block_ops(region.local, set)[blockIdx.x] = k_ops + 1u;  // wraps; only this block
-  if (threadIdx.x < num_ranks) signal_add(region, threadIdx.x, layout.recv_seen(region.local, set) + me, 1);
+  if (threadIdx.x < num_ranks && !rank_left_out(mask, me, threadIdx.x))
+    signal_add(region, threadIdx.x, layout.recv_seen(region.local, set) + me, 1);
 }
 
 }  // namespace epx::dev
