@@ -142,6 +142,13 @@ struct SpinBudget {
     check_abort(env, site);
     if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, seen, awaited);
   }
+  // The same spin for a caller that writes its own report: checks the abort flag, returns true once the budget
+  // is spent.
+  __device__ __forceinline__ bool expired(const FailState& env, const WaitSite& site) {
+    if (start == 0) start = globaltimer_ns();
+    check_abort(env, site);
+    return globaltimer_ns() - start > env.budget_ns;
+  }
 };
 
 }  // namespace epx::dev

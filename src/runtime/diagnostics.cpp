@@ -125,7 +125,12 @@ std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
       what = cat("sender warps did not finish: tail published to rank ", d.peer, " at ", d.a, " records");
       break;
     case kRoleCombineCoordinator:
-      what = cat("reducers did not finish: head of rank ", d.peer, " at ", d.a, " of ", d.b);
+      // a: records of rank peer's stream in this channel that arrived, b: the head (the record the reducers need
+      // next), c: the stream's records.
+      what = d.a <= d.b && d.b < d.c ? cat("reducers waiting for data from rank ", d.peer, ": ", d.a, " of ", d.c,
+                                           " records arrived, needed > ", d.b)
+                                     : cat("reducers did not finish: head of rank ", d.peer, " at ", d.b, " of ", d.c,
+                                           " (", d.a, " records arrived)");
       break;
     case kRoleNotifyNetwork:
       what = cat("network hop: waiting for the peer in domain ", d.peer, " (epoch flag ", d.a, ", awaited ", d.b,

@@ -1,7 +1,7 @@
 """A long mixed run on 2 GPUs (issue 30 item 4): intranode dispatch / combine and low-latency steps, shapes drawn
 per iteration, every result checked, device memory compared between start and end.
 
-    python tests/python/soak.py [--iterations 10000] [--check-every 16] [--nproc 2] [--seed 1] [--json FILE]
+    python tests/python/soak.py [--iterations 10000] [--check-every 64] [--nproc 2] [--seed 1] [--json FILE]
 
 Every iteration runs one high-throughput step and one low-latency step on two Buffers (one per mode), with what
 is drawn from the iteration's seed (the same on every rank, so the collective calls match):
@@ -13,8 +13,10 @@ is drawn from the iteration's seed (the same on every rank, so the collective ca
   receive hook, a double-buffered pair (the second dispatch sent before the first combine is received), or a
   replay of a CUDA graph of dispatch + combine captured at the start.
 Checks. Every iteration, on the GPU: the combine of the received rows themselves is, bit for bit, each token's
-row times the number of ranks that received it (high-throughput), and the top-k weighted sum of its own row in
-slot order (low-latency, BF16 dispatch); received row counts match the handle. Every --check-every iterations,
+row times the number of ranks that received it, +0.0 where that is a zero (section 3 sums from 0.0f)
+(high-throughput), and the top-k weighted sum of its own row in slot order (low-latency, BF16 dispatch);
+received row counts match the handle. The first wrong combines print evidence: the first differing element,
+the token's routing, and the same combine by _ref.combine. Every --check-every iterations,
 on the CPU: every output against the reference model (_ref.py: rows, top-k ids and weights, per-expert counts,
 the prefix matrix, FP8 data and scales, the low-latency layout and source indices, the FP8 combine).
 Memory: cudaMemGetInfo and the caching allocator's numbers after the set-up and warm-up (the first
@@ -54,6 +56,7 @@ M, LL_H, LL_E = 64, 2048, 32
 GRAPH_T, GRAPH_K = 48, 4
 WARMUP = 64          # iterations before the memory is read at the start
 GROWTH_LIMIT = 2 << 20
+EVIDENCE = 4         # wrong combines per rank reported with their evidence (combine_evidence)
 
 
 class Pools:
@@ -98,6 +101,8 @@ class Soak:
             b.set_timeout(30.0)
         self.prev = None      # the previous high-throughput dispatch (for a cached one)
         self.wrong = []       # (iteration, what) of every wrong result on this rank
+        self.evidence = []    # the details of the first EVIDENCE wrong combines
+        self.phase = {}       # seconds per phase of the timed iterations (the report's phase_seconds)
         self.checked = 0
         self.graph = None
 
@@ -151,17 +156,58 @@ class Soak:
         y = data.to(torch.bfloat16)  # fp8 -> bf16 is exact
         combined, _, _ = b.combine(y, handle)
         # Cheap invariants, on the GPU: combined = own row x (ranks that received it), exactly; row counts.
+        # Section 3: acc = 0.0f, then acc += row for every receiving rank: 0.0f + (-0.0f) is +0.0f, so a -0.0
+        # element (FP8 data underflows to it) and a token no rank received (the product 0 * negative is -0.0)
+        # give +0.0. The product is exact (at most 8 ranks, 8-bit significands); adding it to +0.0 gives the
+        # same bits as the ascending sum.
         own = (x[0] if s["fp8"] else x).to(torch.bfloat16)
-        want = (own.float() * itr.sum(1, keepdim=True).float()).to(torch.bfloat16)
+        product = own.float() * itr.sum(1, keepdim=True).float()
+        want = (torch.zeros_like(product) + product).to(torch.bfloat16)
         ok = torch.equal(combined.view(torch.int16), want.view(torch.int16))
         if not ok:
-            self.wrong.append((it, f"high-throughput combine ({s['mode']}, {self.describe(s)})"))
+            what = f"high-throughput combine ({s['mode']}, {self.describe(s)})"
+            if len(self.evidence) < EVIDENCE:
+                what += ": " + self.combine_evidence(s, data_seed, combined, want, itr, idx, check)
+            self.wrong.append((it, what))
         rows_expected = int(handle[0][-1, self.rank])
         padded = s["mode"] == "worst" or s.get("worst_handle", False)  # outputs sized to num_worst_tokens
         if not padded and data.shape[0] != rows_expected:
             self.wrong.append((it, f"dispatch rows {data.shape[0]}, prefix matrix says {rows_expected}"))
-        if check:
+        if check or (not ok and len(self.evidence) <= EVIDENCE):  # a wrong combine: is the dispatch right?
             self.ht_check(it, s, data_seed, recv_x, recv_idx, recv_w, per_expert, handle)
+
+    def combine_evidence(self, s, data_seed, combined, want, itr, idx, check):
+        """What a wrong combine looks like, and the same combine by the reference model (_ref.combine, section 3,
+        from inputs rebuilt on the CPU: the dispatch's rows come back unchanged): tells a wrong invariant from a
+        wrong library. The dispatch of this iteration is checked against _ref too (ht_check)."""
+        got_bits, want_bits = combined.view(torch.int16), want.view(torch.int16)
+        bad = (got_bits != want_bits).nonzero()
+        t, col = (int(v) for v in bad[0])
+        x_cpu, idx_cpu, _ = self.ht_inputs(s, self.rank, data_seed, gpu=False)
+        own_cpu = (x_cpu[0] if s["fp8"] else x_cpu).to(torch.bfloat16)
+        in_rank = _ref.layout(idx_cpu, s["experts"], self.world)[2]
+        ref = _ref.combine([own_cpu] * self.world, in_rank)
+        got_cpu = combined.cpu()
+        lib_vs_ref = (got_cpu.view(torch.int16) != ref.view(torch.int16))
+        want_vs_ref = (want.cpu().view(torch.int16) != ref.view(torch.int16))
+        bad_got = got_cpu.view(torch.int16)[bad[:, 0], bad[:, 1]]
+        bad_want = want_bits[bad[:, 0], bad[:, 1]].cpu()
+        signed_zeros = bool(((bad_got & 0x7FFF) == 0).all() and ((bad_want & 0x7FFF) == 0).all())
+
+        def val(v):
+            return f"{float(v):g} (0x{int(v.view(torch.int16)) & 0xFFFF:04x})"
+
+        first_lib = lib_vs_ref.nonzero()[:1].tolist()
+        text = (f"{bad.shape[0]} elements in {bad[:, 0].unique().numel()} tokens differ from the invariant"
+                f"{' (all are +0.0 vs -0.0)' if signed_zeros else ''}; first token {t} column {col}: want "
+                f"{val(want[t, col])}, got {val(combined[t, col])}, own row {val(own_cpu[t, col])}; itr row "
+                f"{itr[t].int().tolist()} (reference {in_rank[t].int().tolist()}), topk row {idx[t].tolist()}; "
+                f"against _ref.combine: the library differs in {int(lib_vs_ref.sum())} elements"
+                f"{f' (first token, column {first_lib[0]}: got {val(got_cpu[first_lib[0][0], first_lib[0][1]])}, ref {val(ref[first_lib[0][0], first_lib[0][1]])})' if first_lib else ''}, "
+                f"the invariant in {int(want_vs_ref.sum())}; is_token_in_rank "
+                f"{'matches' if torch.equal(itr.cpu(), in_rank) else 'DIFFERS from'} the reference")
+        self.evidence.append(text)
+        return text
 
     def describe(self, s):
         return (f"tokens {s['tokens']} hidden {s['hidden']} {'fp8' if s['fp8'] else 'bf16'} top-{s['topk']} of "
@@ -350,11 +396,18 @@ class Soak:
         return {"used": total - free, "free": free, "total": total, "torch_reserved": reserved,
                 "torch_allocated": torch.cuda.memory_allocated(self.device), "outside_torch": total - free - reserved}
 
+    def timed(self, name, fn, *args):
+        t = time.perf_counter()
+        fn(*args)
+        self.phase[name] = self.phase.get(name, 0.0) + time.perf_counter() - t
+
     def iteration(self, it):
         rng = random.Random(self.args.seed * 1_000_003 + it)
         check = it % self.args.check_every == 0
-        self.ht_step(it, rng, check)
-        self.ll_step(it, rng, check)
+        # per phase: the GPU steps with their cheap invariants (which synchronise), and the iterations with the
+        # full reference checks apart
+        self.timed("high-throughput" + (" + reference check" if check else ""), self.ht_step, it, rng, check)
+        self.timed("low-latency" + (" + reference check" if check else ""), self.ll_step, it, rng, check)
 
     def run(self):
         self.capture_graph()
@@ -362,6 +415,8 @@ class Soak:
         for it in range(-WARMUP, 0):  # warm-up: every kernel loaded, the allocator's pools filled
             self.iteration(it)
         self.wrong.clear()  # the warm-up's results are checked too, but not counted
+        self.evidence.clear()
+        self.phase.clear()
         self.checked = 0
         report["memory_start"] = self.memory()
         dist.barrier()
@@ -377,7 +432,8 @@ class Soak:
         for b in (self.ht, self.ll):
             b.check()
         report.update(iterations=self.args.iterations, wrong=len(self.wrong), wrong_first=self.wrong[:10],
-                      reference_checks=self.checked)
+                      reference_checks=self.checked, evidence=self.evidence,
+                      phase_seconds={k: round(v, 2) for k, v in sorted(self.phase.items())})
         return report
 
 
@@ -385,6 +441,8 @@ def worker(rank, world, args, store_dir, out_dir):
     for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
         os.environ.setdefault(k, v)
     torch.cuda.set_device(rank)
+    # the reference checks run on the CPU: one share of the cores per rank, not every core for every rank
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
@@ -427,6 +485,7 @@ def summarize(reports):
             f"torch {mib(start['outside_torch'])} -> {mib(end['outside_torch'])} (growth {growth} B, limit "
             f"{GROWTH_LIMIT} B), torch allocated {start['torch_allocated']} -> {end['torch_allocated']} B, reserved "
             f"{mib(start['torch_reserved'])} -> {mib(end['torch_reserved'])}")
+        lines.append("    seconds per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in r.get("phase_seconds", {}).items()))
         for it, what in r["wrong_first"]:
             lines.append(f"    iteration {it}: {what}")
     return bad, lines
@@ -435,7 +494,7 @@ def summarize(reports):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=10000)
-    parser.add_argument("--check-every", type=int, default=16, help="full reference check every N iterations")
+    parser.add_argument("--check-every", type=int, default=64, help="full reference check every N iterations")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", default="", help="write every rank's report here")

@@ -191,6 +191,26 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
   if (lane < R) need_slot[lane] = INT_MAX;
 }
 
+// The coordinator's budget ran out (it starts first, so it expires before the reducers' waits): the report names
+// the source rank whose data the reducers wait for, the lowest lane j whose oldest needed record (position
+// `published`, the head) has not arrived (tail - base <= published < total). A stream that is behind only
+// because its ring is full (tail - head == capacity) is not that: its records are there. With no such rank the
+// first unfinished one is named. Peer lanes read one ring tail each, once, at the timeout only. Does not return.
+__device__ __noinline__ void coordinator_timeout(const CombineParams& p, int channel, uint64_t base, int published,
+                                                 int total) {
+  const int lane = threadIdx.x % 32;
+  const bool active = lane < p.num_ranks;
+  const int arrived = active ? int(ld_acquire_sys(&nvl_self(p.peers)->combine_tail[channel][lane]) - base) : 0;
+  const uint32_t unfinished = __ballot_sync(kFullMask, active && published < total);
+  const uint32_t starved = __ballot_sync(kFullMask, active && published < total && arrived <= published);
+  const int culprit = __ffs(starved != 0 ? starved : unfinished) - 1;
+  // a = records arrived from the peer, b = the head (the record the reducers need next), c = records in total
+  if (lane == culprit)
+    fail_fatal(p.fail, kErrTimeout, WaitSite{kRoleCombineCoordinator, channel, lane, total}, arrived, published);
+  __syncwarp();
+  __trap();  // not reached: the culprit's lane traps
+}
+
 // Publishes, for every source rank j, head = base + min over reducers of the position they may still need.
 __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
   const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels;
@@ -213,7 +233,8 @@ __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s
       }
     }
     if (__all_sync(kFullMask, !active || published == total)) break;
-    budget.tick(p.fail, WaitSite{kRoleCombineCoordinator, channel, lane, total}, published, total);
+    if (budget.expired(p.fail, WaitSite{kRoleCombineCoordinator, channel, lane, total}))
+      coordinator_timeout(p, channel, base, published, total);
   }
 }
 
