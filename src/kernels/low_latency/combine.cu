@@ -351,7 +351,7 @@ __device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p
     }
     __syncthreads();  // s_partial is rewritten for the next token
   }
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks);
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, p.mask);
 }
 
 // Block b reduces tokens b, b+G, ... as soon as the arrival counters of that token's experts reach their
