@@ -456,19 +456,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int s_items[kLowLatencyMaxExperts];   // [L * R] this block's work items per pair
   wait_prior_grids();                              // before any memory access (kernels/low_latency/launch.cuh)
   allow_next_grid();
+  // The order is chosen before the row format: the runtime's format word carries the reduction in bit 1 (2 for
+  // rank-reduced), and the runtime refuses LogFMT with the rank-reduced order; only bit 0 means LogFMT rows.
   if (p.phases & kLowLatencySend) {
-    if (p.logfmt)
-      send_phase<true>(p, s_first, s_range, s_items);
-    else if (p.rank_reduced)
+    if (p.rank_reduced)
       send_phase<false, true>(p, s_first, s_range, s_items);
+    else if (p.logfmt & 1)
+      send_phase<true>(p, s_first, s_range, s_items);
     else
       send_phase<false>(p, s_first, s_range, s_items);
   }
   if (p.phases & kLowLatencyRecv) {
-    if (p.logfmt)
-      receive_phase<false, true>(p);
-    else if (p.rank_reduced)
+    if (p.rank_reduced)
       receive_rank_phase(p);
+    else if (p.logfmt & 1)
+      receive_phase<false, true>(p);
     else if (p.phases & kLowLatencySend)
       receive_phase<true, false>(p);
     else
