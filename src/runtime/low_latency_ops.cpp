@@ -269,7 +269,7 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
   p.x =
       static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.peer_map.ll.local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
-  p.logfmt = format;
+  p.logfmt = a.use_logfmt ? 1 : 0;
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;
   p.recv_src_info = h.recv_src_info;
