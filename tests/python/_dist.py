@@ -88,13 +88,23 @@ def _worker(rank: int, world_size: int, module_file: str, cases: List[str], work
     dist.destroy_process_group()
 
 
+def selected(cases: List[str]) -> List[str]:
+    """The cases to run: those whose name contains one of the comma-separated substrings of $EPX_CASE_FILTER, or
+    every case when it is unset (all cases of a module run in one spawn, so pytest's -k cannot shorten a run)."""
+    wanted = [w for w in os.environ.get("EPX_CASE_FILTER", "").split(",") if w]
+    return [c for c in cases if not wanted or any(w in c for w in wanted)]
+
+
 class Results:
-    def __init__(self, world_size: int, per_rank: List[Dict[str, str]], note: str):
+    def __init__(self, world_size: int, per_rank: List[Dict[str, str]], note: str, run: List[str]):
         self.world_size = world_size
         self.per_rank = per_rank
         self.note = note
+        self.run = set(run)
 
     def check(self, case: str) -> None:
+        if case not in self.run:
+            pytest.skip(f"not selected by EPX_CASE_FILTER={os.environ.get('EPX_CASE_FILTER', '')}")
         problems = []
         for rank, results in enumerate(self.per_rank):
             if case not in results:
@@ -109,6 +119,7 @@ def run_cases(module_file: str, cases: List[str], world_size: int, timeout_s: fl
               backend: str = "gloo") -> Results:
     import torch.multiprocessing as mp
 
+    cases = selected(cases)
     with tempfile.TemporaryDirectory(prefix="epx-pytest-") as workdir:
         context = mp.start_processes(_worker, args=(world_size, module_file, cases, workdir, backend),
                                      nprocs=world_size, join=False, start_method="spawn")
@@ -130,4 +141,4 @@ def run_cases(module_file: str, cases: List[str], world_size: int, timeout_s: fl
         for rank in range(world_size):
             path = os.path.join(workdir, f"rank{rank}.json")
             per_rank.append(json.load(open(path)) if os.path.exists(path) else {})
-        return Results(world_size, per_rank, note)
+        return Results(world_size, per_rank, note, cases)
