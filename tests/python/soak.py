@@ -20,7 +20,8 @@ the token's routing, and the same combine by _ref.combine. Every --check-every i
 on the CPU: every output against the reference model (_ref.py: rows, top-k ids and weights, per-expert counts,
 the prefix matrix, FP8 data and scales, the low-latency layout and source indices, the FP8 combine).
 Memory: cudaMemGetInfo and the caching allocator's numbers after the set-up and warm-up (the first
-iterations load every kernel and fill the allocator's pools) and at the end, with the soak's own tensors dropped:
+iterations load every kernel and fill the allocator's pools) and at the end, with the soak's own tensors dropped
+and torch's cached free blocks released (torch.cuda.empty_cache):
 device memory outside torch's allocator must not grow by more than 2 MiB, and the allocated bytes by no more than
 64 KiB (what the Buffers keep of the last shapes; a repeating leak exceeds it).
 Rank 0 prints progress every 1000 iterations and a summary; the exit status is 1 when any rank saw a wrong
@@ -396,6 +397,7 @@ class Soak:
         self.prev = None
         gc.collect()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # cached free blocks returned: "used" is what is allocated, in torch or outside it
         free, total = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         return {"used": total - free, "free": free, "total": total, "torch_reserved": reserved,
