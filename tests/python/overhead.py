@@ -110,14 +110,21 @@ def intranode(rank, world, calls, reps):
     return rows
 
 
-def low_latency(rank, world, calls, reps):
-    rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, HIDDEN, world, EXPERTS)
+def low_latency_setup(rank, world, hidden, experts, topk):
+    """-> (a low-latency Buffer for M tokens of hidden, cleaned, x [M, hidden], topk_idx, topk_weights, the
+    generator the inputs came from)."""
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, hidden, world, experts)
     buffer = epx.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
-    buffer.clean_low_latency_buffer(M, HIDDEN, EXPERTS)
+    buffer.clean_low_latency_buffer(M, hidden, experts)
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(M, HIDDEN, generator=g).to(torch.bfloat16).cuda()
-    idx = torch.rand(M, EXPERTS, generator=g).topk(TOPK, dim=1).indices.cuda()
-    w = torch.rand(M, TOPK, generator=g).cuda()
+    x = torch.randn(M, hidden, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.rand(M, experts, generator=g).topk(topk, dim=1).indices.cuda()
+    w = torch.rand(M, topk, generator=g).cuda()
+    return buffer, x, idx, w, g
+
+
+def low_latency(rank, world, calls, reps):
+    buffer, x, idx, w, _ = low_latency_setup(rank, world, HIDDEN, EXPERTS, TOPK)
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, M, EXPERTS, use_fp8=False)
     y = recv_x.clone()
     buffer.low_latency_combine(y, idx, w, handle)
@@ -176,13 +183,7 @@ def layout(rank, world, calls, reps):
 def decode(rank, world, calls, reps):
     """The low-latency pair at the decoding shape (M tokens x 7168, top-8 of 288, FP8 dispatch with cumulative
     stats): an eager Python loop against the same pair captured once in a CUDA graph and replayed."""
-    rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, DECODE_HIDDEN, world, DECODE_EXPERTS)
-    buffer = epx.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True)
-    buffer.clean_low_latency_buffer(M, DECODE_HIDDEN, DECODE_EXPERTS)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(M, DECODE_HIDDEN, generator=g).to(torch.bfloat16).cuda()
-    idx = torch.rand(M, DECODE_EXPERTS, generator=g).topk(DECODE_TOPK, dim=1).indices.cuda()
-    w = torch.rand(M, DECODE_TOPK, generator=g).cuda()
+    buffer, x, idx, w, g = low_latency_setup(rank, world, DECODE_HIDDEN, DECODE_EXPERTS, DECODE_TOPK)
     stats = torch.zeros(DECODE_EXPERTS // world, dtype=torch.int32, device="cuda")
     y = torch.randn(DECODE_EXPERTS // world, world * M, DECODE_HIDDEN, generator=g).to(torch.bfloat16).cuda()
 
