@@ -8,8 +8,8 @@ work is short), it times N back-to-back calls with perf_counter (host time per c
 stream choreography, output allocation and the C call) and with CUDA events on the current stream (time
 per call on the GPU, including what the stream waits for), once through the Python API and once calling
 the C function through ctypes with prebuilt argument structs and preallocated outputs. Every rank makes
-the same calls (they are collective); rank 0 prints the table. The best of several repetitions is kept.
-Low-latency dispatch and combine must alternate, so they are timed as a pair, and each half on its own
+the same calls (they are collective); rank 0 prints the slowest rank's numbers (the JSON has every rank's). The
+best of several repetitions is kept. Low-latency dispatch and combine must alternate, so they are timed as a pair, and each half on its own
 inside the same loop (host time only). Two rows at the issue's target shapes: get_dispatch_layout at 4096 tokens,
 top-8 of 256 (Python against ctypes), and the low-latency pair at the decoding shape (M tokens x 7168, top-8 of
 288, FP8 dispatch with cumulative stats) in an eager loop against the same pair replayed from a CUDA graph (its
@@ -236,9 +236,14 @@ def worker(rank, world, calls, reps, json_path, store_dir):
     rows.update(low_latency(rank, world, calls, reps))
     rows.update(layout(rank, world, calls, reps))
     rows.update(decode(rank, world, calls, reps))
+    # Every rank's numbers: the table gives the slowest rank's (the calls are collective, so the slowest host
+    # paces every GPU), the JSON each rank's too.
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, rows)
+    rows = {name: [tuple(max(r[name][i][j] for r in per_rank) for j in range(2)) for i in range(2)] for name in rows}
     if rank == 0:
         print(f"{world} ranks, {calls} calls x {reps} repetitions (best), tokens {TOKENS}, hidden {HIDDEN}, "
-              f"experts {EXPERTS}, top-{TOPK}; microseconds per call")
+              f"experts {EXPERTS}, top-{TOPK}; microseconds per call, slowest rank")
         print(f"{'operation':32} {'python host':>12} {'ctypes host':>12} {'overhead':>9} {'python gpu':>11} "
               f"{'ctypes gpu':>11}")
         print("(decode pair: the second pair of columns is the pair replayed from a CUDA graph)")
@@ -249,7 +254,8 @@ def worker(rank, world, calls, reps, json_path, store_dir):
             with open(json_path, "w") as f:
                 other = lambda name: "graph" if name.startswith("decode pair") else "ctypes"  # noqa: E731
                 json.dump({name.strip(): {"python_host_us": v[0][0], "python_gpu_us": v[0][1],
-                                          f"{other(name)}_host_us": v[1][0], f"{other(name)}_gpu_us": v[1][1]}
+                                          f"{other(name)}_host_us": v[1][0], f"{other(name)}_gpu_us": v[1][1],
+                                          "per_rank": [r[name] for r in per_rank]}
                            for name, v in rows.items()}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
