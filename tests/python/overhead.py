@@ -3,17 +3,17 @@
     python tests/python/overhead.py [--nproc 2] [--calls 200] [--json out.json]
     torchrun --nproc-per-node 2 tests/python/overhead.py
 
-For cached dispatch, combine, low-latency dispatch and low-latency combine (small sizes, so that the GPU
-work is short), it times N back-to-back calls with perf_counter (host time per call: argument checks,
-stream choreography, output allocation and the C call) and with CUDA events on the current stream (time
-per call on the GPU, including what the stream waits for), once through the Python API and once calling
-the C function through ctypes with prebuilt argument structs and preallocated outputs. Every rank makes
-the same calls (they are collective); rank 0 prints the slowest rank's numbers (the JSON has every rank's). The
-best of several repetitions is kept. Low-latency dispatch and combine must alternate, so they are timed as a pair, and each half on its own
-inside the same loop (host time only). Two rows at the issue's target shapes: get_dispatch_layout at 4096 tokens,
-top-8 of 256 (Python against ctypes), and the low-latency pair at the decoding shape (M tokens x 7168, top-8 of
-288, FP8 dispatch with cumulative stats) in an eager loop against the same pair replayed from a CUDA graph (its
-"ctypes" columns, and graph_* in the JSON). tests/python/overhead_cpu.py times the Python side alone on a CPU.
+For cached dispatch, combine, low-latency dispatch and low-latency combine (small sizes, so that the GPU work is
+short), it times N back-to-back calls with perf_counter (host time per call: argument checks, stream choreography,
+output allocation and the C call) and with CUDA events on the current stream (time per call on the GPU, including
+what the stream waits for), once through the Python API and once calling the C function through ctypes with
+prebuilt argument structs and preallocated outputs. Every rank makes the same calls (they are collective); rank 0
+prints the slowest rank's numbers (the JSON has every rank's). The best of several repetitions is kept.
+Low-latency dispatch and combine must alternate, so they are timed as a pair, and each half on its own inside the
+same loop (host time only). Two rows at the issue's target shapes: get_dispatch_layout at 4096 tokens, top-8 of
+256 (Python against ctypes), and the low-latency pair at the decoding shape (M tokens x 7168, top-8 of 288, FP8
+dispatch with cumulative stats) in an eager loop against the same pair replayed from a CUDA graph (its "ctypes"
+columns, and graph_* in the JSON). tests/python/overhead_cpu.py times the Python side alone on a CPU.
 """
 
 import argparse
