@@ -1,12 +1,13 @@
 // The messages of the kernels' timeout diagnostics (runtime/diagnostics.cpp): every role that waits on one peer
 // names that peer, the intranode combine coordinator names the rank whose data has not arrived, and an abort names
 // the rank that failed first.
+#include "runtime/diagnostics.hpp"
+
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "layout/host_shared.hpp"
-#include "runtime/diagnostics.hpp"
 
 namespace {
 
