@@ -140,7 +140,9 @@ __device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_
 // The first of the R writer warps (one per destination rank) of a send phase: the block's last warps.
 __device__ __forceinline__ int first_writer(int num_ranks) { return kWarps - num_ranks; }
 
+template <bool kShrink>
 __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, int16_t* s_topk) {
+  const RankMask mask = shrink_mask<kShrink>(p.mask);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk, me = p.peers.rank;
   const int L = p.num_experts / R;
@@ -162,11 +164,11 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   __shared__ uint32_t s_skip;
   if (warp == kWarps - 1) {
     if (lane < R)
-      wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, p.mask, me, lane, p.fail,
+      wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, mask, me, lane, p.fail,
                           WaitSite{kRoleLowLatencySend, -1, lane, -1});
-    if (p.mask.words != nullptr) {
+    if (kShrink) {
       __syncwarp();  // the lanes' masking stores (atomicExch) come before lane 0's reads
-      if (lane == 0) s_skip = left_out_ranks(p.mask, me, R);
+      if (lane == 0) s_skip = left_out_ranks(mask, me, R);
     }
   }
 
@@ -177,7 +179,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     stage_token(p, rec, t, s_rec);
     __syncthreads();
-    if (p.mask.words != nullptr) skip = s_skip;
+    if (kShrink) skip = s_skip;
     if (uses_nvshmem(p.peers.ll)) {  // NVSHMEM puts read their source from symmetric memory: a copy there
       int4* staged = staged_record(p, rec, t);
       for (int i = threadIdx.x; i < int(rec.bytes / 16); i += kThreads)
@@ -220,7 +222,7 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   }
   if (!counted) {     // no token here: every warp sends counts
     __syncthreads();  // s_topk (and s_skip) is complete
-    if (p.mask.words != nullptr) skip = s_skip;
+    if (kShrink) skip = s_skip;
     send_counts(p, s_topk, warp, kWarps, skip);
   }
   if (d >= 0 && !(skip >> d & 1)) {
@@ -310,7 +312,9 @@ __device__ __noinline__ void note_topk_slot(const LowLatencyDispatchParams& p, c
 
 // Receive warps: warps 0 .. recv_warps - 1 of the block (every warp without a send phase in this launch; with
 // one, all but the writers, which join at the end once their arrival adds are issued).
+template <bool kShrink, bool kTopk>
 __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int recv_warps) {
+  const RankMask mask = shrink_mask<kShrink>(p.mask);
   __shared__ int s_begin[kMaxNvlRanks + 1];
   __shared__ int s_expected[kMaxNvlRanks];  // per source: its count as sent (uncapped), the arrivals to await
   const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // the send phase's too (same block, same op)
@@ -336,7 +340,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
         // A source left out by rank masking (or masked by this wait) sends no rows: 0.
         int32_t seen = 1;
         wait_for_rank(
-            counts + i * R + lane, [](int32_t v) { return v != 0; }, 1, p.mask, p.peers.rank, lane, p.fail,
+            counts + i * R + lane, [](int32_t v) { return v != 0; }, 1, mask, p.peers.rank, lane, p.fail,
             WaitSite{kRoleLowLatencyRecv, -1, lane, i}, &seen);
         const int expected = seen - 1;
         s_expected[lane] = expected;
@@ -376,12 +380,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
         const int32_t target = s_expected[s];
         int32_t seen = 0;
         const bool here = wait_for_rank(
-            arrived + i * R + s, [target](int32_t v) { return v >= target; }, target, p.mask, p.peers.rank, s, p.fail,
+            arrived + i * R + s, [target](int32_t v) { return v >= target; }, target, mask, p.peers.rank, s, p.fail,
             WaitSite{kRoleLowLatencyRecv, -1, s, i}, &seen);
         (here ? complete : dropped) |= 1u << s;
       }
       __syncwarp();  // lane 0's acquire orders every lane's loads below
-      if (p.mask.words != nullptr && (__shfl_sync(kFullMask, dropped, 0) >> s & 1)) continue;
+      if (kShrink && (__shfl_sync(kFullMask, dropped, 0) >> s & 1)) continue;
       // The entry is token + 1, below M + 1 unless a sender broke the protocol (or the receive call named
       // another shape); clamped, so that even then every read stays inside the records.
       const int token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + (n - s_begin[s])) - 1, 0), M - 1);
@@ -394,7 +398,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
                                         reinterpret_cast<const int4*>(src) + first, min(2 * kChunk, end4 - first), lane,
                                         LoadCg{}, StoreNa{});
       if (c1 > chunks) copy_row_meta(p, src, i, n, token, lane);
-      if (c1 > chunks && p.recv_topk_slots != nullptr)
+      if (kTopk && c1 > chunks)
         note_topk_slot(p, src, row_map + (int64_t(i) * R + s) * M, i, s, n, n - s_begin[s], token, lane);
     }
     named_barrier(1, threads);  // every row of expert i is copied; no warp reads s_begin / s_expected any more
@@ -405,7 +409,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       arrived[i * R + lane] = 0;
     }
   }
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, p.mask);
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
 // Dynamic shared memory of a launch: the staged record and topk as int16 (send).
@@ -419,8 +423,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + record_of(p).bytes);
   wait_prior_grids();  // before any memory access (kernels/low_latency/launch.cuh)
   allow_next_grid();
-  if (p.phases & kLowLatencySend) send_phase(p, s_rec, s_topk);
-  if (p.phases & kLowLatencyRecv) receive_phase(p, (p.phases & kLowLatencySend) ? first_writer(p.num_ranks) : kWarps);
+  const bool shrink = p.mask.words != nullptr, topk = p.recv_topk_slots != nullptr;
+  if (p.phases & kLowLatencySend) {
+    if (shrink)
+      send_phase<true>(p, s_rec, s_topk);
+    else
+      send_phase<false>(p, s_rec, s_topk);
+  }
+  if (p.phases & kLowLatencyRecv) {
+    const int recv_warps = (p.phases & kLowLatencySend) ? first_writer(p.num_ranks) : kWarps;
+    if (shrink && topk)
+      receive_phase<true, true>(p, recv_warps);
+    else if (shrink)
+      receive_phase<true, false>(p, recv_warps);
+    else if (topk)
+      receive_phase<false, true>(p, recv_warps);
+    else
+      receive_phase<false, false>(p, recv_warps);
+  }
 }
 
 // Dynamic shared memory past the 48 KiB any kernel may take needs the kernel's limit raised first. Raised once per

@@ -19,6 +19,13 @@
 
 namespace epx::dev {
 
+// The mask a phase instantiated with (kShrink) or without rank masking works with: without, its words are null at
+// compile time and every helper below folds into the plain wait (a buffer without enable_shrink runs no masking code).
+template <bool kShrink>
+__device__ __forceinline__ RankMask shrink_mask(const RankMask& m) {
+  return kShrink ? m : RankMask{nullptr, 0};
+}
+
 // Whether this call leaves rank r out, as the mask says now (false without enable_shrink).
 __device__ __forceinline__ bool rank_left_out(const RankMask& m, int me, int r) {
   return m.words != nullptr && (ld_relaxed_sys(m.words + r) != 0 || ld_relaxed_sys(m.words + me) != 0);
