@@ -8,6 +8,7 @@
 
 #include "../../tools/harness/low_latency.hpp"
 #include "gpu_test.hpp"
+#include "ll_common.hpp"
 
 namespace epx::gpu_test {
 namespace {
@@ -435,17 +436,11 @@ std::vector<Case> low_latency_cases() {
                std::string err = s.check_dispatch() + s.check_combine();
                cudaGraph_t graph = nullptr;
                cudaGraphExec_t exec = nullptr;
-               if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess)
-                 return std::string("capture failed to begin\n");
-               s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
-               s.combine(kLowLatencyBothPhases);
-               cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
-               if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
-               e = cudaGraphInstantiate(&exec, graph, 0);
-               if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
+               if (const std::string failed = capture_step(s, ctx.stream, &graph, &exec); !failed.empty())
+                 return failed;
                for (int i = 0; i < 100 && err.empty(); ++i) {
                  s.set_step(100 + i);  // new routing, x and weights in the same device arrays
-                 e = cudaGraphLaunch(exec, ctx.stream);
+                 const cudaError_t e = cudaGraphLaunch(exec, ctx.stream);
                  if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
                  s.note_replayed_dispatch();
                  err += s.check_dispatch() + s.check_combine();
