@@ -4,6 +4,7 @@
 
 #include "../../tools/harness/high_throughput.hpp"
 #include "gpu_test.hpp"
+#include "ht_common.hpp"
 
 namespace epx::gpu_test {
 namespace {
@@ -11,18 +12,6 @@ namespace {
 using harness::HtCase;
 using harness::HtSession;
 using harness::Routing;
-
-HtCase base_case(std::vector<int> tokens, int hidden, uint64_t seed) {
-  HtCase c;
-  c.tokens = std::move(tokens);
-  c.hidden = hidden;
-  c.routing.num_experts = 64;
-  c.routing.num_topk = 8;
-  c.routing.empty_slot_prob = 0.1;
-  c.routing.seed = seed;
-  c.seed = seed;
-  return c;
-}
 
 // layout -> dispatch -> combine, each checked; an internode buffer combines in both orders (two-level, then flat).
 std::string run_full(Context& ctx, const HtCase& c) {
@@ -48,6 +37,23 @@ std::vector<int> per_rank(int num_ranks, std::initializer_list<int> first, int r
   v.resize(num_ranks, rest);
   v.resize(num_ranks);
   return v;
+}
+
+// layout -> dispatch, then `n` cached dispatches of new x (seeds x_seed, x_seed + 1, ...), then combine (combine
+// inputs from combine_seed); every dispatch and the combine checked.
+std::string cached_dispatches(Context& ctx, const HtCase& c, int n, uint64_t x_seed, uint64_t combine_seed) {
+  HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+  s.layout();
+  s.dispatch();
+  std::string err = s.check_dispatch();
+  for (int i = 0; i < n; ++i) {
+    s.set_x(x_seed + i);
+    s.dispatch_cached();
+    err += s.check_dispatch();
+  }
+  s.set_combine_inputs(combine_seed);
+  s.combine();
+  return err + s.check_combine();
 }
 
 Case scenario(std::string name, std::function<HtCase(Context&)> make) {
@@ -152,19 +158,7 @@ std::vector<Case> high_throughput_cases(bool internode) {
                            [column_major](Context&) { return column_major(base_case({512}, 7168, 40)); }));
   cases.push_back(
       Case{"FP8 dispatch with column-major scales: cached dispatch with new data", [column_major](Context& ctx) {
-             const HtCase c = column_major(base_case({700}, 4096, 41));
-             HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-             s.layout();
-             s.dispatch();
-             std::string err = s.check_dispatch();
-             for (int i = 0; i < 2; ++i) {
-               s.set_x(2000 + i);
-               s.dispatch_cached();
-               err += s.check_dispatch();
-             }
-             s.set_combine_inputs(98);
-             s.combine();
-             return err + s.check_combine();
+             return cached_dispatches(ctx, column_major(base_case({700}, 4096, 41)), 2, 2000, 98);
            }});
   cases.push_back(
       scenario("FP8 dispatch with column-major scales: worst-case mode, uneven tokens", [column_major](Context& ctx) {
@@ -180,32 +174,13 @@ std::vector<Case> high_throughput_cases(bool internode) {
     return c;
   }));
 
-  cases.push_back(Case{"cached dispatch with new data, then combine", [](Context& ctx) {
-                         auto c = base_case({700}, 4096, 29);
-                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                         s.layout();
-                         s.dispatch();
-                         std::string err = s.check_dispatch();
-                         for (int i = 0; i < 3; ++i) {
-                           s.set_x(1000 + i);
-                           s.dispatch_cached();
-                           err += s.check_dispatch();
-                         }
-                         s.set_combine_inputs(99);
-                         s.combine();
-                         err += s.check_combine();
-                         return err;
-                       }});
+  cases.push_back(Case{"cached dispatch with new data, then combine",
+                       [](Context& ctx) { return cached_dispatches(ctx, base_case({700}, 4096, 29), 3, 1000, 99); }});
 
   cases.push_back(Case{"legacy default stream", [](Context& ctx) {
                          auto c = base_case({256}, 2048, 30);
                          HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, nullptr);
-                         s.layout();
-                         s.dispatch();
-                         std::string err = s.check_dispatch();
-                         s.set_combine_inputs(5);
-                         s.combine();
-                         return err + s.check_combine();
+                         return dispatch_and_combine(s, 5);
                        }});
 
   // 300 tokens through one channel with a tiny ring, dispatch and combine on the same config. Internode: the NVLink
@@ -221,12 +196,7 @@ std::vector<Case> high_throughput_cases(bool internode) {
                     cfg.num_max_rdma_recv_tokens = 2 * cfg.num_max_send_tokens;
                   }
                   HtSession s(ctx.buffer, c, cfg, cfg, ctx.stream);
-                  s.layout();
-                  s.dispatch();
-                  std::string err = s.check_dispatch();
-                  s.set_combine_inputs(combine_seed);
-                  s.combine();
-                  return err + s.check_combine();
+                  return dispatch_and_combine(s, combine_seed);
                 }};
   };
   cases.push_back(small_config_case("small configs: 2 SMs, chunk 1, ring 2", Config{2, 1, 2, 1, 2}, 31, 6));
@@ -265,43 +235,14 @@ std::vector<Case> high_throughput_cases(bool internode) {
                            if (ctx.rank == culprit && std::string(e.what()).find("topk_idx[3][2]") == std::string::npos)
                              err += std::string("message does not name the slot: ") + e.what() + "\n";
                          }
-                         s.layout();  // the next operation works
-                         s.dispatch();
-                         err += s.check_dispatch();
-                         s.set_combine_inputs(8);
-                         s.combine();
-                         return err + s.check_combine();
+                         return err + dispatch_and_combine(s, 8);  // the next operation works
                        }});
 
   // Inside one domain an overflow and a ring that does not fit are collective errors; internode_cases() has the
   // internode mode's versions.
   if (!internode) {
     cases.push_back(Case{"num_worst_tokens too small: check() fails every rank, buffer stays usable", [](Context& ctx) {
-                           auto c = base_case({200}, 2048, 33);
-                           c.worst_case = true;
-                           c.worst_tokens_override = 1;
-                           std::string err;
-                           {
-                             HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                             s.layout();
-                             s.dispatch();  // no host wait in worst-case mode; the data kernels skip on every rank
-                             try {
-                               ctx.buffer.check(ctx.stream);
-                               err = "expected check() to report num_worst_tokens\n";
-                             } catch (const Error& e) {
-                               if (e.status() != Status::kInvalidArgument ||
-                                   std::string(e.what()).find("num_worst_tokens") == std::string::npos)
-                                 err = std::string("wrong error: ") + e.what() + "\n";
-                             }
-                           }
-                           c.worst_tokens_override = 0;
-                           HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                           s.layout();
-                           s.dispatch();
-                           err += s.check_dispatch();
-                           s.set_combine_inputs(3);
-                           s.combine();
-                           return err + s.check_combine();
+                           return worst_tokens_overflow(ctx, base_case({200}, 2048, 33), /*every_rank=*/true);
                          }});
 
     cases.push_back(Case{"ranks that disagree on hidden fail together, buffer stays usable", [](Context& ctx) {
@@ -314,37 +255,18 @@ std::vector<Case> high_throughput_cases(bool internode) {
                                s.dispatch();
                                err = ctx.num_ranks > 1 ? "expected an error, dispatch succeeded\n" : "";
                              } catch (const Error& e) {
-                               if (e.status() != Status::kInvalidArgument ||
-                                   std::string(e.what()).find("disagree") == std::string::npos)
-                                 err = std::string("wrong error: ") + e.what() + "\n";
+                               err = wrong_error(e, Status::kInvalidArgument, "disagree");
                              }
                            }
                            c.hidden = 2048;
                            HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-                           s.layout();
-                           s.dispatch();
-                           err += s.check_dispatch();
-                           s.set_combine_inputs(4);
-                           s.combine();
-                           return err + s.check_combine();
+                           return err + dispatch_and_combine(s, 4);
                          }});
 
     cases.push_back(Case{"buffer too small is reported before any launch", [](Context& ctx) {
-                           auto c = base_case({64}, 7168, 34);
                            Config big = ctx.dispatch_config;
                            big.num_max_recv_tokens = 1 << 20;
-                           HtSession s(ctx.buffer, c, big, big, ctx.stream);
-                           s.layout();
-                           try {
-                             s.dispatch();
-                           } catch (const Error& e) {
-                             if (e.status() != Status::kBufferTooSmall)
-                               return std::string("wrong status: ") + e.what() + "\n";
-                             if (std::string(e.what()).find("needs") == std::string::npos)
-                               return std::string("message does not say the size needed: ") + e.what() + "\n";
-                             return std::string();
-                           }
-                           return std::string("expected kBufferTooSmall\n");
+                           return buffer_too_small(ctx, base_case({64}, 7168, 34), big, "needs", "say the size needed");
                          }});
   }
 

@@ -8,24 +8,13 @@
 #include "../../tools/harness/high_throughput.hpp"
 #include "epx/launcher.hpp"
 #include "gpu_test.hpp"
+#include "ht_common.hpp"
 
 namespace epx::gpu_test {
 namespace {
 
 using harness::HtCase;
 using harness::HtSession;
-
-HtCase internode_case(int tokens, int hidden, uint64_t seed) {
-  HtCase c;
-  c.tokens = {tokens};
-  c.hidden = hidden;
-  c.routing.num_experts = 64;
-  c.routing.num_topk = 8;
-  c.routing.empty_slot_prob = 0.1;
-  c.routing.seed = seed;
-  c.seed = seed;
-  return c;
-}
 
 // The buffer options of the internode suite for D x G ranks (the sizes the default configs need at hidden 8192).
 BufferOptions internode_options(int num_ranks, int num_nvl_ranks) {
@@ -43,7 +32,7 @@ BufferOptions internode_options(int num_ranks, int num_nvl_ranks) {
 std::vector<Case> internode_cases() {
   std::vector<Case> cases;
   cases.push_back(Case{"internode: the intranode path gives the same dispatch and flat-combine bits", [](Context& ctx) {
-                         HtCase c = internode_case(700, 4096, 41);
+                         HtCase c = base_case({700}, 4096, 41);
                          c.num_biases = 2;
                          c.reduction = EPX_REDUCE_FLAT;
                          BufferOptions o = default_buffer_options();
@@ -74,7 +63,7 @@ std::vector<Case> internode_cases() {
              cfg.num_max_rdma_send_tokens = 1;
              cfg.num_max_rdma_recv_tokens = 2;
              cfg.num_max_recv_tokens = ctx.num_ranks;  // one NVLink slot per domain at most
-             HtCase c = internode_case(300, 2048, 42);
+             HtCase c = base_case({300}, 2048, 42);
              c.num_biases = 1;
              HtSession s(ctx.buffer, c, cfg, cfg, ctx.stream);
              s.layout();
@@ -89,50 +78,14 @@ std::vector<Case> internode_cases() {
              return err;
            }});
   cases.push_back(
-      Case{"internode: worst-case overflow is reported by the rank that receives too much", [](Context& ctx) {
-             HtCase c = internode_case(200, 2048, 44);
-             c.worst_case = true;
-             c.worst_tokens_override = 1;
-             std::string err;
-             {
-               HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-               s.layout();
-               s.dispatch();  // no host wait: the rank that overflows drops the rows that do not fit
-               try {
-                 ctx.buffer.check(ctx.stream);
-                 if (s.num_recv_tokens() > 1 || s.num_rdma_recv_tokens() > 1)
-                   err = "expected check() to report num_worst_tokens on this rank\n";
-               } catch (const Error& e) {
-                 if (e.status() != Status::kInvalidArgument ||
-                     std::string(e.what()).find("num_worst_tokens") == std::string::npos)
-                   err = std::string("wrong error: ") + e.what() + "\n";
-               }
-             }
-             c.worst_tokens_override = 0;
-             HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
-             s.layout();
-             s.dispatch();
-             err += s.check_dispatch();
-             s.set_combine_inputs(3);
-             s.combine();
-             return err + s.check_combine();
-           }});
+      Case{"internode: worst-case overflow is reported by the rank that receives too much",
+           [](Context& ctx) { return worst_tokens_overflow(ctx, base_case({200}, 2048, 44), /*every_rank=*/false); }});
   cases.push_back(Case{"internode: a network ring that does not fit is reported before any launch", [](Context& ctx) {
                          Config big = ctx.dispatch_config;
                          big.num_max_rdma_send_tokens = 4096;
                          big.num_max_rdma_recv_tokens = 2 * 4096;
-                         HtSession s(ctx.buffer, internode_case(64, 7168, 45), big, big, ctx.stream);
-                         s.layout();
-                         try {
-                           s.dispatch();
-                         } catch (const Error& e) {
-                           if (e.status() != Status::kBufferTooSmall)
-                             return std::string("wrong status: ") + e.what() + "\n";
-                           if (std::string(e.what()).find("num_rdma_bytes") == std::string::npos)
-                             return std::string("message does not name num_rdma_bytes: ") + e.what() + "\n";
-                           return std::string();
-                         }
-                         return std::string("expected kBufferTooSmall\n");
+                         return buffer_too_small(ctx, base_case({64}, 7168, 45), big, "num_rdma_bytes",
+                                                 "name num_rdma_bytes");
                        }});
   return cases;
 }
@@ -147,7 +100,7 @@ int run_internode_timeout_suite(int num_ranks, int num_nvl_ranks) {
         buffer.set_timeout(kBudget);
         cudaStream_t stream;
         cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-        HtSession s(buffer, internode_case(128, 2048, 46), default_dispatch_config(num_ranks),
+        HtSession s(buffer, base_case({128}, 2048, 46), default_dispatch_config(num_ranks),
                     default_combine_config(num_ranks), stream);
         return missing_rank_dispatch(bs, buffer, s, stream, kBudget, "hop");  // the message names the hop
       },

@@ -7,11 +7,10 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
-#include <thread>
 
 #include "../../tools/harness/low_latency.hpp"
-#include "epx/launcher.hpp"
 #include "gpu_test.hpp"
+#include "ll_common.hpp"
 
 namespace epx::gpu_test {
 namespace {
@@ -19,30 +18,8 @@ namespace {
 using harness::LowLatencyCase;
 using harness::LowLatencySession;
 
-// A small low-latency step: M 32, hidden 2048, top-4 of 16 experts (or of one per rank when R > 16).
-LowLatencyCase small_case(int num_ranks, uint64_t seed) {
-  LowLatencyCase c;
-  c.tokens = {32};
-  c.max_tokens = 32;
-  c.hidden = 2048;
-  c.num_experts = num_ranks <= 16 ? 16 / num_ranks * num_ranks : num_ranks;
-  c.num_topk = 4;
-  c.fp8 = true;
-  c.empty_slot_prob = 0.05;
-  c.seed = seed;
-  return c;
-}
-
-BufferOptions small_options(int num_ranks) {
-  const LowLatencyCase c = small_case(num_ranks, 0);
-  BufferOptions o = default_buffer_options();
-  o.num_rdma_bytes = low_latency_size_hint(c.max_tokens, c.hidden, num_ranks, c.num_experts);
-  o.low_latency_mode = 1;
-  return o;
-}
-
 std::string run_small_step(Buffer& buffer, cudaStream_t stream, uint64_t seed) {
-  LowLatencySession s(buffer, small_case(buffer.num_ranks(), seed), stream);
+  LowLatencySession s(buffer, small_ll_case(buffer.num_ranks(), seed), stream);
   s.dispatch(kLowLatencyBothPhases);
   std::string err = s.check_dispatch();
   s.set_combine_inputs(seed + 1);
@@ -79,7 +56,7 @@ std::vector<Case> low_latency_transport_cases(const LowLatencyTransportInfo& inf
                          return transport_mismatch(ctx.buffer.low_latency_transport(), ctx.num_ranks, expected);
                        }});
   cases.push_back(Case{"ll: a second low-latency buffer beside the first (same transport), one step", [](Context& ctx) {
-                         Buffer second(ctx.bootstrap, small_options(ctx.num_ranks));
+                         Buffer second(ctx.bootstrap, small_ll_options(ctx.num_ranks));
                          std::string err;
                          if (!same(second.low_latency_transport(), ctx.buffer.low_latency_transport()))
                            err = "second buffer: " + describe_low_latency_transport(second.low_latency_transport()) +
@@ -98,67 +75,46 @@ int run_low_latency_process_suites(int num_ranks, const std::string& expected) {
   // Create / destroy cycles: with NVSHMEM every destroy of the last region finalises it and the next create
   // initialises it again.
   constexpr int kCycles = 3;
-  LaunchResult r = launch_local(
-      num_ranks,
-      [&](Bootstrap& bs) -> int {
-        cudaSetDevice(bs.rank());
-        cudaStream_t stream;
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-        std::string problem;
-        LowLatencyTransportInfo first{};
-        for (int cycle = 0; cycle < kCycles && problem.empty(); ++cycle) {
-          Buffer buffer(bs, small_options(num_ranks));
-          buffer.set_timeout(20);
-          const LowLatencyTransportInfo info = buffer.low_latency_transport();
-          if (cycle == 0) first = info;
-          if (!same(info, first)) problem += "cycle " + std::to_string(cycle) + ": transport changed\n";
-          problem += transport_mismatch(info, num_ranks, expected);
-          problem += run_small_step(buffer, stream, 100 + cycle);
-          buffer.destroy();
-          if (bs.rank() == 0 && cycle == 0)
-            std::printf("  (transport: %s)\n", describe_low_latency_transport(info).c_str());
-        }
-        if (!problem.empty()) std::printf("[rank %d] FAIL:\n%s", bs.rank(), problem.c_str());
-        return problem.empty() ? 0 : 1;
-      },
-      300, 60);
-  std::printf("[%s] ll: %d create / step / destroy cycles of a low-latency buffer in one process (%d ranks)\n",
-              r.num_failed == 0 ? "PASS" : "FAIL", kCycles, num_ranks);
-  if (r.num_failed) std::printf("%s", r.summary.c_str());
-  rc |= r.num_failed == 0 ? 0 : 1;
+  rc |= run_in_processes(num_ranks, 300,
+                         "ll: " + std::to_string(kCycles) +
+                             " create / step / destroy cycles of a low-latency buffer in one process (" +
+                             std::to_string(num_ranks) + " ranks)",
+                         [&](Bootstrap& bs, cudaStream_t stream) -> int {
+                           std::string problem;
+                           LowLatencyTransportInfo first{};
+                           for (int cycle = 0; cycle < kCycles && problem.empty(); ++cycle) {
+                             Buffer buffer(bs, small_ll_options(num_ranks));
+                             buffer.set_timeout(20);
+                             const LowLatencyTransportInfo info = buffer.low_latency_transport();
+                             if (cycle == 0) first = info;
+                             if (!same(info, first))
+                               problem += "cycle " + std::to_string(cycle) + ": transport changed\n";
+                             problem += transport_mismatch(info, num_ranks, expected);
+                             problem += run_small_step(buffer, stream, 100 + cycle);
+                             buffer.destroy();
+                             if (bs.rank() == 0 && cycle == 0)
+                               std::printf("  (transport: %s)\n", describe_low_latency_transport(info).c_str());
+                           }
+                           if (!problem.empty()) std::printf("[rank %d] FAIL:\n%s", bs.rank(), problem.c_str());
+                           return problem.empty() ? 0 : 1;
+                         });
 
   // Ranks that do not show up: rank 0's receive wait fails within the budget with a diagnostic; then destroy
   // must return on every rank although rank 0's context is lost (NVSHMEM is left alone then: its collective
   // free would wait for rank 0 forever).
   constexpr double kBudget = 2.0;
-  r = launch_local(
-      num_ranks,
-      [&](Bootstrap& bs) -> int {
-        cudaSetDevice(bs.rank());
-        cudaStream_t stream;
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-        Buffer buffer(bs, small_options(num_ranks));
+  rc |= run_in_processes(
+      num_ranks, 120,
+      "ll: missing ranks time out a low-latency receive, and destroy still returns (" + std::to_string(num_ranks) +
+          " ranks)",
+      [&](Bootstrap& bs, cudaStream_t stream) -> int {
+        Buffer buffer(bs, small_ll_options(num_ranks));
         buffer.set_timeout(kBudget);
-        LowLatencySession s(buffer, small_case(num_ranks, 7), stream);
-        bs.barrier();
-        std::string problem;
-        if (bs.rank() == 0) {
-          const auto start = std::chrono::steady_clock::now();
-          try {
-            s.dispatch(kLowLatencyBothPhases);
-            buffer.check(stream);
-            problem = "no error";
-          } catch (const Error& e) {
-            const std::string what = e.what();
-            const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            std::printf("[rank 0] failed after %.1f s as expected: %s\n", took, what.c_str());
-            if (e.status() != Status::kTimeout) problem = "want kTimeout";
-            if (what.find("timed out") == std::string::npos) problem += " the message does not say it timed out";
-            if (took > kBudget + 10) problem += " took too long";
-          }
-        } else {
-          std::this_thread::sleep_for(std::chrono::duration<double>(2 * kBudget));
-        }
+        LowLatencySession s(buffer, small_ll_case(num_ranks, 7), stream);
+        std::string problem = rank0_times_out(bs, buffer, s, stream, kBudget, [](const std::string& what, double) {
+          return what.find("timed out") == std::string::npos ? std::string(" the message does not say it timed out")
+                                                             : std::string();
+        });
         const auto destroy_start = std::chrono::steady_clock::now();
         buffer.destroy();
         const double destroy_s =
@@ -166,12 +122,7 @@ int run_low_latency_process_suites(int num_ranks, const std::string& expected) {
         if (destroy_s > 30) problem += " destroy took " + std::to_string(destroy_s) + " s";
         if (!problem.empty()) std::printf("[rank %d] FAIL: %s\n", bs.rank(), problem.c_str());
         return problem.empty() ? 0 : 1;
-      },
-      120, 60);
-  std::printf("[%s] ll: missing ranks time out a low-latency receive, and destroy still returns (%d ranks)\n",
-              r.num_failed == 0 ? "PASS" : "FAIL", num_ranks);
-  if (r.num_failed) std::printf("%s", r.summary.c_str());
-  rc |= r.num_failed == 0 ? 0 : 1;
+      });
   return rc;
 }
 

@@ -2,11 +2,13 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <thread>
 
 #include "../../tools/harness/low_latency.hpp"
 #include "gpu_test.hpp"
+#include "ll_common.hpp"
 
 namespace epx::gpu_test {
 namespace {
@@ -86,6 +88,87 @@ Case step_case(std::string name, LowLatencyCase c, bool hook = false) {
               }};
 }
 
+// The variations of a case that the flat list and the combine-order lists below share.
+// Hidden 32768 (3 tokens): M 4 and 16 experts keep the buffer small.
+LowLatencyCase with_m4_and_16_experts(LowLatencyCase c) {
+  c.max_tokens = 4;
+  c.num_experts = 16;
+  return c;
+}
+// M 256, one rank with no tokens and one with M.
+LowLatencyCase with_uneven_tokens_m256(LowLatencyCase c) {
+  c.max_tokens = 256;
+  c.tokens = {100, 37, 256, 0, 5, 200, 1, 77};
+  return c;
+}
+LowLatencyCase with_40_percent_empty_slots(LowLatencyCase c) {
+  c.empty_slot_prob = 0.4;
+  return c;
+}
+LowLatencyCase with_every_token_to_expert_0(LowLatencyCase c) {
+  c.routing = harness::Routing::kOneExpert;
+  return c;
+}
+LowLatencyCase with_zero_copy(LowLatencyCase c) {
+  c.zero_copy = true;
+  return c;
+}
+
+// The flat cases again in another combine order (make: logfmt_case or rank_case), every one bit for bit against
+// the reference model. Names start with `stem`; seeds are the flat cases' plus seed_offset. `hiddens`: the
+// "<stem> h<N>" cases (96 tokens), FP8 dispatch where N % fp8_every == 0. own(cases), when given, adds the
+// order's own cases before the receive-hook ones.
+void add_combine_order_cases(std::vector<Case>& cases, const std::string& stem,
+                             LowLatencyCase (*make)(int, int, bool, uint64_t), uint64_t seed_offset,
+                             std::initializer_list<int> hiddens, int fp8_every,
+                             const std::function<void(std::vector<Case>&)>& own = nullptr) {
+  const std::string named = stem + ", ";
+  const uint64_t o = seed_offset;
+  cases.push_back(step_case(named + "128 tokens, h7168, top-8 of 288", make(128, 7168, false, 41 + o)));
+  cases.push_back(step_case(named + "fp8 dispatch, 128 tokens, h7168", make(128, 7168, true, 42 + o)));
+  for (int h : hiddens)
+    cases.push_back(step_case(stem + " h" + std::to_string(h), make(96, h, h % fp8_every == 0, 45 + o + h)));
+  cases.push_back(step_case(stem + " h2048, 1 token", make(1, 2048, false, 46 + o)));
+  cases.push_back(step_case(stem + " h4096, 64 tokens", make(64, 4096, true, 47 + o)));
+  cases.push_back(step_case(stem + " h32768", with_m4_and_16_experts(make(3, 32768, false, 54 + o))));
+  cases.push_back(step_case(named + "M=256, uneven tokens (one rank with 0, one with M)",
+                            with_uneven_tokens_m256(make(100, 4096, true, 48 + o))));
+  cases.push_back(step_case(named + "40% empty slots", with_40_percent_empty_slots(make(128, 2048, true, 49 + o))));
+  cases.push_back(
+      step_case(named + "every token to expert 0", with_every_token_to_expert_0(make(128, 2048, false, 50 + o))));
+  if (own) own(cases);
+  cases.push_back(step_case(named + "receive hook", make(128, 7168, false, 51 + o), true));
+  cases.push_back(step_case(named + "receive hook, fp8 dispatch", make(128, 7168, true, 52 + o), true));
+  const LowLatencyCase zero_copy = with_zero_copy(make(128, 7168, true, 53 + o));
+  cases.push_back(step_case(named + "zero-copy combine", zero_copy));
+  cases.push_back(step_case(named + "zero-copy combine, receive hook", zero_copy, true));
+}
+
+// Six steps of c on one buffer with the combine order `order` (LowLatencyCase::logfmt or ::rank_reduced) on and off
+// in turn, seeds from `seed`, the receive hook on steps 0 and 3; stops at the first step that fails. Leaves c as
+// the last step ran it.
+std::string alternating_steps(Context& ctx, LowLatencyCase& c, bool LowLatencyCase::*order, uint64_t seed) {
+  std::string err;
+  for (int i = 0; i < 6 && err.empty(); ++i) {
+    c.*order = i % 2 == 0;
+    c.seed = seed + i;
+    err += run_step(ctx, c, i % 3 == 0);
+  }
+  return err;
+}
+
+// Appends to err unless call() is rejected with kInvalidArgument and a message that contains `says`.
+template <typename Call>
+void expect_rejected(std::string& err, const char* what, const char* says, Call&& call) {
+  try {
+    call();
+    err += std::string(what) + ": not rejected\n";
+  } catch (const Error& e) {
+    if (e.status() != Status::kInvalidArgument || std::string(e.what()).find(says) == std::string::npos)
+      err += std::string(what) + ": wrong error: " + e.what() + "\n";
+  }
+}
+
 }  // namespace
 
 std::vector<Case> low_latency_cases() {
@@ -108,28 +191,15 @@ std::vector<Case> low_latency_cases() {
     // A BF16 record of hidden 32768 is 64 KiB of the send phase's shared memory, past the 48 KiB a kernel gets
     // by default: the launch raises the kernel's limit (once per device; this case runs twice, the second
     // launch on the limit the first one set).
-    auto c = ll_case(3, 32768, false, 54);
-    c.max_tokens = 4;
-    c.num_experts = 16;
+    const auto c = with_m4_and_16_experts(ll_case(3, 32768, false, 54));
     cases.push_back(step_case("ll: bf16 h32768, shared memory past 48 KiB", c));
     cases.push_back(step_case("ll: bf16 h32768 again, shared memory past 48 KiB", c));
   }
-  {
-    auto c = ll_case(100, 4096, true, 48);
-    c.max_tokens = 256;
-    c.tokens = {100, 37, 256, 0, 5, 200, 1, 77};
-    cases.push_back(step_case("ll: M=256, uneven tokens (one rank with 0, one with M)", c));
-  }
-  {
-    auto c = ll_case(128, 2048, true, 49);
-    c.empty_slot_prob = 0.4;
-    cases.push_back(step_case("ll: 40% empty slots", c));
-  }
-  {
-    auto c = ll_case(128, 2048, false, 50);
-    c.routing = harness::Routing::kOneExpert;
-    cases.push_back(step_case("ll: every token to expert 0", c));
-  }
+  cases.push_back(step_case("ll: M=256, uneven tokens (one rank with 0, one with M)",
+                            with_uneven_tokens_m256(ll_case(100, 4096, true, 48))));
+  cases.push_back(step_case("ll: 40% empty slots", with_40_percent_empty_slots(ll_case(128, 2048, true, 49))));
+  cases.push_back(
+      step_case("ll: every token to expert 0", with_every_token_to_expert_0(ll_case(128, 2048, false, 50))));
   // An expert listed twice in each of M tokens gets 2 * M rows from every rank, more than the M a source may
   // send it: every rank reports the input error (the rows beyond M are dropped, nothing is written out of place).
   cases.push_back(
@@ -158,148 +228,57 @@ std::vector<Case> low_latency_cases() {
         return c;
       }(),
       true));
-  {
-    auto c = ll_case(128, 7168, true, 53);
-    c.zero_copy = true;
-    cases.push_back(step_case("ll: zero-copy combine", c));
-  }
+  cases.push_back(step_case("ll: zero-copy combine", with_zero_copy(ll_case(128, 7168, true, 53))));
 
   // The LogFMT combine (use_logfmt): the flat cases above with LogFMT rows, every one bit for bit against the
   // reference model. Hidden sizes with a partial last work item (1152, 2176: 9 and 17 groups; 640: 5 groups, one
   // partial item; 128: one group) as well as whole ones.
-  cases.push_back(step_case("ll: logfmt, 128 tokens, h7168, top-8 of 288", logfmt_case(128, 7168, false, 141)));
-  cases.push_back(step_case("ll: logfmt, fp8 dispatch, 128 tokens, h7168", logfmt_case(128, 7168, true, 142)));
-  for (int h : {128, 640, 1152, 2048, 2176, 4096, 5120, 8192})
-    cases.push_back(step_case("ll: logfmt h" + std::to_string(h), logfmt_case(96, h, h % 1024 == 0, 145 + h)));
-  cases.push_back(step_case("ll: logfmt h2048, 1 token", logfmt_case(1, 2048, false, 146)));
-  cases.push_back(step_case("ll: logfmt h4096, 64 tokens", logfmt_case(64, 4096, true, 147)));
-  {
-    auto c = logfmt_case(3, 32768, false, 154);
-    c.max_tokens = 4;
-    c.num_experts = 16;
-    cases.push_back(step_case("ll: logfmt h32768", c));
-  }
-  {
-    auto c = logfmt_case(100, 4096, true, 148);
-    c.max_tokens = 256;
-    c.tokens = {100, 37, 256, 0, 5, 200, 1, 77};
-    cases.push_back(step_case("ll: logfmt, M=256, uneven tokens (one rank with 0, one with M)", c));
-  }
-  {
-    auto c = logfmt_case(128, 2048, true, 149);
-    c.empty_slot_prob = 0.4;
-    cases.push_back(step_case("ll: logfmt, 40% empty slots", c));
-  }
-  {
-    auto c = logfmt_case(128, 2048, false, 150);
-    c.routing = harness::Routing::kOneExpert;
-    cases.push_back(step_case("ll: logfmt, every token to expert 0", c));
-  }
-  cases.push_back(step_case("ll: logfmt, receive hook", logfmt_case(128, 7168, false, 151), true));
-  cases.push_back(step_case("ll: logfmt, receive hook, fp8 dispatch", logfmt_case(128, 7168, true, 152), true));
-  {
-    auto c = logfmt_case(128, 7168, true, 153);
-    c.zero_copy = true;
-    cases.push_back(step_case("ll: logfmt, zero-copy combine", c));
-    cases.push_back(step_case("ll: logfmt, zero-copy combine, receive hook", c, true));
-  }
+  add_combine_order_cases(cases, "ll: logfmt", logfmt_case, 100, {128, 640, 1152, 2048, 2176, 4096, 5120, 8192}, 1024);
   // LogFMT is chosen per call: LogFMT and BF16 combines alternate on one buffer (their receive slots differ in
   // size), and a receive that does not repeat its send's use_logfmt is rejected without a launch.
-  cases.push_back(Case{
-      "ll: logfmt and bf16 combines alternating; the receive must repeat use_logfmt", [](Context& ctx) {
-        auto c = logfmt_case(64, 2176, true, 155);
-        c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
-        std::string err;
-        for (int i = 0; i < 6 && err.empty(); ++i) {
-          c.logfmt = i % 2 == 0;
-          c.seed = 1550 + i;
-          err += run_step(ctx, c, i % 3 == 0);
-        }
-        c.logfmt = true;
-        LowLatencySession s(ctx.buffer, c, ctx.stream);
-        s.dispatch(kLowLatencyBothPhases);
-        s.set_combine_inputs(1560);
-        s.combine(kLowLatencySendPhase);
-        try {
-          s.combine_with_logfmt(kLowLatencyRecvPhase, false);
-          err += "a BF16 receive of a LogFMT send: not rejected\n";
-        } catch (const Error& e) {
-          if (e.status() != Status::kInvalidArgument || std::string(e.what()).find("use_logfmt") == std::string::npos)
-            err += std::string("wrong error: ") + e.what() + "\n";
-        }
-        s.combine(kLowLatencyRecvPhase);
-        err += s.check_dispatch() + s.check_combine();
-        // A hidden size that is no whole number of groups: rejected, nothing launched; BF16 rows still go.
-        auto odd = ll_case(16, 2056, false, 157);
-        odd.num_experts = c.num_experts;
-        LowLatencySession o(ctx.buffer, odd, ctx.stream);
-        o.dispatch(kLowLatencyBothPhases);
-        o.set_combine_inputs(1570);
-        try {
-          o.combine_with_logfmt(kLowLatencyBothPhases, true);
-          err += "use_logfmt with hidden 2056: not rejected\n";
-        } catch (const Error& e) {
-          if (e.status() != Status::kInvalidArgument || std::string(e.what()).find("hidden % 128") == std::string::npos)
-            err += std::string("wrong error: ") + e.what() + "\n";
-        }
-        o.combine(kLowLatencyBothPhases);
-        err += o.check_dispatch() + o.check_combine();
-        ctx.buffer.check(ctx.stream);
-        return err;
-      }});
+  cases.push_back(
+      Case{"ll: logfmt and bf16 combines alternating; the receive must repeat use_logfmt", [](Context& ctx) {
+             auto c = logfmt_case(64, 2176, true, 155);
+             c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
+             std::string err = alternating_steps(ctx, c, &LowLatencyCase::logfmt, 1550);
+             c.logfmt = true;
+             LowLatencySession s(ctx.buffer, c, ctx.stream);
+             s.dispatch(kLowLatencyBothPhases);
+             s.set_combine_inputs(1560);
+             s.combine(kLowLatencySendPhase);
+             expect_rejected(err, "a BF16 receive of a LogFMT send", "use_logfmt",
+                             [&] { s.combine_with_logfmt(kLowLatencyRecvPhase, false); });
+             s.combine(kLowLatencyRecvPhase);
+             err += s.check_dispatch() + s.check_combine();
+             // A hidden size that is no whole number of groups: rejected, nothing launched; BF16 rows still go.
+             auto odd = ll_case(16, 2056, false, 157);
+             odd.num_experts = c.num_experts;
+             LowLatencySession o(ctx.buffer, odd, ctx.stream);
+             o.dispatch(kLowLatencyBothPhases);
+             o.set_combine_inputs(1570);
+             expect_rejected(err, "use_logfmt with hidden 2056", "hidden % 128",
+                             [&] { o.combine_with_logfmt(kLowLatencyBothPhases, true); });
+             o.combine(kLowLatencyBothPhases);
+             err += o.check_dispatch() + o.check_combine();
+             ctx.buffer.check(ctx.stream);
+             return err;
+           }});
 
   // The rank-reduced combine (EPX_REDUCE_RANK): the flat cases above in the rank-reduced order, every one bit for
   // bit against the reference model (the expert ranks' bf16 partials summed in ascending rank order). Hidden sizes
   // with a partial last work item (1152, 2176, 640) as well as whole ones; an expert listed twice in a token (its
   // two rows summed at its rank in slot order).
-  cases.push_back(step_case("ll: rank-reduced, 128 tokens, h7168, top-8 of 288", rank_case(128, 7168, false, 241)));
-  cases.push_back(step_case("ll: rank-reduced, fp8 dispatch, 128 tokens, h7168", rank_case(128, 7168, true, 242)));
-  for (int h : {128, 640, 1152, 2176, 4096, 6144})
-    cases.push_back(step_case("ll: rank-reduced h" + std::to_string(h), rank_case(96, h, h % 128 == 0, 245 + h)));
-  cases.push_back(step_case("ll: rank-reduced h2048, 1 token", rank_case(1, 2048, false, 246)));
-  cases.push_back(step_case("ll: rank-reduced h4096, 64 tokens", rank_case(64, 4096, true, 247)));
-  {
-    auto c = rank_case(3, 32768, false, 254);
-    c.max_tokens = 4;
-    c.num_experts = 16;
-    cases.push_back(step_case("ll: rank-reduced h32768", c));
-  }
-  {
-    auto c = rank_case(100, 4096, true, 248);
-    c.max_tokens = 256;
-    c.tokens = {100, 37, 256, 0, 5, 200, 1, 77};
-    cases.push_back(step_case("ll: rank-reduced, M=256, uneven tokens (one rank with 0, one with M)", c));
-  }
-  {
-    auto c = rank_case(128, 2048, true, 249);
-    c.empty_slot_prob = 0.4;
-    cases.push_back(step_case("ll: rank-reduced, 40% empty slots", c));
-  }
-  {
-    auto c = rank_case(128, 2048, false, 250);
-    c.routing = harness::Routing::kOneExpert;
-    cases.push_back(step_case("ll: rank-reduced, every token to expert 0", c));
-  }
-  {
-    auto c = rank_case(16, 2048, false, 255);
-    c.max_tokens = 64;  // 2 rows per token of expert 0: 32 of the 64 a source may send it
-    c.routing = harness::Routing::kZeroTwice;
-    cases.push_back(step_case("ll: rank-reduced, expert 0 listed twice in every token", c));
-    cases.push_back(step_case("ll: rank-reduced, expert 0 listed twice in every token, receive hook", c, true));
-  }
-  {
-    auto c = rank_case(128, 7168, false, 256);
-    c.num_topk = 1;  // one row per token: partial = bf16(w * row), then the sum of one
-    cases.push_back(step_case("ll: rank-reduced, top-1", c));
-  }
-  cases.push_back(step_case("ll: rank-reduced, receive hook", rank_case(128, 7168, false, 251), true));
-  cases.push_back(step_case("ll: rank-reduced, receive hook, fp8 dispatch", rank_case(128, 7168, true, 252), true));
-  {
-    auto c = rank_case(128, 7168, true, 253);
-    c.zero_copy = true;
-    cases.push_back(step_case("ll: rank-reduced, zero-copy combine", c));
-    cases.push_back(step_case("ll: rank-reduced, zero-copy combine, receive hook", c, true));
-  }
+  add_combine_order_cases(
+      cases, "ll: rank-reduced", rank_case, 200, {128, 640, 1152, 2176, 4096, 6144}, 128, [](std::vector<Case>& own) {
+        auto c = rank_case(16, 2048, false, 255);
+        c.max_tokens = 64;  // 2 rows per token of expert 0: 32 of the 64 a source may send it
+        c.routing = harness::Routing::kZeroTwice;
+        own.push_back(step_case("ll: rank-reduced, expert 0 listed twice in every token", c));
+        own.push_back(step_case("ll: rank-reduced, expert 0 listed twice in every token, receive hook", c, true));
+        auto top1 = rank_case(128, 7168, false, 256);
+        top1.num_topk = 1;  // one row per token: partial = bf16(w * row), then the sum of one
+        own.push_back(step_case("ll: rank-reduced, top-1", top1));
+      });
   // The order is chosen per call: flat and rank-reduced combines alternate on one buffer (on handles whose
   // dispatch carried the weights), a receive that does not repeat its send's reduction is rejected, and so are
   // the rank-reduced order on a handle without weights and with use_logfmt, all without a launch.
@@ -307,39 +286,25 @@ std::vector<Case> low_latency_cases() {
       Case{"ll: rank-reduced and flat combines alternating; the receive must repeat the reduction", [](Context& ctx) {
              auto c = rank_case(64, 2176, true, 257);
              c.num_experts = 64 / ctx.num_ranks * ctx.num_ranks;
-             std::string err;
-             const auto expect_rejected = [&](const char* what, const char* says, auto&& call) {
-               try {
-                 call();
-                 err += std::string(what) + ": not rejected\n";
-               } catch (const Error& e) {
-                 if (e.status() != Status::kInvalidArgument || std::string(e.what()).find(says) == std::string::npos)
-                   err += std::string(what) + ": wrong error: " + e.what() + "\n";
-               }
-             };
-             for (int i = 0; i < 6 && err.empty(); ++i) {
-               c.rank_reduced = i % 2 == 0;
-               c.seed = 2570 + i;
-               err += run_step(ctx, c, i % 3 == 0);
-             }
+             std::string err = alternating_steps(ctx, c, &LowLatencyCase::rank_reduced, 2570);
              c.rank_reduced = true;
              LowLatencySession s(ctx.buffer, c, ctx.stream);
              s.dispatch(kLowLatencyBothPhases);
              s.set_combine_inputs(2580);
              s.combine(kLowLatencySendPhase);
-             expect_rejected("a flat receive of a rank-reduced send", "reduction",
+             expect_rejected(err, "a flat receive of a rank-reduced send", "reduction",
                              [&] { s.combine_with_reduction(kLowLatencyRecvPhase, EPX_REDUCE_FLAT); });
              s.combine(kLowLatencyRecvPhase);
              err += s.check_dispatch() + s.check_combine();
-             expect_rejected("rank-reduced with use_logfmt", "use_logfmt",
+             expect_rejected(err, "rank-reduced with use_logfmt", "use_logfmt",
                              [&] { s.combine_with_logfmt(kLowLatencyBothPhases, true); });
              c.rank_reduced = false;
              LowLatencySession flat(ctx.buffer, c, ctx.stream);  // a dispatch without the weights
              flat.dispatch(kLowLatencyBothPhases);
              flat.set_combine_inputs(2590);
-             expect_rejected("rank-reduced on a handle without weights", "topk_weights",
+             expect_rejected(err, "rank-reduced on a handle without weights", "topk_weights",
                              [&] { flat.combine_with_reduction(kLowLatencyBothPhases, EPX_REDUCE_RANK); });
-             expect_rejected("reduction 2 (two-level)", "reduction must be",
+             expect_rejected(err, "reduction 2 (two-level)", "reduction must be",
                              [&] { flat.combine_with_reduction(kLowLatencyBothPhases, EPX_REDUCE_TWO_LEVEL); });
              flat.combine(kLowLatencyBothPhases);
              err += flat.check_dispatch() + flat.check_combine();
@@ -422,48 +387,40 @@ std::vector<Case> low_latency_cases() {
   // The host keeps the order the kernels' epochs rely on (docs/semantics.md): a send into a set whose call this
   // rank has not received yet, and a receive with no call of its kind waiting, are input errors that launch
   // nothing; the calls around them still give exact results.
-  cases.push_back(Case{
-      "ll: call order on a buffer set is checked (send over an unreceived call, receive twice)", [](Context& ctx) {
-        auto c = ll_case(32, 2048, true, 85);
-        LowLatencySession a(ctx.buffer, c, ctx.stream);
-        c.seed = 86;
-        LowLatencySession b(ctx.buffer, c, ctx.stream);
-        c.seed = 87;
-        LowLatencySession extra(ctx.buffer, c, ctx.stream);
-        std::string err;
-        const auto expect_rejected = [&](const char* what, const char* says, auto&& call) {
-          try {
-            call();
-            err += std::string(what) + ": not rejected\n";
-          } catch (const Error& e) {
-            if (e.status() != Status::kInvalidArgument || std::string(e.what()).find(says) == std::string::npos)
-              err += std::string(what) + ": wrong error: " + e.what() + "\n";
-          }
-        };
-        a.dispatch(kLowLatencySendPhase);  // set 0
-        b.dispatch(kLowLatencySendPhase);  // set 1
-        expect_rejected("a third send onto set 0 before dispatch A is received", "has not received",
-                        [&] { extra.dispatch(kLowLatencySendPhase); });
-        // Dispatch A's receive with BF16 named: the records on its set are FP8.
-        expect_rejected("dispatch A received as BF16", "use_fp8", [&] { a.receive_with_fp8(false); });
-        a.dispatch(kLowLatencyRecvPhase);
-        expect_rejected("dispatch A received twice", "waiting to be received",
-                        [&] { a.dispatch(kLowLatencyRecvPhase); });
-        b.dispatch(kLowLatencyRecvPhase);
-        a.set_combine_inputs(8500);
-        a.combine(kLowLatencySendPhase);  // set 0 again: dispatch A was received
-        a.combine(kLowLatencyRecvPhase);
-        expect_rejected("combine A received twice", "waiting to be received", [&] { a.combine(kLowLatencyRecvPhase); });
-        err += a.check_dispatch() + b.check_dispatch() + a.check_combine();
-        // A stale hook while a newer dispatch waits on its set: B's receive again, with another dispatch on set 1.
-        extra.dispatch(kLowLatencySendPhase);  // set 1
-        expect_rejected("dispatch B received again while another dispatch waits on its set", "names other tensors",
-                        [&] { b.dispatch(kLowLatencyRecvPhase); });
-        extra.dispatch(kLowLatencyRecvPhase);
-        err += extra.check_dispatch();
-        ctx.buffer.check(ctx.stream);
-        return err;
-      }});
+  cases.push_back(
+      Case{"ll: call order on a buffer set is checked (send over an unreceived call, receive twice)", [](Context& ctx) {
+             auto c = ll_case(32, 2048, true, 85);
+             LowLatencySession a(ctx.buffer, c, ctx.stream);
+             c.seed = 86;
+             LowLatencySession b(ctx.buffer, c, ctx.stream);
+             c.seed = 87;
+             LowLatencySession extra(ctx.buffer, c, ctx.stream);
+             std::string err;
+             a.dispatch(kLowLatencySendPhase);  // set 0
+             b.dispatch(kLowLatencySendPhase);  // set 1
+             expect_rejected(err, "a third send onto set 0 before dispatch A is received", "has not received",
+                             [&] { extra.dispatch(kLowLatencySendPhase); });
+             // Dispatch A's receive with BF16 named: the records on its set are FP8.
+             expect_rejected(err, "dispatch A received as BF16", "use_fp8", [&] { a.receive_with_fp8(false); });
+             a.dispatch(kLowLatencyRecvPhase);
+             expect_rejected(err, "dispatch A received twice", "waiting to be received",
+                             [&] { a.dispatch(kLowLatencyRecvPhase); });
+             b.dispatch(kLowLatencyRecvPhase);
+             a.set_combine_inputs(8500);
+             a.combine(kLowLatencySendPhase);  // set 0 again: dispatch A was received
+             a.combine(kLowLatencyRecvPhase);
+             expect_rejected(err, "combine A received twice", "waiting to be received",
+                             [&] { a.combine(kLowLatencyRecvPhase); });
+             err += a.check_dispatch() + b.check_dispatch() + a.check_combine();
+             // A stale hook while a newer dispatch waits on its set: B's receive again, with another dispatch on set 1.
+             extra.dispatch(kLowLatencySendPhase);  // set 1
+             expect_rejected(err, "dispatch B received again while another dispatch waits on its set",
+                             "names other tensors", [&] { b.dispatch(kLowLatencyRecvPhase); });
+             extra.dispatch(kLowLatencyRecvPhase);
+             err += extra.check_dispatch();
+             ctx.buffer.check(ctx.stream);
+             return err;
+           }});
 
   for (const CombineVariant v : kCombineVariants)
     cases.push_back(
@@ -479,17 +436,11 @@ std::vector<Case> low_latency_cases() {
                std::string err = s.check_dispatch() + s.check_combine();
                cudaGraph_t graph = nullptr;
                cudaGraphExec_t exec = nullptr;
-               if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess)
-                 return std::string("capture failed to begin\n");
-               s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
-               s.combine(kLowLatencyBothPhases);
-               cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
-               if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
-               e = cudaGraphInstantiate(&exec, graph, 0);
-               if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
+               if (const std::string failed = capture_step(s, ctx.stream, &graph, &exec); !failed.empty())
+                 return failed;
                for (int i = 0; i < 100 && err.empty(); ++i) {
                  s.set_step(100 + i);  // new routing, x and weights in the same device arrays
-                 e = cudaGraphLaunch(exec, ctx.stream);
+                 const cudaError_t e = cudaGraphLaunch(exec, ctx.stream);
                  if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
                  s.note_replayed_dispatch();
                  err += s.check_dispatch() + s.check_combine();

@@ -14,8 +14,8 @@
 #include <thread>
 
 #include "../../tools/harness/low_latency.hpp"
-#include "epx/launcher.hpp"
 #include "gpu_test.hpp"
+#include "ll_common.hpp"
 
 namespace epx::gpu_test {
 namespace {
@@ -26,24 +26,9 @@ using harness::LowLatencySession;
 
 constexpr double kShrinkBudget = 0.5;  // seconds a wait for one rank lasts before the rank is masked
 
-LowLatencyCase shrink_case(int num_ranks, uint64_t seed) {
-  LowLatencyCase c;
-  c.tokens = {32};
-  c.max_tokens = 32;
-  c.hidden = 2048;
-  c.num_experts = num_ranks <= 16 ? 16 / num_ranks * num_ranks : num_ranks;
-  c.num_topk = 4;
-  c.fp8 = true;
-  c.empty_slot_prob = 0.05;
-  c.seed = seed;
-  return c;
-}
-
+// The small case's buffer (ll_common), with or without enable_shrink.
 BufferOptions shrink_options(int num_ranks, bool shrink) {
-  const LowLatencyCase c = shrink_case(num_ranks, 0);
-  BufferOptions o = default_buffer_options();
-  o.num_rdma_bytes = low_latency_size_hint(c.max_tokens, c.hidden, num_ranks, c.num_experts);
-  o.low_latency_mode = 1;
+  BufferOptions o = small_ll_options(num_ranks);
   o.enable_shrink = shrink ? 1 : 0;
   o.shrink_timeout_s = kShrinkBudget;
   return o;
@@ -139,20 +124,13 @@ std::string graph_reads_mask(Context& ctx) {
   std::vector<int32_t> mask(size_t(ctx.num_ranks), 0);
   mask[size_t(victim)] = 1;
   {
-    LowLatencyCase c = shrink_case(ctx.num_ranks, 500);
+    LowLatencyCase c = small_ll_case(ctx.num_ranks, 500);
     c.fp8 = false;
     c.expert_identity = true;  // combine reads packed_recv_x: no host work between the calls
     LowLatencySession s(b, c, ctx.stream);
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    if (cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess)
-      return "capture failed to begin\n";
-    s.dispatch(kLowLatencyBothPhases, /*counted=*/false);
-    s.combine(kLowLatencyBothPhases);
-    cudaError_t e = cudaStreamEndCapture(ctx.stream, &graph);
-    if (e != cudaSuccess) return std::string("capture failed: ") + cudaGetErrorString(e) + "\n";
-    e = cudaGraphInstantiate(&exec, graph, 0);
-    if (e != cudaSuccess) return std::string("instantiate failed: ") + cudaGetErrorString(e) + "\n";
+    if (const std::string failed = capture_step(s, ctx.stream, &graph, &exec); !failed.empty()) return failed;
     for (int phase = 0; phase < 3 && err.empty(); ++phase) {
       if (phase == 1) b.low_latency_update_mask_buffer(victim, true, ctx.stream);
       if (phase == 2) {
@@ -162,7 +140,7 @@ std::string graph_reads_mask(Context& ctx) {
       s.set_mask(phase == 1 ? mask : std::vector<int32_t>());
       for (int i = 0; i < 4 && err.empty(); ++i) {
         s.set_step(600 + phase * 10 + i);
-        e = cudaGraphLaunch(exec, ctx.stream);
+        const cudaError_t e = cudaGraphLaunch(exec, ctx.stream);
         if (e != cudaSuccess) return std::string("graph launch failed: ") + cudaGetErrorString(e) + "\n";
         s.note_replayed_dispatch();
         err += s.check_dispatch() + s.check_combine();
@@ -181,10 +159,10 @@ std::string graph_reads_mask(Context& ctx) {
 
 std::vector<Case> shrink_cases() {
   std::vector<Case> cases;
-  cases.push_back(up_front_case("ll: shrink, last rank masked up front, fp8", shrink_case(8, 401), false));
-  cases.push_back(up_front_case("ll: shrink, last rank masked up front, hook", shrink_case(8, 402), true));
+  cases.push_back(up_front_case("ll: shrink, last rank masked up front, fp8", small_ll_case(8, 401), false));
+  cases.push_back(up_front_case("ll: shrink, last rank masked up front, hook", small_ll_case(8, 402), true));
   {
-    LowLatencyCase c = shrink_case(8, 403);
+    LowLatencyCase c = small_ll_case(8, 403);
     c.zero_copy = true;
     c.logfmt = true;
     c.fp8 = false;
@@ -225,18 +203,17 @@ std::vector<Case> shrink_cases() {
 int run_shrink_process_suite(int num_ranks) {
   int rc = 0;
   constexpr double kSilence = 6.0;  // seconds the silent rank stays away: longer than the others' masked steps
-  LaunchResult r = launch_local(
-      num_ranks,
-      [&](Bootstrap& bs) -> int {
-        cudaSetDevice(bs.rank());
-        cudaStream_t stream;
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  rc |= run_in_processes(
+      num_ranks, 300,
+      "ll: shrink, a silent rank is masked within the shrink budget, later calls work, it comes back (" +
+          std::to_string(num_ranks) + " ranks)",
+      [&](Bootstrap& bs, cudaStream_t stream) -> int {
         Buffer buffer(bs, shrink_options(num_ranks, true));
         buffer.set_timeout(30);
         const int victim = num_ranks - 1;
         std::string problem;
         {
-          LowLatencySession s(buffer, shrink_case(num_ranks, 700), stream);
+          LowLatencySession s(buffer, small_ll_case(num_ranks, 700), stream);
           problem += step(s, buffer, stream, 700, false);  // every rank takes part
           bs.barrier();
           std::vector<int32_t> none(size_t(num_ranks), 0), mask = none;
@@ -268,53 +245,25 @@ int run_shrink_process_suite(int num_ranks) {
         buffer.destroy();
         if (!problem.empty()) std::printf("[rank %d] FAIL:\n%s", bs.rank(), problem.c_str());
         return problem.empty() ? 0 : 1;
-      },
-      300, 60);
-  std::printf(
-      "[%s] ll: shrink, a silent rank is masked within the shrink budget, later calls work, it comes back "
-      "(%d ranks)\n",
-      r.num_failed == 0 ? "PASS" : "FAIL", num_ranks);
-  if (r.num_failed) std::printf("%s", r.summary.c_str());
-  rc |= r.num_failed == 0 ? 0 : 1;
+      });
 
   constexpr double kBudget = 2.0;
-  r = launch_local(
-      num_ranks,
-      [&](Bootstrap& bs) -> int {
-        cudaSetDevice(bs.rank());
-        cudaStream_t stream;
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  rc |= run_in_processes(
+      num_ranks, 120,
+      "ll: shrink off, a silent rank still times out the call (" + std::to_string(num_ranks) + " ranks)",
+      [&](Bootstrap& bs, cudaStream_t stream) -> int {
         setenv("EPX_LL_SHRINK_TIMEOUT_S", "0.5", 1);  // no effect without enable_shrink
         Buffer buffer(bs, shrink_options(num_ranks, false));
         buffer.set_timeout(kBudget);
-        LowLatencySession s(buffer, shrink_case(num_ranks, 720), stream);
-        bs.barrier();
-        std::string problem;
-        if (bs.rank() == 0) {
-          const auto start = std::chrono::steady_clock::now();
-          try {
-            s.dispatch(kLowLatencyBothPhases);
-            buffer.check(stream);
-            problem = "no error";
-          } catch (const Error& e) {
-            const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            std::printf("[rank 0] failed after %.1f s as expected: %s\n", took, e.what());
-            if (e.status() != Status::kTimeout) problem = "want kTimeout";
-            if (took < kBudget * 0.9) problem += " failed before the hang budget";
-            if (took > kBudget + 10) problem += " took too long";
-          }
-        } else {
-          std::this_thread::sleep_for(std::chrono::duration<double>(2 * kBudget));
-        }
+        LowLatencySession s(buffer, small_ll_case(num_ranks, 720), stream);
+        const std::string problem =
+            rank0_times_out(bs, buffer, s, stream, kBudget, [&](const std::string&, double took) {
+              return took < kBudget * 0.9 ? std::string(" failed before the hang budget") : std::string();
+            });
         buffer.destroy();
         if (!problem.empty()) std::printf("[rank %d] FAIL: %s\n", bs.rank(), problem.c_str());
         return problem.empty() ? 0 : 1;
-      },
-      120, 60);
-  std::printf("[%s] ll: shrink off, a silent rank still times out the call (%d ranks)\n",
-              r.num_failed == 0 ? "PASS" : "FAIL", num_ranks);
-  if (r.num_failed) std::printf("%s", r.summary.c_str());
-  rc |= r.num_failed == 0 ? 0 : 1;
+      });
   return rc;
 }
 

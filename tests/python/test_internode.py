@@ -18,11 +18,11 @@ import torch.distributed as dist  # noqa: E402
 import _dist  # noqa: E402
 import _ref  # noqa: E402
 from _common import Ctx, assert_bitwise  # noqa: E402
+from _high_throughput import (E, H, H_MAX, async_layout_and_dispatch, cached_fp8_dispatch,  # noqa: E402
+                              check_cached_fp8, check_recv_x, cuda, dispatch_fp8_column_major_scales,
+                              expert_outputs, inputs, inputs_without_rank0, tokens_of, two_biases, worst_case_inputs)
+from _high_throughput import layout_and_dispatch as layout_and_dispatch_in  # noqa: E402
 
-H = 512            # hidden of most cases
-H_MAX = 1024
-E = 32             # experts
-K = 4              # top-k
 SMALL = None       # 2 channels, small NVLink sub-rings, network rings of 4 chunks of 2 records (built in setup)
 
 
@@ -45,56 +45,13 @@ def teardown(ctx):
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
-def tokens_of(ctx, seed, base=96):
-    """Token counts differ per rank (and by seed) so that uneven traffic is the normal case."""
-    return [base + (seed * 13 + 29 * s) % 57 for s in range(ctx.world)]
-
-
-def inputs(ctx, seed, counts, hidden=H, topk=K, empty_prob=0.1):
-    return [_ref.make_inputs(seed, s, counts[s], hidden, E, topk, empty_prob) for s in range(ctx.world)]
-
-
-def cuda(t, ctx):
-    return None if t is None else t.to(ctx.device)
-
-
 def in_ranks_of(all_inputs, world):
     return [_ref.layout(i.topk_idx, E, world)[2] for i in all_inputs]
 
 
-def layout_and_dispatch(ctx, all_inputs, with_topk=True, with_weights=True, fp8_scales=0, scales_layout=None,
-                        **kwargs):
-    """Runs layout + dispatch of this rank's inputs; -> (dispatch outputs, the reference). scales_layout: a
-    function that gives FP8 scales other strides (e.g. column_major)."""
-    mine = all_inputs[ctx.rank]
-    idx = cuda(mine.topk_idx, ctx)
-    ntr, nrr, nte, itr, _ = ctx.buffer.get_dispatch_layout(idx, E)
-    x = cuda(mine.x, ctx)
-    if fp8_scales:
-        x = (cuda(_ref.as_fp8(mine.x), ctx), cuda(_ref.make_scales(7, ctx.rank, mine.x.shape[0], fp8_scales), ctx))
-        if scales_layout is not None:
-            x = (x[0], scales_layout(x[1]))
-    out = ctx.buffer.dispatch(
-        x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=itr,
-        num_tokens_per_expert=nte if with_topk else None, topk_idx=idx if with_topk else None,
-        topk_weights=cuda(mine.topk_weights, ctx) if with_weights else None, **kwargs)
-    ref = _ref.dispatch([i.topk_idx for i in all_inputs],
-                        [i.topk_weights if with_weights else None for i in all_inputs], ctx.rank, E,
-                        kwargs.get("expert_alignment", 1))
-    return out, ref
-
-
-def check_recv_x(recv_x, ref, all_inputs, fp8_scales=0, rows=None):
-    if fp8_scales:
-        data, scales = recv_x
-        want = _ref.gather_rows([_ref.as_fp8(i.x) for i in all_inputs], ref.src, H, torch.float8_e4m3fn)
-        want_scales = _ref.gather_rows([_ref.make_scales(7, s, i.x.shape[0], fp8_scales)
-                                        for s, i in enumerate(all_inputs)], ref.src, fp8_scales, torch.float32)
-        assert_bitwise("recv_x data", data[:rows], want)
-        assert_bitwise("recv_x scales", scales[:rows], want_scales)
-    else:
-        want = _ref.gather_rows([i.x for i in all_inputs], ref.src, all_inputs[0].x.shape[1], torch.bfloat16)
-        assert_bitwise("recv_x", recv_x[:rows], want)
+def layout_and_dispatch(ctx, all_inputs, **kwargs):
+    """The shared layout + dispatch (_high_throughput.py) with the internode layout: the per-domain counts too."""
+    return layout_and_dispatch_in(ctx, all_inputs, internode=True, **kwargs)
 
 
 def check_handle(ctx, handle, all_inputs, ref, num_channels, worst=0):
@@ -122,16 +79,6 @@ def check_handle(ctx, handle, all_inputs, ref, num_channels, worst=0):
         assert bool((meta[N:, 0] == -1).all()), "padding rows of recv_src_meta have source domain -1"
     assert_bitwise("handle[8] send_rdma_head", handle[8], want[7])
     assert_bitwise("handle[9] send_nvl_head", handle[9][:want[8].shape[0]], want[8])
-
-
-def column_major(scales):
-    """[T, S] scales with strides (1, T), as DeepGEMM-style grouped GEMMs keep them: dispatch reads them in place."""
-    return scales.T.contiguous().T
-
-
-def expert_outputs(ctx, recv_x):
-    """Stand-in expert: rank j scales its rows by (1 + j / 4); bit-reproducible on the reference side."""
-    return _ref.scale_rows(recv_x, 1.0 + ctx.rank / 4)
 
 
 def combine_reference(ctx, all_inputs, reduction="two_level", biases=()):
@@ -221,49 +168,17 @@ def case_dispatch_combine_bf16(ctx):
 def case_dispatch_fp8(ctx):
     all_inputs = inputs(ctx, 3, tokens_of(ctx, 3))
     (recv_x, recv_idx, _, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=H // 128)
-    mine = all_inputs[ctx.rank]
-    x2 = _ref.as_fp8(_ref.scale_rows(mine.x, -2.0))
-    s2 = _ref.make_scales(8, ctx.rank, mine.x.shape[0], H // 128)
-    cached = ctx.buffer.dispatch((cuda(x2, ctx), cuda(s2, ctx)), handle=handle)
+    cached = cached_fp8_dispatch(ctx, all_inputs[ctx.rank], handle)
     assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn
     check_recv_x(recv_x, ref, all_inputs, fp8_scales=H // 128)
     assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
     assert per_expert == ref.per_expert
-    assert cached[1:5] == (None, None, None, None)
-    want = _ref.gather_rows([_ref.as_fp8(_ref.scale_rows(i.x, -2.0)) for i in all_inputs], ref.src, H,
-                            torch.float8_e4m3fn)
-    assert_bitwise("cached fp8 data", cached[0][0], want)
-    want_s = _ref.gather_rows([_ref.make_scales(8, s, i.x.shape[0], H // 128) for s, i in enumerate(all_inputs)],
-                              ref.src, H // 128, torch.float32)
-    assert_bitwise("cached fp8 scales", cached[0][1], want_s)
+    check_cached_fp8(cached, ref, all_inputs)
 
 
 def case_dispatch_fp8_column_major_scales(ctx):
-    """Column-major scales in normal, cached and worst-case dispatch, bit for bit; the received scales are
-    row-major [N, S] (contiguous), as deep_ep returns them. Every collective call comes before the checks."""
-    S = H // 128
-    counts = tokens_of(ctx, 22)
-    all_inputs = inputs(ctx, 22, counts)
-    mine = all_inputs[ctx.rank]
-    (recv_x, recv_idx, _, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=S,
-                                                                             scales_layout=column_major)
-    s2 = column_major(cuda(_ref.make_scales(8, ctx.rank, mine.x.shape[0], S), ctx))
-    cached = ctx.buffer.dispatch((cuda(_ref.as_fp8(mine.x), ctx), s2), handle=handle)[0]
-    worst = sum(counts)
-    (worst_x, *_), _ = layout_and_dispatch(ctx, all_inputs, fp8_scales=S, scales_layout=column_major,
-                                           num_worst_tokens=worst)
-
-    assert s2.stride() == (1, mine.x.shape[0])
-    check_recv_x(recv_x, ref, all_inputs, fp8_scales=S)
-    assert recv_x[1].is_contiguous() and tuple(recv_x[1].shape) == (len(ref.src), S)
-    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
-    assert per_expert == ref.per_expert
-    want_s = _ref.gather_rows([_ref.make_scales(8, s, i.x.shape[0], S) for s, i in enumerate(all_inputs)],
-                              ref.src, S, torch.float32)
-    assert_bitwise("cached column-major scales", cached[1], want_s)
-    assert cached[1].is_contiguous()
-    assert tuple(worst_x[1].shape) == (worst, S) and worst_x[1].is_contiguous()
-    check_recv_x(worst_x, ref, all_inputs, fp8_scales=S, rows=len(ref.src))
+    """Column-major FP8 scales in normal, cached and worst-case dispatch (_high_throughput.py)."""
+    dispatch_fp8_column_major_scales(ctx, internode=True)
 
 
 def case_cached_dispatch_bf16(ctx):
@@ -280,9 +195,7 @@ def case_cached_dispatch_bf16(ctx):
 
 
 def case_worst_case_mode(ctx):
-    counts = tokens_of(ctx, 7)
-    all_inputs = inputs(ctx, 7, counts)
-    worst = sum(counts)
+    all_inputs, worst = worst_case_inputs(ctx, 7)
     (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs,
                                                                                num_worst_tokens=worst)
     N = len(ref.src)
@@ -301,10 +214,7 @@ def case_worst_case_mode(ctx):
 def case_combine_biases(ctx):
     all_inputs = inputs(ctx, 9, tokens_of(ctx, 9))
     (recv_x, _, _, _, handle, _), _ = layout_and_dispatch(ctx, all_inputs)
-    T = all_inputs[ctx.rank].x.shape[0]
-    g = _ref.generator(9, ctx.rank, salt=3)
-    b0 = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    b1 = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    b0, b1 = two_biases(ctx, all_inputs[ctx.rank], 9)
     y = expert_outputs(ctx, recv_x)
     one, two = (combine_orders(ctx, y, handle, biases) for biases in ((b0,), (b0, b1)))
     check_orders(ctx, one, all_inputs, (b0,))
@@ -339,18 +249,7 @@ def case_async_and_previous_event(ctx):
     import epx
     all_inputs = inputs(ctx, 10, tokens_of(ctx, 10))
     mine = all_inputs[ctx.rank]
-    idx = cuda(mine.topk_idx, ctx)
-    before = epx.Buffer.capture()
-    ntr, nrr, nte, itr, event = ctx.buffer.get_dispatch_layout(idx, E, previous_event=before, async_finish=True,
-                                                               allocate_on_comm_stream=True)
-    assert isinstance(event, epx.EventOverlap) and event.event is not None
-    x = cuda(mine.x, ctx)
-    recv_x, recv_idx, _, _, handle, event = ctx.buffer.dispatch(
-        x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=nrr, is_token_in_rank=itr, num_tokens_per_expert=nte,
-        topk_idx=idx, topk_weights=cuda(mine.topk_weights, ctx), previous_event=event, async_finish=True,
-        allocate_on_comm_stream=True)
-    with event:  # overlap window: work here runs while the dispatch may still be in flight
-        side = torch.ones(64, 64, device=ctx.device) @ torch.ones(64, 64, device=ctx.device)
+    x, (recv_x, recv_idx, _, _, handle, _), side = async_layout_and_dispatch(ctx, mine, internode=True)
     combined, _, event = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, previous_event=epx.Buffer.capture(),
                                             async_finish=True)
     event.current_stream_wait()
@@ -369,9 +268,7 @@ def case_async_and_previous_event(ctx):
 
 
 def case_zero_tokens_on_rank0(ctx):
-    counts = tokens_of(ctx, 11)
-    counts[0] = 0
-    all_inputs = inputs(ctx, 11, counts)
+    all_inputs, counts = inputs_without_rank0(ctx, 11)
     (recv_x, _, recv_w, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
     y = expert_outputs(ctx, recv_x)
     combined, _, _ = ctx.buffer.combine(y, handle, topk_weights=recv_w)

@@ -241,6 +241,47 @@ void report(Bench& b, const RunInfo& info, std::chrono::steady_clock::time_point
   std::fflush(stdout);
 }
 
+std::unique_ptr<NcclLibrary> open_run(Bench& b, RunInfo& info) {
+  std::unique_ptr<NcclLibrary> nccl = b.opt.nccl ? load_nccl(b.bs, &info.nccl) : nullptr;
+  if (b.bs.rank() == 0) print_header(stdout, info);
+  return nccl;
+}
+
+HtSession default_session(Bench& b, epx_dtype dtype) {
+  const int R = b.bs.size();
+  return HtSession(b.buffer, make_case(b.opt, dtype), default_dispatch_config(R), default_combine_config(R), b.stream);
+}
+
+bool check_before_timing(Bench& b, HtSession& bf16, HtSession& fp8,
+                         const std::function<std::string(HtSession&, uint64_t)>& check_session, RunInfo& info) {
+  const uint64_t seed = b.opt.seed;
+  std::string failures;
+  const bool ok = all_passed(b.bs, guarded([&] {
+                               // In sequence: each runs collective operations.
+                               std::string msg = check_session(bf16, seed);
+                               msg += check_session(fp8, seed);
+                               b.buffer.check(b.stream);
+                               return msg;
+                             }),
+                             &failures);
+  info.check = ok ? "PASS" : "FAIL";
+  if (b.bs.rank() == 0) say(std::string("check vs reference model: ") + (ok ? "PASS\n" : "FAIL\n" + failures));
+  return ok;
+}
+
+void finish_run(Bench& b, const NcclLibrary* nccl, const HtSession& bf16, const HtSession& fp8, RunInfo& info,
+                std::chrono::steady_clock::time_point started) {
+  if (nccl) {
+    const size_t bf16_row = bf16_row_bytes(b.opt.hidden), fp8_row = fp8_row_bytes(b.opt.hidden);
+    nccl_baseline(b, *nccl, bf16,
+                  {{Op::kDispatchBf16, bf16_row, false, bf16.recv_bytes()},
+                   {Op::kDispatchFp8, fp8_row, false, fp8.recv_bytes()},
+                   {Op::kCombineBf16, bf16_row, true, bf16.combine_bytes()}},
+                  info);
+  }
+  report(b, info, started);
+}
+
 int run_rank_process(Bootstrap& bs, const HtOptions& opt, const BufferOptions& buffer_options,
                      const std::function<int(Bench&)>& body) {
   const int rank = bs.rank();

@@ -7,8 +7,10 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -107,6 +109,41 @@ RunInfo make_run_info(const char* benchmark, const HtOptions& o, int num_ranks, 
 
 // Rank 0: the table, the JSON (--json) and the closing line "epx-bench <benchmark>: done in N s".
 void report(Bench& b, const RunInfo& info, std::chrono::steady_clock::time_point started);
+
+// The steps every high-throughput mode's run takes in this order, around its own sweep (b.opt: the options):
+// The start: NCCL loaded on every rank unless --no-nccl (info.nccl says how that went), then rank 0 prints the
+// header.
+std::unique_ptr<NcclLibrary> open_run(Bench& b, RunInfo& info);
+// The options' case in `dtype` at the default configs: the sessions a run checks and times (BF16 and FP8).
+harness::HtSession default_session(Bench& b, epx_dtype dtype);
+// The check before any timing: check_session(bf16, --seed), then (fp8, --seed), on every rank (in sequence: each
+// runs collective operations), then the Buffer's check(); gathered to rank 0, which says PASS, or FAIL with every
+// rank's failures. Sets info.check; true when every rank passed.
+bool check_before_timing(Bench& b, harness::HtSession& bf16, harness::HtSession& fp8,
+                         const std::function<std::string(harness::HtSession&, uint64_t)>& check_session, RunInfo& info);
+// The end: with nccl, the NCCL all-to-alls of the rows of the BF16 and FP8 dispatches and of the BF16 combine (on
+// bf16's routing); then the report.
+void finish_run(Bench& b, const NcclLibrary* nccl, const harness::HtSession& bf16, const harness::HtSession& fp8,
+                RunInfo& info, std::chrono::steady_clock::time_point started);
+
+// Parses the options of `epx-bench <name>` into *opt. Returns the exit code when the command ends here: 0 after
+// --help (the usage on stdout), 2 after a usage error (the message and the usage on stderr); nullopt otherwise.
+template <typename Options>
+std::optional<int> parse_or_exit(const char* name, int argc, char** argv, Options (*parse)(int, char**, bool*),
+                                 const char* (*usage)(), Options* opt) {
+  bool help = false;
+  try {
+    *opt = parse(argc, argv, &help);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "epx-bench %s: %s\n\n%s", name, e.message.c_str(), usage());
+    return 2;
+  }
+  if (help) {
+    std::printf("%s", usage());
+    return 0;
+  }
+  return std::nullopt;
+}
 
 // The body of one rank's process: the stream and the Buffer on GPU bs.rank(), then body(bench). Returns the
 // body's exit code; on an exception the process leaves at once (the launcher then stops the other ranks).

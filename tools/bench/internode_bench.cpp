@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -103,25 +104,11 @@ int run_rank(Bench& b, const InternodeOptions& o, int num_domains, const std::ve
   RunInfo info = make_run_info("internode", o, R, b.buffer.device());
   info.num_domains = num_domains;
   info.num_nvl_ranks = G;
-  std::unique_ptr<NcclLibrary> nccl = o.nccl ? load_nccl(b.bs, &info.nccl) : nullptr;
-  if (lead) print_header(stdout, info);
+  const std::unique_ptr<NcclLibrary> nccl = open_run(b, info);
 
   // 1. Correctness on the default configs, BF16 and FP8, before any timing.
-  const Config dcfg = default_dispatch_config(R), ccfg = default_combine_config(R);
-  HtSession bf16(b.buffer, make_case(o, EPX_BF16), dcfg, ccfg, b.stream);
-  HtSession fp8(b.buffer, make_case(o, EPX_FP8_E4M3), dcfg, ccfg, b.stream);
-  std::string failures;
-  const bool ok = all_passed(b.bs, guarded([&] {
-                               // In sequence: each runs collective operations.
-                               std::string msg = check_session(bf16, o.seed);
-                               msg += check_session(fp8, o.seed);
-                               b.buffer.check(b.stream);
-                               return msg;
-                             }),
-                             &failures);
-  info.check = ok ? "PASS" : "FAIL";
-  if (lead) say(std::string("check vs reference model: ") + (ok ? "PASS\n" : "FAIL\n" + failures));
-  if (!ok) return 1;
+  HtSession bf16 = default_session(b, EPX_BF16), fp8 = default_session(b, EPX_FP8_E4M3);
+  if (!check_before_timing(b, bf16, fp8, check_session, info)) return 1;
 
   // 2. The sweep: each op at its default config, per num_sms.
   const std::vector<Config> configs = runnable_configs(b, sweep);
@@ -133,18 +120,8 @@ int run_rank(Bench& b, const InternodeOptions& o, int num_domains, const std::ve
     time_config(b, bf16, fp8, configs[k], combine);
   }
 
-  // 3. NCCL all-to-all of the same rows over all ranks (NCCL knows nothing of the domains).
-  if (nccl) {
-    const size_t bf16_row = bf16_row_bytes(o.hidden), fp8_row = fp8_row_bytes(o.hidden);
-    nccl_baseline(b, *nccl, bf16,
-                  {{Op::kDispatchBf16, bf16_row, false, bf16.recv_bytes()},
-                   {Op::kDispatchFp8, fp8_row, false, fp8.recv_bytes()},
-                   {Op::kCombineBf16, bf16_row, true, bf16.combine_bytes()}},
-                  info);
-  }
-
-  // 4. Report.
-  report(b, info, started);
+  // 3. NCCL all-to-all of the same rows over all ranks (NCCL knows nothing of the domains), and the report.
+  finish_run(b, nccl.get(), bf16, fp8, info, started);
   return 0;
 }
 
@@ -152,17 +129,9 @@ int run_rank(Bench& b, const InternodeOptions& o, int num_domains, const std::ve
 
 int run_internode(int argc, char** argv) {
   InternodeOptions opt;
-  bool help = false;
-  try {
-    opt = parse_internode_options(argc, argv, &help);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "epx-bench internode: %s\n\n%s", e.message.c_str(), internode_usage());
-    return 2;
-  }
-  if (help) {
-    std::printf("%s", internode_usage());
-    return 0;
-  }
+  if (const std::optional<int> done =
+          parse_or_exit("internode", argc, argv, parse_internode_options, internode_usage, &opt))
+    return *done;
   if (!built_with_nvshmem()) {
     std::fprintf(stderr,
                  "epx-bench internode: this libepx was built without NVSHMEM, which the internode kernels need: "

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,27 +62,14 @@ int run_rank(Bench& b, const IntranodeOptions& o, const std::vector<Config>& swe
   const int R = b.bs.size();
   const bool lead = b.bs.rank() == 0;
   RunInfo info = make_run_info("intranode", o, R, b.buffer.device());
-  std::unique_ptr<NcclLibrary> nccl = o.nccl ? load_nccl(b.bs, &info.nccl) : nullptr;
-  if (lead) print_header(stdout, info);
+  const std::unique_ptr<NcclLibrary> nccl = open_run(b, info);
 
   // 1. Correctness on the default configs, BF16 and FP8, before any timing.
-  const Config dcfg = default_dispatch_config(R), ccfg = default_combine_config(R);
-  HtSession bf16(b.buffer, make_case(o, EPX_BF16), dcfg, ccfg, b.stream);
-  HtSession fp8(b.buffer, make_case(o, EPX_FP8_E4M3), dcfg, ccfg, b.stream);
-  std::string failures;
-  const bool ok = all_passed(b.bs, guarded([&] {
-                               std::string msg =
-                                   check_session(bf16, o.seed);  // in sequence: each runs collective operations
-                               msg += check_session(fp8, o.seed);
-                               b.buffer.check(b.stream);
-                               return msg;
-                             }),
-                             &failures);
-  info.check = ok ? "PASS" : "FAIL";
-  if (lead) say(std::string("check vs reference model: ") + (ok ? "PASS\n" : "FAIL\n" + failures));
-  if (!ok) return 1;
+  HtSession bf16 = default_session(b, EPX_BF16), fp8 = default_session(b, EPX_FP8_E4M3);
+  if (!check_before_timing(b, bf16, fp8, check_session, info)) return 1;
 
   // 2. The sweep.
+  std::string failures;
   const std::vector<Config> configs = runnable_configs(b, sweep);
   for (size_t k = 0; k < configs.size(); ++k) {
     if (lead)
@@ -94,18 +82,8 @@ int run_rank(Bench& b, const IntranodeOptions& o, const std::vector<Config>& swe
   }
   if (o.check_all && lead) say("check vs reference model after every config: PASS\n");
 
-  // 3. NCCL all-to-all of the same rows.
-  if (nccl) {
-    const size_t bf16_row = bf16_row_bytes(o.hidden), fp8_row = fp8_row_bytes(o.hidden);
-    nccl_baseline(b, *nccl, bf16,
-                  {{Op::kDispatchBf16, bf16_row, false, bf16.recv_bytes()},
-                   {Op::kDispatchFp8, fp8_row, false, fp8.recv_bytes()},
-                   {Op::kCombineBf16, bf16_row, true, bf16.combine_bytes()}},
-                  info);
-  }
-
-  // 4. Report.
-  report(b, info, started);
+  // 3. NCCL all-to-all of the same rows, and the report.
+  finish_run(b, nccl.get(), bf16, fp8, info, started);
   return 0;
 }
 
@@ -113,17 +91,9 @@ int run_rank(Bench& b, const IntranodeOptions& o, const std::vector<Config>& swe
 
 int run_intranode(int argc, char** argv) {
   IntranodeOptions opt;
-  bool help = false;
-  try {
-    opt = parse_intranode_options(argc, argv, &help);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "epx-bench intranode: %s\n\n%s", e.message.c_str(), intranode_usage());
-    return 2;
-  }
-  if (help) {
-    std::printf("%s", intranode_usage());
-    return 0;
-  }
+  if (const std::optional<int> done =
+          parse_or_exit("intranode", argc, argv, parse_intranode_options, intranode_usage, &opt))
+    return *done;
   int R = 0;
   if (const int rc = choose_ranks(opt, &R); rc != 0) return rc;
   std::vector<std::string> skipped;
