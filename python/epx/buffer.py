@@ -229,7 +229,9 @@ class Buffer(LowLatencyMixin):
         self._default_configs = {}  # (kind, num_sms or None) -> epx_config of the default config
         self._configs = {}          # the field values of a Config passed in -> its epx_config
         self._last_handle = None    # _HandleCache of the last handle checked
-        self._ll_structs = None     # low-latency argument structs of the last shapes (low_latency.py)
+        self._ll_dispatch_state = None  # low-latency dispatch: the last arguments that passed (low_latency.py)
+        self._ll_combine_last = None    # low-latency combine: the last handle that passed, its x shape, its ref
+        self._ll_combine_structs = None  # low-latency combine: the argument structs calls without a hook share
         self._views = Views()       # tensors handed out over this buffer's memory
         # Zero-size tensors whose new_empty allocates outputs of their dtype on the device.
         self._protos = {dtype: torch.empty(0, dtype=dtype, device=device) for dtype in _OUTPUT_DTYPES}
@@ -276,7 +278,7 @@ class Buffer(LowLatencyMixin):
         finally:
             self._native = None
             self._last_handle = None
-            self._ll_structs = None
+            self._ll_dispatch_state = self._ll_combine_last = self._ll_combine_structs = None
 
     def _ptr(self) -> int:
         native = self._native
