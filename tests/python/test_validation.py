@@ -601,3 +601,70 @@ def test_low_latency_combine_reads_the_native_handle_every_call():
     mine[5].num_tokens = T + 1
     with pytest.raises(ValueError, match="topk_idx"):
         warm.low_latency_combine(LL_Y, LL_IDX, LL_W, mine)
+
+
+HT_X, HT_HANDLE, HT_W = bf16(T, H), handle(num_recv=7), torch.zeros(7, K)
+FP8_X = (torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 2))
+CACHED_DISPATCH_CASES = [
+    (lambda b: b.dispatch(HT_X.float(), handle=HT_HANDLE), TypeError),
+    (lambda b: b.dispatch(misaligned(T, H), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(T + 1, H), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(T, 12), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(H, T).t(), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(HT_X.to("meta"), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(T * H), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(T, 2 * H), handle=HT_HANDLE), FAILED),
+    (lambda b: b.dispatch(FP8_X, handle=HT_HANDLE), FAILED),
+    (lambda b: b.dispatch((FP8_X[0], torch.zeros(1, 2).expand(T, 2)), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, config=epx.Config(8, 6, 256)), ValueError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, config=epx.Config(24, 6, 256)), FAILED),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, async_finish="yes"), TypeError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, async_finish=True), FAILED),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, previous_event="now"), TypeError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, allocate_on_comm_stream=True), ValueError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE[:5]), TypeError),
+    (lambda b: b.dispatch(HT_X, handle=handle(num_recv=7)), FAILED),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CACHED_DISPATCH_CASES)))
+def test_cached_dispatch_checks_after_good_calls(case):
+    call, expect = CACHED_DISPATCH_CASES[case]
+    same_after_good_calls(lambda b: b.dispatch(HT_X, handle=HT_HANDLE), call, expect)
+
+
+COMBINE_CASES = [
+    (lambda b: b.combine(bf16(8, H), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(torch.zeros(7, H), HT_HANDLE, topk_weights=HT_W), TypeError),
+    (lambda b: b.combine(bf16(7, 12), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(misaligned(7, H), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(bf16(H, 7).t(), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(bf16(7, H).to("meta"), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(bf16(7, 2 * H), HT_HANDLE, topk_weights=HT_W), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=torch.zeros(6, K)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W.double()), TypeError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=torch.zeros(7, 33)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=torch.zeros(7, 0)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=torch.zeros(K, 7).t()), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W.to("meta")), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, bias=bf16(T + 1, H)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, bias=bf16(T, H)), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, config=epx.Config(8, 6, 256)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, reduction="two_level"), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, reduction=1), TypeError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, reduction="flat"), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, async_finish="yes"), TypeError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, async_finish=1), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, previous_event="now"), TypeError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE[:5], topk_weights=HT_W), TypeError),
+    (lambda b: b.combine(bf16(7, H), handle(num_recv=7), topk_weights=HT_W), FAILED),
+]
+
+
+@pytest.mark.parametrize("weights", [True, False])
+@pytest.mark.parametrize("case", range(len(COMBINE_CASES)))
+def test_combine_checks_after_good_calls(case, weights):
+    call, expect = COMBINE_CASES[case]
+    good_w = HT_W if weights else None
+    same_after_good_calls(lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=good_w), call, expect)
