@@ -65,15 +65,15 @@ class _HandleCache:
     that its tensors (whose addresses the structs hold) stay alive and its id is not reused. Intranode (6-tuple)
     and internode (10-tuple) handles alike: is_token_in_rank is the handle's element of that name."""
 
-    __slots__ = ("handle", "h", "h_ref", "num_recv", "num_tokens", "is_token_in_rank", "configs", "dispatch_key",
-                 "dispatch", "combine_key", "combine", "dispatch_config_ref", "combine_config_ref")
+    __slots__ = ("handle", "h", "num_recv", "num_tokens", "is_token_in_rank", "configs", "dispatch_key", "dispatch",
+                 "combine_key", "combine", "dispatch_config", "combine_config")
 
     def __init__(self, handle, h, is_token_in_rank):
-        self.handle, self.h, self.h_ref = handle, h, byref(h)
+        self.handle, self.h = handle, h
         self.num_recv, self.num_tokens = h.num_recv_tokens, h.num_tokens
         self.is_token_in_rank = is_token_in_rank
         self.configs = {}  # kind -> epx_config of the default config with the handle's num_sms
-        self.dispatch_config_ref = self.combine_config_ref = None  # byref of configs["dispatch"] / ["combine"]
+        self.dispatch_config = self.combine_config = None  # configs["dispatch"] / ["combine"] once made
         self.dispatch_key = self.dispatch = self.combine_key = self.combine = None
 
 
@@ -550,7 +550,7 @@ class Buffer(LowLatencyMixin):
         outs = _lib.LayoutOutputs(num_tokens_per_rank.data_ptr(), _ptr_or_none(num_tokens_per_rdma_rank),
                                   num_tokens_per_expert.data_ptr(), is_token_in_rank.data_ptr())
         lib = _lib.lib()
-        lib.check(lib.epx_get_dispatch_layout(ptr, byref(args), byref(outs), streams.comm_raw))
+        lib.check(lib.epx_get_dispatch_layout(ptr, args, outs, streams.comm_raw))
         event = self._finish(compute, async_finish, allocate_on_comm_stream,
                              (topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
                               is_token_in_rank))
@@ -586,9 +586,9 @@ class Buffer(LowLatencyMixin):
                 if c_config is None:
                     c_config = hc.configs[kind] = self._default_config(kind, 2 * hc.h.num_channels)
                     if kind == "dispatch":
-                        hc.dispatch_config_ref = byref(c_config)
+                        hc.dispatch_config = c_config
                     else:
-                        hc.combine_config_ref = byref(c_config)
+                        hc.combine_config = c_config
                 return c_config
             return self._default_config(kind, Buffer.num_sms)
         if not isinstance(config, Config):
@@ -779,12 +779,12 @@ class Buffer(LowLatencyMixin):
             hc, d = self._last_handle, self._device
             if hc is not None and hc.handle is handle and config is None and previous_event is None \
                     and allocate_on_comm_stream is False and (async_finish is False or async_finish is True) \
-                    and hc.dispatch_config_ref is not None and isinstance(x, _Tensor) and x.dtype is _BF16 \
+                    and hc.dispatch_config is not None and isinstance(x, _Tensor) and x.dtype is _BF16 \
                     and x.device == d and x.is_contiguous() and not x.data_ptr() & 15:
                 xs = x.shape
                 if len(xs) == 2 and not xs[1] & 7 and xs[0] == hc.num_tokens:
-                    return self._cached_dispatch(x, None, _EPX_BF16, _ROW_MAJOR, xs[1], hc, hc.dispatch_config_ref,
-                                                 None, async_finish, False)
+                    return self._cached_dispatch(x, None, _EPX_BF16, _ROW_MAJOR, xs[1], hc, hc.dispatch_config, None,
+                                                 async_finish, False)
         data, scales, dtype, scale_strides = self._check_x(x)
         async_finish = _checks.flag("async_finish", async_finish)
         if previous_event is not None or allocate_on_comm_stream:
@@ -795,7 +795,7 @@ class Buffer(LowLatencyMixin):
             T, H = data.shape
             if hc.num_tokens != T:
                 raise ValueError(f"x has {T} tokens but the handle was made for {hc.num_tokens}")
-            return self._cached_dispatch(data, scales, dtype, scale_strides, H, hc, byref(c_config), previous_event,
+            return self._cached_dispatch(data, scales, dtype, scale_strides, H, hc, c_config, previous_event,
                                          async_finish, allocate_on_comm_stream)
         c_config = self._check_config(config, "dispatch")
 
@@ -900,7 +900,7 @@ class Buffer(LowLatencyMixin):
         recv = (recv_x, recv_scales) if scales is not None else recv_x
         return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
 
-    def _cached_dispatch(self, data, scales, dtype, scale_strides, H: int, hc: _HandleCache, c_config_ref,
+    def _cached_dispatch(self, data, scales, dtype, scale_strides, H: int, hc: _HandleCache, c_config: _lib.Config,
                          previous_event, async_finish, allocate_on_comm_stream):
         """The cached dispatch after its checks (data has the handle's token count)."""
         N = hc.num_recv
@@ -915,8 +915,8 @@ class Buffer(LowLatencyMixin):
             args = _lib.DispatchArgs(None, dtype, hc.num_tokens, H, None, S, scale_strides[0], scale_strides[1], None,
                                      None, 0, 0, None, None, hc.is_token_in_rank.data_ptr(), 1, 0)
             outs = _lib.DispatchOutputs(None, None, None, None, N)
-            hc.dispatch, hc.dispatch_key = (args, outs, byref(args), byref(outs)), key
-        args, outs, args_ref, outs_ref = hc.dispatch
+            hc.dispatch, hc.dispatch_key = (args, outs), key
+        args, outs = hc.dispatch
         streams = self._streams
         stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
         protos = self._protos
@@ -933,7 +933,8 @@ class Buffer(LowLatencyMixin):
             args.x_scales = scales.data_ptr()
             outs.recv_x_scales = recv_scales.data_ptr()
         lib = _lib.lib()
-        status = lib.epx_dispatch_cached(ptr, args_ref, c_config_ref, hc.h_ref, outs_ref, stream)
+        # The structs themselves, not byref(): ctypes converts them to pointers faster (POINTER argtypes).
+        status = lib.epx_dispatch_cached(ptr, args, c_config, hc.h, outs, stream)
         if status:
             lib.check(status)
         if async_finish:
@@ -995,7 +996,7 @@ class Buffer(LowLatencyMixin):
         H = -1
         if hc is not None and hc.handle is handle and reduction is None and bias is None and config is None \
                 and previous_event is None and allocate_on_comm_stream is False \
-                and (async_finish is False or async_finish is True) and hc.combine_config_ref is not None \
+                and (async_finish is False or async_finish is True) and hc.combine_config is not None \
                 and isinstance(x, _Tensor) and x.dtype is _BF16 and x.device == d and x.is_contiguous() \
                 and not x.data_ptr() & 15:
             xs, N = x.shape, hc.num_recv
@@ -1007,12 +1008,11 @@ class Buffer(LowLatencyMixin):
                     ws = topk_weights.shape
                     if len(ws) == 2 and ws[0] == N and 1 <= ws[1] <= 32:
                         H, K = xs[1], ws[1]
-            code, bias0, bias1, c_config_ref = _REDUCE_DEFAULT, None, None, hc.combine_config_ref
+            code, bias0, bias1, c_config = _REDUCE_DEFAULT, None, None, hc.combine_config
         if H < 0:
             hc, H, K, code, bias0, bias1, c_config, async_finish = self._combine_checks(
                 x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream,
                 reduction)
-            c_config_ref = byref(c_config)
 
         native = self._native
         ptr = native.ptr if native is not None else None
@@ -1023,8 +1023,8 @@ class Buffer(LowLatencyMixin):
         if hc.combine_key != key:
             args = _lib.CombineArgs(None, N, H, None, K, None, None, code)
             outs = _lib.CombineOutputs()
-            hc.combine, hc.combine_key = (args, outs, byref(args), byref(outs)), key
-        args, outs, args_ref, outs_ref = hc.combine
+            hc.combine, hc.combine_key = (args, outs), key
+        args, outs = hc.combine
         streams = self._streams
         stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
         protos = self._protos
@@ -1042,7 +1042,7 @@ class Buffer(LowLatencyMixin):
         outs.combined_x = combined_x.data_ptr()
         outs.combined_topk_weights = combined_weights.data_ptr() if K else None
         lib = _lib.lib()
-        status = lib.epx_combine(ptr, args_ref, c_config_ref, hc.h_ref, outs_ref, stream)
+        status = lib.epx_combine(ptr, args, c_config, hc.h, outs, stream)
         if status:
             lib.check(status)
         if async_finish:

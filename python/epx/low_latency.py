@@ -56,8 +56,7 @@ class _LLDispatchState:
     by the calls that pass them and by the next call after one that did (extras)."""
 
     __slots__ = ("M", "E", "H", "K", "use_fp8", "round_scale", "use_ue8m0", "R", "L", "rows", "stats_shape", "x_proto",
-                 "scale_proto", "scale_shape", "scale_strides", "i32_proto", "i64_proto", "args", "outs", "args_ref",
-                 "outs_ref", "extras")
+                 "scale_proto", "scale_shape", "scale_strides", "i32_proto", "i64_proto", "args", "outs", "extras")
 
     def __init__(self, buffer, M: int, E: int, H: int, K: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool):
         self.M, self.E, self.H, self.K = M, E, H, K
@@ -76,7 +75,6 @@ class _LLDispatchState:
             self.scale_shape, self.scale_strides = (L, rows, groups), (groups * rows, 1, rows)
         self.args = _lib.LLDispatchArgs(None, 0, H, None, K, E, M, use_fp8, round_scale, use_ue8m0, None)
         self.outs = _lib.LLDispatchOutputs()
-        self.args_ref, self.outs_ref = byref(self.args), byref(self.outs)
         self.extras = False
 
 
@@ -252,10 +250,9 @@ class LowLatencyMixin:
         if return_recv_hook:  # the hook reads its structs again later: its own
             args = _lib.LLDispatchArgs(None, T, H, None, K, s.E, M, s.use_fp8, s.round_scale, s.use_ue8m0, None)
             outs = _lib.LLDispatchOutputs()
-            args_ref, outs_ref = byref(args), byref(outs)
             extras = True
         else:
-            args, outs, args_ref, outs_ref = s.args, s.outs, s.args_ref, s.outs_ref
+            args, outs = s.args, s.outs
             args.num_tokens = T
             # The optional pointers are all None in the shared structs unless a call set them.
             extras = stats is not None or topk_weights is not None or s.extras
@@ -276,8 +273,8 @@ class LowLatencyMixin:
         if topk_slots is not None:
             h.topk_slots = topk_slots  # alive as long as the handle: the combine reads it
         lib = _lib._library if _lib._library is not None else _lib.lib()
-        h_ref = byref(h)
-        status = lib.epx_ll_dispatch(ptr, args_ref, outs_ref, _SEND if return_recv_hook else _BOTH, h_ref, stream)
+        # The structs themselves, not byref(): ctypes converts them to pointers faster (POINTER argtypes).
+        status = lib.epx_ll_dispatch(ptr, args, outs, _SEND if return_recv_hook else _BOTH, h, stream)
         if status:
             lib.check(status)
 
@@ -285,8 +282,7 @@ class LowLatencyMixin:
             tensors = (x, topk_idx, stats, packed_recv_x, scales, packed_recv_count, recv_src_info,
                        recv_layout_range, topk_weights, topk_slots)
             if return_recv_hook:
-                hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args_ref, outs_ref, _RECV,
-                                                             byref(h), stream), tensors)
+                hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args, outs, _RECV, h, stream), tensors)
                 event = EventOverlap()
             else:
                 hook = _noop
@@ -362,12 +358,12 @@ class LowLatencyMixin:
                     and topk_idx.is_contiguous() and topk_idx.shape == tk \
                     and isinstance(topk_weights, _Tensor) and topk_weights.dtype is _FP32 \
                     and topk_weights.device == d and topk_weights.is_contiguous() and topk_weights.shape == tk:
-                T, H, h_ref, code = tk[0], handle[3], c[2], _REDUCE_FLAT
+                T, H, code = tk[0], handle[3], _REDUCE_FLAT
                 if out is not None:
                     _checks.tensor("out", out, _BF16, (T, H), d, aligned16=True)
         if T < 0:
-            h, h_ref, T, H, zero_copy, use_logfmt, code = self._ll_combine_checks(x, topk_idx, topk_weights, handle,
-                                                                                 use_logfmt, zero_copy, out, reduction)
+            h, T, H, zero_copy, use_logfmt, code = self._ll_combine_checks(x, topk_idx, topk_weights, handle,
+                                                                          use_logfmt, zero_copy, out, reduction)
         if async_finish is not False or return_recv_hook is not False:  # both False: nothing to check
             async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
 
@@ -379,13 +375,11 @@ class LowLatencyMixin:
         combined_x = out if out is not None else self._protos[_BF16].new_empty(T, H)
         if return_recv_hook:  # the hook reads its structs again later: its own
             args, buffer_set = _lib.LLCombineArgs(), ctypes.c_int(-1)
-            args_ref, buffer_set_ref = byref(args), byref(buffer_set)
         else:
             structs = self._ll_combine_structs
             if structs is None:
-                args, buffer_set = _lib.LLCombineArgs(), ctypes.c_int(-1)
-                structs = self._ll_combine_structs = (args, byref(args), byref(buffer_set))
-            args, args_ref, buffer_set_ref = structs
+                structs = self._ll_combine_structs = (_lib.LLCombineArgs(), ctypes.c_int(-1))
+            args, buffer_set = structs
         args.x = x.data_ptr()
         args.zero_copy = zero_copy
         args.use_logfmt = use_logfmt
@@ -394,22 +388,22 @@ class LowLatencyMixin:
         args.topk_weights = topk_weights.data_ptr()
         lib = _lib.lib()
         combined_ptr = combined_x.data_ptr()
-        status = lib.epx_ll_combine(ptr, args_ref, h_ref, combined_ptr, _SEND if return_recv_hook else _BOTH,
-                                    buffer_set_ref, stream)
+        status = lib.epx_ll_combine(ptr, args, h, combined_ptr, _SEND if return_recv_hook else _BOTH, buffer_set,
+                                    stream)
         if status:
             lib.check(status)
         if async_finish or return_recv_hook:
             tensors = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x, getattr(h, "topk_slots", None))
             if return_recv_hook:
-                hook = _RecvHook(lambda: lib.epx_ll_combine(self._ptr(), args_ref, byref(h), combined_ptr,
-                                                            _RECV, buffer_set_ref, stream), tensors)
+                hook = _RecvHook(lambda: lib.epx_ll_combine(self._ptr(), args, h, combined_ptr, _RECV, buffer_set,
+                                                            stream), tensors)
                 return combined_x, EventOverlap(), hook
             return combined_x, self._streams.end_async_keep(tensors), _noop
         return combined_x, EventOverlap() if compute is None else self._streams.end_sync(compute), _noop
 
     def _ll_combine_checks(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, reduction):
         """Every check of low_latency_combine but those of async_finish and return_recv_hook, in order. -> (native
-        handle, byref of it, T, H, zero_copy, use_logfmt, reduction code)."""
+        handle, T, H, zero_copy, use_logfmt, reduction code)."""
         R, d = self.group_size, self._device
         handle = self._ll_check_handle(handle)
         h: _lib.LLHandle = handle[5]
@@ -438,11 +432,9 @@ class LowLatencyMixin:
             use_logfmt = _checks.flag("use_logfmt", use_logfmt)
             if use_logfmt and H % _LOGFMT_GROUP != 0:
                 raise ValueError(f"use_logfmt needs hidden % {_LOGFMT_GROUP} == 0, got {H}")
-        c = self._ll_combine_last
-        if c is None or c[0] is not handle:
-            # Referenced, so that the tuple's id is not reused while it is remembered.
-            c = self._ll_combine_last = (handle, x_shape, byref(h))
-        return h, c[2], T, H, zero_copy, use_logfmt, code
+        # Referenced, so that the tuple's id is not reused while it is remembered.
+        self._ll_combine_last = (handle, x_shape)
+        return h, T, H, zero_copy, use_logfmt, code
 
     # ---- rank masking (deep_ep's enable_shrink mode; semantics.md section 9) --------------------------------------
     def _require_shrink(self, what: str) -> None:

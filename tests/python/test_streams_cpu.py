@@ -10,7 +10,7 @@ not) precede the launch, and a marker put after the call must (or must not) foll
 import pytest
 
 torch = pytest.importorskip("torch")
-from _fake_cuda import FakeCuda, after, fake_buffer, stub_library  # noqa: E402
+from _fake_cuda import FakeCuda, after, fake_buffer, struct_of, stub_library  # noqa: E402
 
 R, E, T, H, K, M = 2, 8, 6, 128, 2, 8
 LAUNCHES = {"epx_get_dispatch_layout", "epx_notify_dispatch", "epx_dispatch", "epx_dispatch_cached", "epx_combine",
@@ -357,7 +357,7 @@ def test_low_latency_hooks_keep_their_own_arguments(env):
 
         def spy(*args, _inner=inner, _name=name):
             phases = args[3] if _name == "epx_ll_dispatch" else args[4]
-            seen.append((_name, phases, args[1]._obj.x))
+            seen.append((_name, phases, struct_of(args[1]).x))
             return _inner(*args)
         setattr(library, name, spy)
     x1, idx, w = inputs()
