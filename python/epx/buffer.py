@@ -503,7 +503,8 @@ class Buffer(LowLatencyMixin):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Counts where this rank's tokens go (semantics.md section 1), as dispatch needs it. Local (not collective): runs
-        on the communication stream, with no CPU sync.
+        on the communication stream (a synchronous call may run on the current stream instead, in the same order:
+        see get_comm_stream), with no CPU sync.
 
         Arguments:
             topk_idx: int64 [T, K] (epx.topk_idx_t), contiguous, on the Buffer's device: the experts each of the T
@@ -540,7 +541,8 @@ class Buffer(LowLatencyMixin):
 
         ptr = self._ptr()
         streams = self._streams
-        compute = streams.begin(previous_event)
+        # A synchronous call may run straight on the current stream (Streams.direct), as cached dispatch does.
+        stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
         with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             num_tokens_per_rank = self._empty((R,), _INT32)
             num_tokens_per_rdma_rank = self._empty((D,), _INT32) if D > 1 else None
@@ -550,10 +552,13 @@ class Buffer(LowLatencyMixin):
         outs = _lib.LayoutOutputs(num_tokens_per_rank.data_ptr(), _ptr_or_none(num_tokens_per_rdma_rank),
                                   num_tokens_per_expert.data_ptr(), is_token_in_rank.data_ptr())
         lib = _lib.lib()
-        lib.check(lib.epx_get_dispatch_layout(ptr, args, outs, streams.comm_raw))
-        event = self._finish(compute, async_finish, allocate_on_comm_stream,
-                             (topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
-                              is_token_in_rank))
+        lib.check(lib.epx_get_dispatch_layout(ptr, args, outs, stream))
+        if compute is None:
+            event = EventOverlap()
+        else:
+            event = self._finish(compute, async_finish, allocate_on_comm_stream,
+                                 (topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+                                  is_token_in_rank))
         return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
