@@ -7,11 +7,11 @@ at the end, so results are ready in stream order. With async_finish the caller g
 instead, and every tensor the operation touched is recorded on the streams that use it, so the caching
 allocator does not hand its memory out before the communication is done with it. The low-latency calls
 do the same without previous_event, or run on the current stream when they return a receive hook. A
-synchronous low-latency call, cached dispatch or combine (no previous_event) also runs on the current stream
-when comm holds nothing that stream is not already ordered after (Streams.direct): the result is the same, for
-four stream/event calls less. When a
-later call goes through comm from another current stream, comm also waits for the stream those calls ran on,
-so the Buffer's operations keep one order, as they would all on comm.
+synchronous low-latency call, get_dispatch_layout, cached dispatch or combine (no previous_event) also runs on
+the current stream when comm holds nothing that stream is not already ordered after (Streams.direct): the
+result is the same, for four stream/event calls less. When a later call goes through comm from another current
+stream, comm also waits for the stream those calls ran on, so the Buffer's operations keep one order, as they
+would all on comm.
 
 This runs on every call, so it is kept cheap (docs/bench-notes.md, "Python host overhead"):
 - The two waits of a synchronous call use two events per Buffer, recorded again on every call, instead of

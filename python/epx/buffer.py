@@ -5,11 +5,15 @@ Each method checks its arguments first (nothing touches CUDA until they pass), t
 (_streams.Streams), allocates the outputs with torch and calls the library with raw pointers.
 
 The hot paths (cached dispatch, combine, and the low-latency calls) are written for host time: a handle's C
-struct, its default configs and the argument structs of its last shapes are kept (only pointers change
-from call to call), outputs are allocated with new_empty from per-dtype prototypes (cheaper to parse than
-torch.empty's keywords), and async-only work is skipped on synchronous calls. Every check still runs on
-every call. Reusing structs is safe because a C call reads them only while it runs, and the calls of one
-Buffer never overlap (they are collective, so every rank must issue them in one order).
+struct, its default configs and the argument structs of its last shapes are kept (only pointers change from call
+to call), outputs are allocated with new_empty from per-dtype prototypes (cheaper to parse than torch.empty's
+keywords), and async-only work is skipped on synchronous calls. A call that repeats the handle, config and flags
+of the last call whose checks passed takes a short path that checks its tensors inline and skips only the checks
+whose inputs are the same as then (the same handle tuple, plain ints of equal value, the same bool objects);
+every tensor check (dtype, device, contiguity, shape, alignment) runs on every call, and whatever the short path
+does not accept goes through every check, so errors are the same. Reusing structs is safe because a C call reads
+them only while it runs, and the calls of one Buffer never overlap (they are collective, so every rank must issue
+them in one order).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ _INT32 = torch.int32
 _INT64 = torch.int64
 _BF16 = torch.bfloat16
 _FP32 = torch.float32
+_Tensor = torch.Tensor
+_EPX_BF16 = _lib.EPX_BF16
+_REDUCE_DEFAULT = _lib.EPX_REDUCE_DEFAULT
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 _ROW_MAJOR = (0, 0)  # epx_dispatch_args' scale strides of row-major scales (and of none)
 _SOURCE_META_BYTES = 8  # a row of an internode handle's recv_src_meta: two int32 (source domain, rank mask)
@@ -58,14 +65,15 @@ class _HandleCache:
     that its tensors (whose addresses the structs hold) stay alive and its id is not reused. Intranode (6-tuple)
     and internode (10-tuple) handles alike: is_token_in_rank is the handle's element of that name."""
 
-    __slots__ = ("handle", "h", "h_ref", "num_recv", "num_tokens", "is_token_in_rank", "configs", "dispatch_key",
-                 "dispatch", "combine_key", "combine")
+    __slots__ = ("handle", "h", "num_recv", "num_tokens", "is_token_in_rank", "configs", "dispatch_key", "dispatch",
+                 "combine_key", "combine", "dispatch_config", "combine_config")
 
     def __init__(self, handle, h, is_token_in_rank):
-        self.handle, self.h, self.h_ref = handle, h, byref(h)
+        self.handle, self.h = handle, h
         self.num_recv, self.num_tokens = h.num_recv_tokens, h.num_tokens
         self.is_token_in_rank = is_token_in_rank
         self.configs = {}  # kind -> epx_config of the default config with the handle's num_sms
+        self.dispatch_config = self.combine_config = None  # configs["dispatch"] / ["combine"] once made
         self.dispatch_key = self.dispatch = self.combine_key = self.combine = None
 
 
@@ -229,7 +237,9 @@ class Buffer(LowLatencyMixin):
         self._default_configs = {}  # (kind, num_sms or None) -> epx_config of the default config
         self._configs = {}          # the field values of a Config passed in -> its epx_config
         self._last_handle = None    # _HandleCache of the last handle checked
-        self._ll_structs = None     # low-latency argument structs of the last shapes (low_latency.py)
+        self._ll_dispatch_state = None  # low-latency dispatch: the last arguments that passed (low_latency.py)
+        self._ll_combine_last = None    # low-latency combine: the last handle that passed, its x shape, its ref
+        self._ll_combine_structs = None  # low-latency combine: the argument structs calls without a hook share
         self._views = Views()       # tensors handed out over this buffer's memory
         # Zero-size tensors whose new_empty allocates outputs of their dtype on the device.
         self._protos = {dtype: torch.empty(0, dtype=dtype, device=device) for dtype in _OUTPUT_DTYPES}
@@ -276,7 +286,7 @@ class Buffer(LowLatencyMixin):
         finally:
             self._native = None
             self._last_handle = None
-            self._ll_structs = None
+            self._ll_dispatch_state = self._ll_combine_last = self._ll_combine_structs = None
 
     def _ptr(self) -> int:
         native = self._native
@@ -493,7 +503,8 @@ class Buffer(LowLatencyMixin):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Counts where this rank's tokens go (semantics.md section 1), as dispatch needs it. Local (not collective): runs
-        on the communication stream, with no CPU sync.
+        on the communication stream (a synchronous call may run on the current stream instead, in the same order:
+        see get_comm_stream), with no CPU sync.
 
         Arguments:
             topk_idx: int64 [T, K] (epx.topk_idx_t), contiguous, on the Buffer's device: the experts each of the T
@@ -530,7 +541,8 @@ class Buffer(LowLatencyMixin):
 
         ptr = self._ptr()
         streams = self._streams
-        compute = streams.begin(previous_event)
+        # A synchronous call may run straight on the current stream (Streams.direct), as cached dispatch does.
+        stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
         with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
             num_tokens_per_rank = self._empty((R,), _INT32)
             num_tokens_per_rdma_rank = self._empty((D,), _INT32) if D > 1 else None
@@ -540,10 +552,13 @@ class Buffer(LowLatencyMixin):
         outs = _lib.LayoutOutputs(num_tokens_per_rank.data_ptr(), _ptr_or_none(num_tokens_per_rdma_rank),
                                   num_tokens_per_expert.data_ptr(), is_token_in_rank.data_ptr())
         lib = _lib.lib()
-        lib.check(lib.epx_get_dispatch_layout(ptr, byref(args), byref(outs), streams.comm_raw))
-        event = self._finish(compute, async_finish, allocate_on_comm_stream,
-                             (topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
-                              is_token_in_rank))
+        lib.check(lib.epx_get_dispatch_layout(ptr, args, outs, stream))
+        if compute is None:
+            event = EventOverlap()
+        else:
+            event = self._finish(compute, async_finish, allocate_on_comm_stream,
+                                 (topk_idx, num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+                                  is_token_in_rank))
         return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event
 
     # ---- dispatch -----------------------------------------------------------------------------------------------
@@ -575,6 +590,10 @@ class Buffer(LowLatencyMixin):
                 c_config = hc.configs.get(kind)
                 if c_config is None:
                     c_config = hc.configs[kind] = self._default_config(kind, 2 * hc.h.num_channels)
+                    if kind == "dispatch":
+                        hc.dispatch_config = c_config
+                    else:
+                        hc.combine_config = c_config
                 return c_config
             return self._default_config(kind, Buffer.num_sms)
         if not isinstance(config, Config):
@@ -758,6 +777,19 @@ class Buffer(LowLatencyMixin):
             event: EventOverlap, holding an event only with async_finish.
         With handle: (recv_x, None, None, None, None, event).
         """
+        if handle is not None:
+            # The common cached call: bf16 x, the handle of the last call whose checks passed (the same tuple), the
+            # default config, no previous_event. x is checked in full here; anything else, or an x the short test
+            # does not pass, goes through every check below, which raise the error that says what is wrong.
+            hc, d = self._last_handle, self._device
+            if hc is not None and hc.handle is handle and config is None and previous_event is None \
+                    and allocate_on_comm_stream is False and (async_finish is False or async_finish is True) \
+                    and hc.dispatch_config is not None and isinstance(x, _Tensor) and x.dtype is _BF16 \
+                    and x.device == d and x.is_contiguous() and not x.data_ptr() & 15:
+                xs = x.shape
+                if len(xs) == 2 and not xs[1] & 7 and xs[0] == hc.num_tokens:
+                    return self._cached_dispatch(x, None, _EPX_BF16, _ROW_MAJOR, xs[1], hc, hc.dispatch_config, None,
+                                                 async_finish, False)
         data, scales, dtype, scale_strides = self._check_x(x)
         async_finish = _checks.flag("async_finish", async_finish)
         if previous_event is not None or allocate_on_comm_stream:
@@ -765,7 +797,10 @@ class Buffer(LowLatencyMixin):
         if handle is not None:
             hc = self._check_handle(handle)
             c_config = self._check_config(config, "dispatch", hc)
-            return self._cached_dispatch(data, scales, dtype, scale_strides, hc, c_config, previous_event,
+            T, H = data.shape
+            if hc.num_tokens != T:
+                raise ValueError(f"x has {T} tokens but the handle was made for {hc.num_tokens}")
+            return self._cached_dispatch(data, scales, dtype, scale_strides, H, hc, c_config, previous_event,
                                          async_finish, allocate_on_comm_stream)
         c_config = self._check_config(config, "dispatch")
 
@@ -870,26 +905,31 @@ class Buffer(LowLatencyMixin):
         recv = (recv_x, recv_scales) if scales is not None else recv_x
         return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
 
-    def _cached_dispatch(self, data, scales, dtype, scale_strides, hc: _HandleCache, c_config: _lib.Config,
+    def _cached_dispatch(self, data, scales, dtype, scale_strides, H: int, hc: _HandleCache, c_config: _lib.Config,
                          previous_event, async_finish, allocate_on_comm_stream):
-        T, H = data.shape
-        if hc.num_tokens != T:
-            raise ValueError(f"x has {T} tokens but the handle was made for {hc.num_tokens}")
+        """The cached dispatch after its checks (data has the handle's token count)."""
         N = hc.num_recv
         S = scales.shape[1] if scales is not None else 0
 
-        ptr = self._ptr()
+        native = self._native
+        ptr = native.ptr if native is not None else None
+        if ptr is None:
+            ptr = self._ptr()  # raises
         key = (H, dtype, S, scale_strides)
         if hc.dispatch_key != key:
-            args = _lib.DispatchArgs(None, dtype, T, H, None, S, scale_strides[0], scale_strides[1], None, None, 0, 0,
-                                     None, None, hc.is_token_in_rank.data_ptr(), 1, 0)
+            args = _lib.DispatchArgs(None, dtype, hc.num_tokens, H, None, S, scale_strides[0], scale_strides[1], None,
+                                     None, 0, 0, None, None, hc.is_token_in_rank.data_ptr(), 1, 0)
             outs = _lib.DispatchOutputs(None, None, None, None, N)
-            hc.dispatch, hc.dispatch_key = (args, outs, byref(args), byref(outs)), key
-        args, outs, args_ref, outs_ref = hc.dispatch
+            hc.dispatch, hc.dispatch_key = (args, outs), key
+        args, outs = hc.dispatch
         streams = self._streams
         stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
         protos = self._protos
-        with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
+        if allocate_on_comm_stream:
+            with streams.allocating():
+                recv_x = protos[data.dtype].new_empty(N, H)
+                recv_scales = protos[scales.dtype].new_empty(N, S) if scales is not None else None
+        else:
             recv_x = protos[data.dtype].new_empty(N, H)
             recv_scales = protos[scales.dtype].new_empty(N, S) if scales is not None else None
         args.x = data.data_ptr()
@@ -898,16 +938,18 @@ class Buffer(LowLatencyMixin):
             args.x_scales = scales.data_ptr()
             outs.recv_x_scales = recv_scales.data_ptr()
         lib = _lib.lib()
-        status = lib.epx_dispatch_cached(ptr, args_ref, byref(c_config), hc.h_ref, outs_ref, stream)
+        # The structs themselves, not byref(): ctypes converts them to pointers faster (POINTER argtypes).
+        status = lib.epx_dispatch_cached(ptr, args, c_config, hc.h, outs, stream)
         if status:
             lib.check(status)
         if async_finish:
             event = streams.end_async(compute, (data, scales, recv_x, recv_scales) + hc.handle,
                                       allocate_on_comm_stream)
         else:
-            event = streams.end_sync(compute) if compute is not None else streams.end_direct()
-        recv = (recv_x, recv_scales) if scales is not None else recv_x
-        return recv, None, None, None, None, event
+            event = streams.end_sync(compute) if compute is not None else EventOverlap()
+        if scales is not None:
+            return (recv_x, recv_scales), None, None, None, None, event
+        return recv_x, None, None, None, None, event
 
     # ---- combine ------------------------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: Union[Handle, InternodeHandle],
@@ -951,7 +993,76 @@ class Buffer(LowLatencyMixin):
             event: EventOverlap, holding an event only with async_finish.
         """
         d = self._device
-        code = _lib.EPX_REDUCE_DEFAULT if reduction is None else self._reduction_code(reduction)
+        hc = self._last_handle
+        # The common call: the handle of the last call whose checks passed (the same tuple), the default config, no
+        # biases, no previous_event. Every tensor check is repeated, in the same order; anything else, or a tensor
+        # the short test here does not pass, goes through every check (_combine_checks), which raises the error
+        # that says what is wrong.
+        H = -1
+        if hc is not None and hc.handle is handle and reduction is None and bias is None and config is None \
+                and previous_event is None and allocate_on_comm_stream is False \
+                and (async_finish is False or async_finish is True) and hc.combine_config is not None \
+                and isinstance(x, _Tensor) and x.dtype is _BF16 and x.device == d and x.is_contiguous() \
+                and not x.data_ptr() & 15:
+            xs, N = x.shape, hc.num_recv
+            if len(xs) == 2 and xs[0] == N and not xs[1] & 7:
+                if topk_weights is None:
+                    H, K = xs[1], 0
+                elif isinstance(topk_weights, _Tensor) and topk_weights.dtype is _FP32 and topk_weights.device == d \
+                        and topk_weights.is_contiguous():
+                    ws = topk_weights.shape
+                    if len(ws) == 2 and ws[0] == N and 1 <= ws[1] <= 32:
+                        H, K = xs[1], ws[1]
+            code, bias0, bias1, c_config = _REDUCE_DEFAULT, None, None, hc.combine_config
+        if H < 0:
+            hc, H, K, code, bias0, bias1, c_config, async_finish = self._combine_checks(
+                x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream,
+                reduction)
+
+        native = self._native
+        ptr = native.ptr if native is not None else None
+        if ptr is None:
+            ptr = self._ptr()  # raises
+        N, T = hc.num_recv, hc.num_tokens
+        key = (H, K, code)
+        if hc.combine_key != key:
+            args = _lib.CombineArgs(None, N, H, None, K, None, None, code)
+            outs = _lib.CombineOutputs()
+            hc.combine, hc.combine_key = (args, outs), key
+        args, outs = hc.combine
+        streams = self._streams
+        stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
+        protos = self._protos
+        if allocate_on_comm_stream:
+            with streams.allocating():
+                combined_x = protos[_BF16].new_empty(T, H)
+                combined_weights = protos[_FP32].new_empty(T, K) if K else None
+        else:
+            combined_x = protos[_BF16].new_empty(T, H)
+            combined_weights = protos[_FP32].new_empty(T, K) if K else None
+        args.x = x.data_ptr()
+        args.topk_weights = topk_weights.data_ptr() if K else None
+        args.bias0 = bias0.data_ptr() if bias0 is not None else None
+        args.bias1 = bias1.data_ptr() if bias1 is not None else None
+        outs.combined_x = combined_x.data_ptr()
+        outs.combined_topk_weights = combined_weights.data_ptr() if K else None
+        lib = _lib.lib()
+        status = lib.epx_combine(ptr, args, c_config, hc.h, outs, stream)
+        if status:
+            lib.check(status)
+        if async_finish:
+            event = streams.end_async(compute, (x, topk_weights, bias0, bias1, combined_x, combined_weights)
+                                      + hc.handle, allocate_on_comm_stream)
+        else:
+            event = streams.end_sync(compute) if compute is not None else EventOverlap()
+        return combined_x, combined_weights, event
+
+    def _combine_checks(self, x, handle, topk_weights, bias, config, previous_event, async_finish,
+                        allocate_on_comm_stream, reduction):
+        """Every check of combine, in order. -> (handle cache, H, K, reduction code, bias0, bias1, config struct,
+        async_finish)."""
+        d = self._device
+        code = _REDUCE_DEFAULT if reduction is None else self._reduction_code(reduction)
         hc = self._check_handle(handle)
         N, T = hc.num_recv, hc.num_tokens
         _checks.tensor("x", x, _BF16, (N, None), d, aligned16=True)
@@ -967,36 +1078,7 @@ class Buffer(LowLatencyMixin):
         async_finish = _checks.flag("async_finish", async_finish)
         if previous_event is not None or allocate_on_comm_stream:
             check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
-
-        ptr = self._ptr()
-        key = (H, K, code)
-        if hc.combine_key != key:
-            args = _lib.CombineArgs(None, N, H, None, K, None, None, code)
-            outs = _lib.CombineOutputs()
-            hc.combine, hc.combine_key = (args, outs, byref(args), byref(outs)), key
-        args, outs, args_ref, outs_ref = hc.combine
-        streams = self._streams
-        stream, compute = streams.begin_sync_or_direct(previous_event, async_finish)
-        protos = self._protos
-        with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
-            combined_x = protos[_BF16].new_empty(T, H)
-            combined_weights = protos[_FP32].new_empty(T, K) if K else None
-        args.x = x.data_ptr()
-        args.topk_weights = topk_weights.data_ptr() if K else None
-        args.bias0 = _ptr_or_none(bias0)
-        args.bias1 = _ptr_or_none(bias1)
-        outs.combined_x = combined_x.data_ptr()
-        outs.combined_topk_weights = combined_weights.data_ptr() if K else None
-        lib = _lib.lib()
-        status = lib.epx_combine(ptr, args_ref, byref(c_config), hc.h_ref, outs_ref, stream)
-        if status:
-            lib.check(status)
-        if async_finish:
-            event = streams.end_async(compute, (x, topk_weights, bias0, bias1, combined_x, combined_weights)
-                                      + hc.handle, allocate_on_comm_stream)
-        else:
-            event = streams.end_sync(compute) if compute is not None else streams.end_direct()
-        return combined_x, combined_weights, event
+        return hc, H, K, code, bias0, bias1, c_config, async_finish
 
     # ---- deep_ep's internode entry points -------------------------------------------------------------------------
     def internode_dispatch(self, x, handle: Optional[InternodeHandle] = None,

@@ -25,6 +25,7 @@ _LOGFMT_GROUP = 128   # elements per LogFMT scale (use_logfmt)
 _BF16, _FP8, _FP32, _INT32, _INT64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
 _SEND, _RECV, _BOTH = _lib.EPX_LL_SEND, _lib.EPX_LL_RECV, _lib.EPX_LL_BOTH
 _REDUCE_FLAT, _REDUCE_RANK = _lib.EPX_REDUCE_FLAT, _lib.EPX_REDUCE_RANK
+_Tensor, _LLHandle = torch.Tensor, _lib.LLHandle
 # low_latency_combine's reduction argument -> epx_ll_combine_args.reduction
 _LL_REDUCTIONS = {"flat": _REDUCE_FLAT, "rank": _REDUCE_RANK}
 
@@ -45,6 +46,36 @@ class _RecvHook:
 
     def __call__(self) -> None:
         _lib.lib().check(self._launch())
+
+
+class _LLDispatchState:
+    """The scalar arguments of the last low_latency_dispatch whose checks passed, what follows from them, and the
+    argument structs that calls without a hook share (a call reads them only while it runs, and the calls of a
+    Buffer never overlap; a hook reads them again later, so a call with one gets its own). Only the pointer fields
+    and num_tokens change from call to call; the optional pointers (stats, topk_weights, recv_topk_slots) are set
+    by the calls that pass them and by the next call after one that did (extras)."""
+
+    __slots__ = ("M", "E", "H", "K", "use_fp8", "round_scale", "use_ue8m0", "R", "L", "rows", "stats_shape", "x_proto",
+                 "scale_proto", "scale_shape", "scale_strides", "i32_proto", "i64_proto", "args", "outs", "extras")
+
+    def __init__(self, buffer, M: int, E: int, H: int, K: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool):
+        self.M, self.E, self.H, self.K = M, E, H, K
+        self.use_fp8, self.round_scale, self.use_ue8m0 = use_fp8, round_scale, use_ue8m0
+        R = self.R = buffer.group_size
+        L = self.L = E // R
+        rows = self.rows = R * M
+        self.stats_shape = (L,)
+        protos = buffer._protos
+        self.x_proto = protos[_FP8 if use_fp8 else _BF16]
+        self.i32_proto, self.i64_proto = protos[_INT32], protos[_INT64]
+        self.scale_proto = self.scale_shape = self.scale_strides = None
+        if use_fp8:
+            groups = H // (_FP8_GROUP * _UE8M0_PER_WORD) if use_ue8m0 else H // _FP8_GROUP
+            self.scale_proto = protos[_INT32 if use_ue8m0 else _FP32]
+            self.scale_shape, self.scale_strides = (L, rows, groups), (groups * rows, 1, rows)
+        self.args = _lib.LLDispatchArgs(None, 0, H, None, K, E, M, use_fp8, round_scale, use_ue8m0, None)
+        self.outs = _lib.LLDispatchOutputs()
+        self.extras = False
 
 
 class LowLatencyMixin:
@@ -171,89 +202,99 @@ class LowLatencyMixin:
             hook: a callable taking no arguments; with return_recv_hook it runs the receive phase, else it does
                 nothing.
         """
-        R, d = self.group_size, self._device
-        _checks.tensor("x", x, _BF16, (None, None), d, aligned16=True)
-        T, H = x.shape
-        M, num_experts = self._ll_check_shape(num_max_dispatch_tokens_per_rank, H, num_experts)
-        if T > M:
-            raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank ({M})")
-        _checks.tensor("topk_idx", topk_idx, _INT64, (T, None), d)
-        K = _checks.integer("topk_idx.shape[1] (num_topk)", topk_idx.shape[1], 1, _lib.limits().ll_max_topk)
-        L = num_experts // R
+        d = self._device
         stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            _checks.tensor("cumulative_local_expert_recv_stats", stats, _INT32, (L,), d)
-        if topk_weights is not None:
-            _checks.tensor("topk_weights", topk_weights, _FP32, (T, K), d)
-        use_fp8 = _checks.flag("use_fp8", use_fp8)
-        round_scale = _checks.flag("round_scale", round_scale)
-        use_ue8m0 = _checks.flag("use_ue8m0", use_ue8m0)
-        if use_fp8 and H % _FP8_GROUP != 0:
-            raise ValueError(f"use_fp8 needs hidden % {_FP8_GROUP} == 0, got {H}")
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True")
-        if use_ue8m0 and H % (_FP8_GROUP * _UE8M0_PER_WORD) != 0:
-            raise ValueError(f"use_ue8m0 needs hidden % {_FP8_GROUP * _UE8M0_PER_WORD} == 0, got {H}")
+        s = self._ll_dispatch_state
+        # The common call repeats the scalar arguments of the last call whose checks passed (plain ints, the same
+        # bool objects, x and topk_idx of the same hidden and num_topk): those checks are not repeated, the tensor
+        # checks are, in the same order. Anything else, or a tensor the short test below does not pass, goes
+        # through every check (_ll_dispatch_checks), which raises the error that says what is wrong.
+        T = -1
+        if s is not None and use_fp8 is s.use_fp8 and round_scale is s.round_scale and use_ue8m0 is s.use_ue8m0 \
+                and type(num_max_dispatch_tokens_per_rank) is int and num_max_dispatch_tokens_per_rank == s.M \
+                and type(num_experts) is int and num_experts == s.E \
+                and isinstance(x, _Tensor) and x.dtype is _BF16 and x.device == d and x.is_contiguous() \
+                and isinstance(topk_idx, _Tensor) and topk_idx.dtype is _INT64 and topk_idx.device == d \
+                and topk_idx.is_contiguous():
+            xs, ks = x.shape, topk_idx.shape
+            if len(xs) == 2 and len(ks) == 2 and xs[1] == s.H and ks[1] == s.K and ks[0] == xs[0] <= s.M \
+                    and not x.data_ptr() & 15:
+                T = xs[0]
+                if stats is not None:
+                    _checks.tensor("cumulative_local_expert_recv_stats", stats, _INT32, s.stats_shape, d)
+                if topk_weights is not None:
+                    _checks.tensor("topk_weights", topk_weights, _FP32, (T, s.K), d)
+        if T < 0:
+            s, T = self._ll_dispatch_checks(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats,
+                                            topk_weights, use_fp8, round_scale, use_ue8m0)
         if async_finish is not False or return_recv_hook is not False:  # both False: nothing to check
             async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
 
-        ptr = self._ptr()
+        native = self._native
+        ptr = native.ptr if native is not None else None
+        if ptr is None:
+            ptr = self._ptr()  # raises
         stream, compute = self._ll_begin(return_recv_hook, async_finish)
-        rows = R * M
-        protos = self._protos
-        packed_recv_x = protos[_FP8 if use_fp8 else _BF16].new_empty(L, rows, H)
+        L, rows, H, K, M = s.L, s.rows, s.H, s.K, s.M
+        packed_recv_x = s.x_proto.new_empty(L, rows, H)
         # Scales: logical [L, R*M, groups], stored token-minor ([L, groups, R*M]); allocated with those strides
         # at once (one call instead of an allocation and a transpose).
-        scales = None
-        if use_fp8:
-            groups = H // (_FP8_GROUP * _UE8M0_PER_WORD) if use_ue8m0 else H // _FP8_GROUP
-            scales = protos[_INT32 if use_ue8m0 else _FP32].new_empty_strided((L, rows, groups),
-                                                                                (groups * rows, 1, rows))
-        i32 = protos[_INT32]
+        scales = s.scale_proto.new_empty_strided(s.scale_shape, s.scale_strides) if s.use_fp8 else None
+        i32 = s.i32_proto
         packed_recv_count = i32.new_empty(L)
         recv_src_info = i32.new_empty(L, rows)
-        recv_layout_range = protos[_INT64].new_empty(L, R)
+        recv_layout_range = s.i64_proto.new_empty(L, s.R)
         # [R, M, K] (packed row, weight bits) per source token slot: what the rank-reduced combine sums with
-        topk_slots = i32.new_empty(R, M, K, 2) if topk_weights is not None else None
+        topk_slots = i32.new_empty(s.R, M, K, 2) if topk_weights is not None else None
 
-        args, outs, args_ref, outs_ref = self._ll_dispatch_structs(
-            (T, H, K, num_experts, M, use_fp8, round_scale, use_ue8m0), return_recv_hook)
+        if return_recv_hook:  # the hook reads its structs again later: its own
+            args = _lib.LLDispatchArgs(None, T, H, None, K, s.E, M, s.use_fp8, s.round_scale, s.use_ue8m0, None)
+            outs = _lib.LLDispatchOutputs()
+            extras = True
+        else:
+            args, outs = s.args, s.outs
+            args.num_tokens = T
+            # The optional pointers are all None in the shared structs unless a call set them.
+            extras = stats is not None or topk_weights is not None or s.extras
+            s.extras = stats is not None or topk_weights is not None
         args.x = x.data_ptr()
         args.topk_idx = topk_idx.data_ptr()
-        args.cumulative_local_expert_recv_stats = stats.data_ptr() if stats is not None else None
         outs.packed_recv_x = packed_recv_x.data_ptr()
-        outs.packed_recv_x_scales = scales.data_ptr() if scales is not None else None
+        if scales is not None:
+            outs.packed_recv_x_scales = scales.data_ptr()
         outs.packed_recv_count = packed_recv_count.data_ptr()
         outs.recv_src_info = recv_src_info.data_ptr()
         outs.recv_layout_range = recv_layout_range.data_ptr()
-        args.topk_weights = topk_weights.data_ptr() if topk_slots is not None else None
-        outs.recv_topk_slots = topk_slots.data_ptr() if topk_slots is not None else None
-        h = _lib.LLHandle()
+        if extras:
+            args.cumulative_local_expert_recv_stats = stats.data_ptr() if stats is not None else None
+            args.topk_weights = topk_weights.data_ptr() if topk_slots is not None else None
+            outs.recv_topk_slots = topk_slots.data_ptr() if topk_slots is not None else None
+        h = _LLHandle()
         if topk_slots is not None:
             h.topk_slots = topk_slots  # alive as long as the handle: the combine reads it
-        lib = _lib.lib()
-        phases = _SEND if return_recv_hook else _BOTH
-        status = lib.epx_ll_dispatch(ptr, args_ref, outs_ref, phases, byref(h), stream)
+        lib = _lib._library if _lib._library is not None else _lib.lib()
+        # The structs themselves, not byref(): ctypes converts them to pointers faster (POINTER argtypes).
+        status = lib.epx_ll_dispatch(ptr, args, outs, _SEND if return_recv_hook else _BOTH, h, stream)
         if status:
             lib.check(status)
 
-        hook = _noop
         if async_finish or return_recv_hook:
             tensors = (x, topk_idx, stats, packed_recv_x, scales, packed_recv_count, recv_src_info,
                        recv_layout_range, topk_weights, topk_slots)
             if return_recv_hook:
-                hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args_ref, outs_ref, _RECV,
-                                                             byref(h), stream), tensors)
-        if async_finish:
-            event = self._streams.end_async_keep(tensors)
+                hook = _RecvHook(lambda: lib.epx_ll_dispatch(self._ptr(), args, outs, _RECV, h, stream), tensors)
+                event = EventOverlap()
+            else:
+                hook = _noop
+                event = self._streams.end_async_keep(tensors)
         else:
-            event = EventOverlap() if return_recv_hook or compute is None else self._streams.end_sync(compute)
+            hook = _noop
+            event = EventOverlap() if compute is None else self._streams.end_sync(compute)
 
-        handle = (recv_src_info, recv_layout_range, M, H, num_experts, h)
-        recv_x = packed_recv_x
+        handle = (recv_src_info, recv_layout_range, M, H, s.E, h)
         if scales is not None:
-            recv_x = (packed_recv_x, scales)
-        return recv_x, packed_recv_count, handle, event, hook
+            return (packed_recv_x, scales), packed_recv_count, handle, event, hook
+        return packed_recv_x, packed_recv_count, handle, event, hook
 
     # ---- combine ------------------------------------------------------------------------------------------------
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
@@ -300,12 +341,76 @@ class LowLatencyMixin:
             hook: a callable taking no arguments; with return_recv_hook it runs the receive phase, else it does
                 nothing.
         """
+        d = self._device
+        c = self._ll_combine_last
+        # The common call: the handle of the last call whose checks passed (the same tuple: its parts were checked
+        # then; the native handle's counts are read again), flat and without LogFMT. Every tensor check is repeated,
+        # in the same order. Anything else, or a tensor the short test here does not pass, goes through every check
+        # (_ll_combine_checks), which raises the error that says what is wrong.
+        T = -1
+        if c is not None and c[0] is handle and reduction is None and use_logfmt is False \
+                and (zero_copy is False or zero_copy is True):
+            h = handle[5]
+            tk = (h.num_tokens, h.num_topk)
+            if isinstance(x, _Tensor) and x.dtype is _BF16 and x.device == d and x.is_contiguous() \
+                    and x.shape == c[1] and not x.data_ptr() & 15 \
+                    and isinstance(topk_idx, _Tensor) and topk_idx.dtype is _INT64 and topk_idx.device == d \
+                    and topk_idx.is_contiguous() and topk_idx.shape == tk \
+                    and isinstance(topk_weights, _Tensor) and topk_weights.dtype is _FP32 \
+                    and topk_weights.device == d and topk_weights.is_contiguous() and topk_weights.shape == tk:
+                T, H, code = tk[0], handle[3], _REDUCE_FLAT
+                if out is not None:
+                    _checks.tensor("out", out, _BF16, (T, H), d, aligned16=True)
+        if T < 0:
+            h, T, H, zero_copy, use_logfmt, code = self._ll_combine_checks(x, topk_idx, topk_weights, handle,
+                                                                          use_logfmt, zero_copy, out, reduction)
+        if async_finish is not False or return_recv_hook is not False:  # both False: nothing to check
+            async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
+
+        native = self._native
+        ptr = native.ptr if native is not None else None
+        if ptr is None:
+            ptr = self._ptr()  # raises
+        stream, compute = self._ll_begin(return_recv_hook, async_finish)
+        combined_x = out if out is not None else self._protos[_BF16].new_empty(T, H)
+        if return_recv_hook:  # the hook reads its structs again later: its own
+            args, buffer_set = _lib.LLCombineArgs(), ctypes.c_int(-1)
+        else:
+            structs = self._ll_combine_structs
+            if structs is None:
+                structs = self._ll_combine_structs = (_lib.LLCombineArgs(), ctypes.c_int(-1))
+            args, buffer_set = structs
+        args.x = x.data_ptr()
+        args.zero_copy = zero_copy
+        args.use_logfmt = use_logfmt
+        args.reduction = code
+        args.topk_idx = topk_idx.data_ptr()
+        args.topk_weights = topk_weights.data_ptr()
+        lib = _lib.lib()
+        combined_ptr = combined_x.data_ptr()
+        status = lib.epx_ll_combine(ptr, args, h, combined_ptr, _SEND if return_recv_hook else _BOTH, buffer_set,
+                                    stream)
+        if status:
+            lib.check(status)
+        if async_finish or return_recv_hook:
+            tensors = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x, getattr(h, "topk_slots", None))
+            if return_recv_hook:
+                hook = _RecvHook(lambda: lib.epx_ll_combine(self._ptr(), args, h, combined_ptr, _RECV, buffer_set,
+                                                            stream), tensors)
+                return combined_x, EventOverlap(), hook
+            return combined_x, self._streams.end_async_keep(tensors), _noop
+        return combined_x, EventOverlap() if compute is None else self._streams.end_sync(compute), _noop
+
+    def _ll_combine_checks(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, reduction):
+        """Every check of low_latency_combine but those of async_finish and return_recv_hook, in order. -> (native
+        handle, T, H, zero_copy, use_logfmt, reduction code)."""
         R, d = self.group_size, self._device
         handle = self._ll_check_handle(handle)
         h: _lib.LLHandle = handle[5]
         M, H, E = handle[2], handle[3], handle[4]
         T, K = h.num_tokens, h.num_topk
-        _checks.tensor("x", x, _BF16, (E // R, R * M, H), d, aligned16=True)
+        x_shape = (E // R, R * M, H)
+        _checks.tensor("x", x, _BF16, x_shape, d, aligned16=True)
         _checks.tensor("topk_idx", topk_idx, _INT64, (T, K), d)
         _checks.tensor("topk_weights", topk_weights, _FP32, (T, K), d)
         if out is not None:
@@ -327,36 +432,9 @@ class LowLatencyMixin:
             use_logfmt = _checks.flag("use_logfmt", use_logfmt)
             if use_logfmt and H % _LOGFMT_GROUP != 0:
                 raise ValueError(f"use_logfmt needs hidden % {_LOGFMT_GROUP} == 0, got {H}")
-        if async_finish is not False or return_recv_hook is not False:  # both False: nothing to check
-            async_finish, return_recv_hook = self._ll_check_flags(async_finish, return_recv_hook)
-
-        ptr = self._ptr()
-        stream, compute = self._ll_begin(return_recv_hook, async_finish)
-        combined_x = out if out is not None else self._protos[_BF16].new_empty(T, H)
-        args, args_ref, buffer_set_ref = self._ll_combine_structs(return_recv_hook)
-        args.x = x.data_ptr()
-        args.zero_copy = zero_copy
-        args.use_logfmt = use_logfmt
-        args.reduction = code
-        args.topk_idx = topk_idx.data_ptr()
-        args.topk_weights = topk_weights.data_ptr()
-        lib = _lib.lib()
-        phases = _SEND if return_recv_hook else _BOTH
-        combined_ptr = combined_x.data_ptr()
-        status = lib.epx_ll_combine(ptr, args_ref, byref(h), combined_ptr, phases, buffer_set_ref, stream)
-        if status:
-            lib.check(status)
-        hook = _noop
-        if async_finish or return_recv_hook:
-            tensors = (x, topk_idx, topk_weights, handle[0], handle[1], combined_x, getattr(h, "topk_slots", None))
-            if return_recv_hook:
-                hook = _RecvHook(lambda: lib.epx_ll_combine(self._ptr(), args_ref, byref(h), combined_ptr,
-                                                            _RECV, buffer_set_ref, stream), tensors)
-        if async_finish:
-            event = self._streams.end_async_keep(tensors)
-        else:
-            event = EventOverlap() if return_recv_hook or compute is None else self._streams.end_sync(compute)
-        return combined_x, event, hook
+        # Referenced, so that the tuple's id is not reused while it is remembered.
+        self._ll_combine_last = (handle, x_shape)
+        return h, T, H, zero_copy, use_logfmt, code
 
     # ---- rank masking (deep_ep's enable_shrink mode; semantics.md section 9) --------------------------------------
     def _require_shrink(self, what: str) -> None:
@@ -406,35 +484,38 @@ class LowLatencyMixin:
         lib.check(lib.epx_ll_clean_mask(self._ptr(), torch.cuda.current_stream(self._device).cuda_stream))
 
     # ---- argument structs -----------------------------------------------------------------------------------------
-    def _ll_dispatch_structs(self, key, fresh: bool):
-        """-> (args, outputs, byref(args), byref(outputs)) of low_latency_dispatch with the shape fields of key
-        (T, H, K, E, M, use_fp8, round_scale, use_ue8m0) set; the caller sets the pointers. Calls without a hook
-        reuse one pair per Buffer (a call reads them only while it runs: building them costs about a
-        microsecond); a hook reads them again later, so fresh=True (a hook) gets its own."""
-        cache = self._ll_structs
-        if fresh or cache is None or cache[0] != key:
-            T, H, K, E, M, use_fp8, round_scale, use_ue8m0 = key
-            args = _lib.LLDispatchArgs(None, T, H, None, K, E, M, use_fp8, round_scale, use_ue8m0, None)
-            outs = _lib.LLDispatchOutputs()
-            structs = (args, outs, byref(args), byref(outs))
-            if fresh:
-                return structs
-            combine = cache[2] if cache is not None else None
-            cache = self._ll_structs = [key, structs, combine]
-        return cache[1]
-
-    def _ll_combine_structs(self, fresh: bool):
-        """-> (args, byref(args), byref(buffer_set)) of low_latency_combine; reused like _ll_dispatch_structs."""
-        cache = self._ll_structs
-        if fresh or cache is None or cache[2] is None:
-            args, buffer_set = _lib.LLCombineArgs(), ctypes.c_int(-1)
-            structs = (args, byref(args), byref(buffer_set))
-            if fresh:
-                return structs
-            if cache is None:
-                cache = self._ll_structs = [None, None, None]
-            cache[2] = structs
-        return cache[2]
+    def _ll_dispatch_checks(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats, topk_weights,
+                            use_fp8, round_scale, use_ue8m0):
+        """Every check of low_latency_dispatch but those of async_finish and return_recv_hook, in order. -> (the
+        _LLDispatchState of these arguments, T)."""
+        R, d = self.group_size, self._device
+        _checks.tensor("x", x, _BF16, (None, None), d, aligned16=True)
+        T, H = x.shape
+        M, num_experts = self._ll_check_shape(num_max_dispatch_tokens_per_rank, H, num_experts)
+        if T > M:
+            raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank ({M})")
+        _checks.tensor("topk_idx", topk_idx, _INT64, (T, None), d)
+        K = _checks.integer("topk_idx.shape[1] (num_topk)", topk_idx.shape[1], 1, _lib.limits().ll_max_topk)
+        L = num_experts // R
+        if stats is not None:
+            _checks.tensor("cumulative_local_expert_recv_stats", stats, _INT32, (L,), d)
+        if topk_weights is not None:
+            _checks.tensor("topk_weights", topk_weights, _FP32, (T, K), d)
+        use_fp8 = _checks.flag("use_fp8", use_fp8)
+        round_scale = _checks.flag("round_scale", round_scale)
+        use_ue8m0 = _checks.flag("use_ue8m0", use_ue8m0)
+        if use_fp8 and H % _FP8_GROUP != 0:
+            raise ValueError(f"use_fp8 needs hidden % {_FP8_GROUP} == 0, got {H}")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True")
+        if use_ue8m0 and H % (_FP8_GROUP * _UE8M0_PER_WORD) != 0:
+            raise ValueError(f"use_ue8m0 needs hidden % {_FP8_GROUP * _UE8M0_PER_WORD} == 0, got {H}")
+        s = self._ll_dispatch_state
+        if s is None or (s.M, s.E, s.H, s.K, s.use_fp8, s.round_scale, s.use_ue8m0) != \
+                (M, num_experts, H, K, use_fp8, round_scale, use_ue8m0):
+            s = self._ll_dispatch_state = _LLDispatchState(self, M, num_experts, H, K, use_fp8, round_scale,
+                                                           use_ue8m0)
+        return s, T
 
     # ---- streams --------------------------------------------------------------------------------------------------
     @staticmethod

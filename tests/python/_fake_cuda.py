@@ -217,6 +217,12 @@ def after(b: Op, a: Op) -> bool:
     return b.clock.get(a.stream.name, 0) >= a.clock[a.stream.name]
 
 
+def struct_of(arg):
+    """The ctypes struct a pointer argument of a spied library call points to: epx passes some structs as they are
+    and others through byref()."""
+    return getattr(arg, "_obj", arg)
+
+
 # ---- the stub library --------------------------------------------------------------------------------------------
 _stub_path = None
 

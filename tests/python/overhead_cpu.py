@@ -11,7 +11,8 @@ code calls torch's Python wrappers (torch.cuda.current_stream, Stream.wait_strea
 are Python functions too; where it calls torch's C entry points directly (epx._streams) they are C builtins
 that do nothing (FakeCuda.builtin_noops). The torch.cuda column counts the stream and event calls one
 method call makes: on a GPU machine each also does CUDA work (a microsecond or so, with its GIL release),
-which this table does not show.
+which this table does not show. The allocations column counts the tensors one call allocates (each a CUDA
+caching-allocator call on a GPU, about 1.6 us there, more than the CPU allocation timed here).
 """
 
 import argparse
@@ -21,6 +22,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -31,10 +33,11 @@ except ImportError:  # a source checkout: the package is in python/
     import epx
 
 from _fake_cuda import FakeCuda, fake_buffer, stub_library  # noqa: E402
-from _raw_calls import intranode_calls, low_latency_calls  # noqa: E402
+from _raw_calls import intranode_calls, layout_call, low_latency_calls  # noqa: E402
 
 # overhead.py's shapes, on 2 ranks
 WORLD, TOKENS, HIDDEN, EXPERTS, TOPK, M = 2, 128, 2048, 32, 4, 128
+LAYOUT_TOKENS, LAYOUT_EXPERTS, LAYOUT_TOPK = 4096, 256, 8
 
 
 def timed(fn, calls, reps):
@@ -54,6 +57,30 @@ def cuda_calls(cuda, fn):
     calls, events = cuda.calls, cuda.events_created
     fn()
     return cuda.calls - calls, cuda.events_created - events
+
+
+class _CountAllocations(TorchDispatchMode):
+    """Counts the tensor allocations (empty, empty_strided, new_empty, new_empty_strided, empty_like) made while
+    it is active."""
+
+    _ALLOCATING = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self._ALLOCATING:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def allocations(fn):
+    """Output tensors one call of fn allocates."""
+    fn()
+    with _CountAllocations() as counter:
+        fn()
+    return counter.count
 
 
 def measure(calls, reps):
@@ -111,6 +138,17 @@ def measure(calls, reps):
             raw_ll_dispatch()
             raw_ll_combine()
 
+        # ---- layout -------------------------------------------------------------------------------------------------
+        lay = fake_buffer(cuda, WORLD)
+        lay_idx = torch.rand(LAYOUT_TOKENS, LAYOUT_EXPERTS, generator=g).topk(LAYOUT_TOPK, dim=1).indices
+        lay.get_dispatch_layout(lay_idx, LAYOUT_EXPERTS)
+
+        def py_layout():
+            lay.get_dispatch_layout(lay_idx, LAYOUT_EXPERTS)
+
+        rows["layout 4096 top-8/256"] = (py_layout, layout_call(lib, lay._ptr(), lay._streams.comm_raw, lay_idx,
+                                                                LAYOUT_EXPERTS, WORLD))
+
         rows["low-latency dispatch"] = (py_ll_dispatch, raw_ll_dispatch)
         rows["low-latency combine"] = (py_ll_combine, raw_ll_combine)
         rows["low-latency dispatch + combine"] = (py_ll_pair, raw_ll_pair)
@@ -118,9 +156,10 @@ def measure(calls, reps):
         results = {}
         for name, (py, raw) in rows.items():
             n_calls, n_events = cuda_calls(cuda, py)
+            n_allocs = allocations(py)
             with cuda.builtin_noops():
                 results[name] = {"python_us": timed(py, calls, reps), "ctypes_us": timed(raw, calls, reps),
-                                 "torch_cuda_calls": n_calls, "events_created": n_events}
+                                 "torch_cuda_calls": n_calls, "events_created": n_events, "allocations": n_allocs}
             results[name]["overhead_us"] = results[name]["python_us"] - results[name]["ctypes_us"]
     return results
 
@@ -135,10 +174,11 @@ def main():
     results = measure(args.calls, args.reps)
     print(f"stub library, fake streams; {args.calls} calls x {args.reps} repetitions (best); tokens {TOKENS}, "
           f"hidden {HIDDEN}, experts {EXPERTS}, top-{TOPK}, {WORLD} ranks; microseconds per call")
-    print(f"{'operation':32} {'python':>8} {'ctypes':>8} {'overhead':>9} {'torch.cuda calls':>17} {'new events':>11}")
+    print(f"{'operation':32} {'python':>8} {'ctypes':>8} {'overhead':>9} {'torch.cuda calls':>17} {'new events':>11} "
+          f"{'allocations':>12}")
     for name, r in results.items():
         print(f"{name:32} {r['python_us']:8.2f} {r['ctypes_us']:8.2f} {r['overhead_us']:9.2f} "
-              f"{r['torch_cuda_calls']:17d} {r['events_created']:11d}")
+              f"{r['torch_cuda_calls']:17d} {r['events_created']:11d} {r['allocations']:12d}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

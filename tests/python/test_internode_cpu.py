@@ -6,7 +6,7 @@ helpers. The stub does no work: the data is checked by the GPU suite (test_inter
 import pytest
 
 torch = pytest.importorskip("torch")
-from _fake_cuda import FakeCuda, fake_buffer, stub_library  # noqa: E402
+from _fake_cuda import FakeCuda, fake_buffer, struct_of, stub_library  # noqa: E402
 
 from epx import _lib  # noqa: E402
 
@@ -37,8 +37,8 @@ def env():
                 h_at, args_at = SPIED[name]
 
                 def spy(*a):
-                    h = None if h_at is None else {f: getattr(a[h_at]._obj, f) for f in HANDLE_FIELDS}
-                    args = a[args_at]._obj
+                    h = None if h_at is None else {f: getattr(struct_of(a[h_at]), f) for f in HANDLE_FIELDS}
+                    args = struct_of(a[args_at])
                     calls.append((name, h, {f: getattr(args, f) for f, _ in type(args)._fields_}))
                     return fn(*a)
                 return spy

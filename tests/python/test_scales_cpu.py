@@ -7,7 +7,7 @@ are row-major [N, S] whatever the input's strides, as deep_ep allocates them. Th
 import pytest
 
 torch = pytest.importorskip("torch")
-from _fake_cuda import FakeCuda, fake_buffer, stub_library  # noqa: E402
+from _fake_cuda import FakeCuda, fake_buffer, struct_of, stub_library  # noqa: E402
 
 R, E, T, H, K = 2, 8, 6, 512, 2
 S = H // 128
@@ -24,7 +24,8 @@ def env():
             return fn
 
         def spy(*args):
-            seen.append((name, _copy(args[1]._obj), _copy(args[4]._obj) if name != "epx_notify_dispatch" else None))
+            seen.append((name, _copy(struct_of(args[1])),
+                         _copy(struct_of(args[4])) if name != "epx_notify_dispatch" else None))
             return fn(*args)
         return spy
     try:

@@ -10,7 +10,7 @@ not) precede the launch, and a marker put after the call must (or must not) foll
 import pytest
 
 torch = pytest.importorskip("torch")
-from _fake_cuda import FakeCuda, after, fake_buffer, stub_library  # noqa: E402
+from _fake_cuda import FakeCuda, after, fake_buffer, struct_of, stub_library  # noqa: E402
 
 R, E, T, H, K, M = 2, 8, 6, 128, 2, 8
 LAUNCHES = {"epx_get_dispatch_layout", "epx_notify_dispatch", "epx_dispatch", "epx_dispatch_cached", "epx_combine",
@@ -118,9 +118,9 @@ def test_sync_runs_on_comm_stream_between_compute_work(env, make):
     before, (event, _), ops, end = launches_of(cuda, run)
     comm = buf.get_comm_stream()
     for op in ops:
-        # Cached dispatch and combine may run straight on the current stream once comm is settled (the set-up
-        # ended with a synchronous call); the ordering is what counts.
-        direct_ok = make in (op_cached_dispatch, op_combine) and op.stream is cuda.compute
+        # Layout, cached dispatch and combine may run straight on the current stream once comm is settled (the
+        # set-up, or the first of the two calls, ended with a synchronous call); the ordering is what counts.
+        direct_ok = make in (op_layout, op_cached_dispatch, op_combine) and op.stream is cuda.compute
         assert op.stream is comm or direct_ok, op.name
         assert after(op, before), f"{op.name} does not wait for earlier work on the current stream"
         assert after(end, op), f"later work on the current stream does not wait for {op.name}"
@@ -153,6 +153,21 @@ def test_settled_sync_cached_dispatch_and_combine_run_on_the_current_stream(env,
     buf.get_comm_stream()
     _, _, ops, end = launches_of(cuda, run)
     assert [op.stream for op in ops] == [comm] and after(end, ops[0])
+
+
+def test_settled_sync_layout_runs_on_the_current_stream(env):
+    """get_dispatch_layout takes the same shortcut: its first call goes through comm, the next (comm settled on the
+    current stream) launches there with one current-stream lookup, ordered between the compute work around it."""
+    cuda, new_buffer = env
+    buf = new_buffer()
+    run = op_layout(buf)
+    _, _, ops, _ = launches_of(cuda, run)
+    assert [op.stream for op in ops] == [buf._streams.comm]
+    calls = cuda.calls
+    before, (event, _), ops, end = launches_of(cuda, run)
+    assert [op.stream for op in ops] == [cuda.compute] and after(ops[0], before) and after(end, ops[0])
+    assert cuda.calls - calls == 1, "one current-stream lookup, no event record or wait"
+    assert event.event is None
 
 
 @pytest.mark.parametrize("make", HT_OPS, ids=lambda f: f.__name__[3:])
@@ -357,7 +372,7 @@ def test_low_latency_hooks_keep_their_own_arguments(env):
 
         def spy(*args, _inner=inner, _name=name):
             phases = args[3] if _name == "epx_ll_dispatch" else args[4]
-            seen.append((_name, phases, args[1]._obj.x))
+            seen.append((_name, phases, struct_of(args[1]).x))
             return _inner(*args)
         setattr(library, name, spy)
     x1, idx, w = inputs()

@@ -461,3 +461,210 @@ def test_destroyed_buffer_says_so(buf):
     with pytest.raises(epx.FailedStateError, match="destroyed"):
         buf.set_timeout(1.0)
     assert ctypes.sizeof(_lib.LLHandle) > 0
+
+
+# ---- the same checks after a call that passed them ----------------------------------------------------------------
+# Cached dispatch, combine and the low-latency calls remember the last arguments whose checks passed and take a
+# short path when a call repeats them. Each bad call below must fail the same way on a fresh Buffer and on one
+# whose last two calls (the second on the short path) were good; a good variant must get through on both.
+def outcome(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the outcome is compared, whatever it is
+        return type(e), str(e)
+    return None, None
+
+
+def same_after_good_calls(good, call, expect):
+    cold = outcome(lambda: call(epx.Buffer._unlaunched(R)))
+    assert cold[0] is expect, cold
+    warm = epx.Buffer._unlaunched(R)
+    for _ in range(2):
+        with launched:
+            good(warm)
+    assert outcome(lambda: call(warm)) == cold
+
+
+def misaligned(*shape, dtype=torch.bfloat16):
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.zeros(n + 1, dtype=dtype)[1:].view(shape)
+
+
+FAILED = epx.FailedStateError
+LL_X, LL_IDX = bf16(T, H), torch.zeros(T, K, dtype=torch.int64)
+LL_STATS = torch.zeros(E // R, dtype=torch.int32)
+LL_DISPATCH_CASES = [
+    (lambda b: b.low_latency_dispatch(LL_X.float(), LL_IDX, M, E), TypeError),
+    (lambda b: b.low_latency_dispatch(misaligned(T, H), LL_IDX, M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(bf16(H, T).t(), LL_IDX, M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X.to("meta"), LL_IDX, M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(bf16(T * H), LL_IDX, M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(bf16(1, T, H), LL_IDX, M, E), ValueError),
+    (lambda b: b.low_latency_dispatch([[0]], LL_IDX, M, E), TypeError),
+    (lambda b: b.low_latency_dispatch(bf16(T, 384), LL_IDX, M, E), FAILED),
+    (lambda b: b.low_latency_dispatch(bf16(T, 64), LL_IDX, M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(bf16(M + 1, H), torch.zeros(M + 1, K, dtype=torch.int64), M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(bf16(0, H), torch.zeros(0, K, dtype=torch.int64), M, E), FAILED),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX.int(), M, E), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, torch.zeros(T + 1, K, dtype=torch.int64), M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, torch.zeros(T, K + 1, dtype=torch.int64), M, E), FAILED),
+    (lambda b: b.low_latency_dispatch(LL_X, torch.zeros(T, 33, dtype=torch.int64), M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, torch.zeros(K, T, dtype=torch.int64).t(), M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX.to("meta"), M, E), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, [[0]], M, E), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, float(M), E), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, True, E), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, torch.tensor(M), E), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, 5000, E), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M + 1, E), FAILED),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E + 2), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, float(E)), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, use_fp8=1), FAILED),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, use_fp8="yes"), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, use_fp8=None), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, use_fp8=torch.tensor(True)), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, round_scale=1.0), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, use_ue8m0=True), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, cumulative_local_expert_recv_stats=LL_STATS), FAILED),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, cumulative_local_expert_recv_stats=LL_STATS.repeat(2)),
+     ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, cumulative_local_expert_recv_stats=LL_STATS.float()),
+     TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, topk_weights=torch.zeros(T, K)), FAILED),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, topk_weights=torch.zeros(T, K + 1)), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, topk_weights=torch.zeros(T, K).double()), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, async_finish=True, return_recv_hook=True), ValueError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, async_finish="yes"), TypeError),
+    (lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, return_recv_hook=True), FAILED),
+]
+
+
+@pytest.mark.parametrize("use_fp8", [True, False])
+@pytest.mark.parametrize("case", range(len(LL_DISPATCH_CASES)))
+def test_low_latency_dispatch_checks_after_good_calls(case, use_fp8):
+    call, expect = LL_DISPATCH_CASES[case]
+    same_after_good_calls(lambda b: b.low_latency_dispatch(LL_X, LL_IDX, M, E, use_fp8=use_fp8), call, expect)
+
+
+LL_Y, LL_W = bf16(E // R, R * M, H), torch.zeros(T, K)
+LL_HANDLE = ll_handle()
+LL_COMBINE_CASES = [
+    (lambda b: b.low_latency_combine(LL_Y.float(), LL_IDX, LL_W, LL_HANDLE), TypeError),
+    (lambda b: b.low_latency_combine(misaligned(E // R, R * M, H), LL_IDX, LL_W, LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(bf16(E // R, R * M, H + 8), LL_IDX, LL_W, LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(bf16(R * M, E // R, H).transpose(0, 1), LL_IDX, LL_W, LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y.to("meta"), LL_IDX, LL_W, LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(None, LL_IDX, LL_W, LL_HANDLE), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, torch.zeros(T + 1, K, dtype=torch.int64), LL_W, LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX.int(), LL_W, LL_HANDLE), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, torch.zeros(K, T, dtype=torch.int64).t(), LL_W, LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W.double(), LL_HANDLE), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, torch.zeros(T, K + 1), LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, torch.zeros(K, T).t(), LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W.to("meta"), LL_HANDLE), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, out=bf16(T, H)), FAILED),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, out=torch.zeros(T, H)), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, out=bf16(T + 1, H)), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, out=misaligned(T, H)), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, zero_copy=1), FAILED),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, zero_copy="yes"), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, use_logfmt=True), FAILED),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, use_logfmt="yes"), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, reduction="flat"), FAILED),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, reduction="rank"), ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, reduction=3), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, async_finish=True, return_recv_hook=True),
+     ValueError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE, return_recv_hook=True), FAILED),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE[:5]), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE[:5] + ("native",)), TypeError),
+    (lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, ll_handle()), FAILED),
+    (lambda b: b.low_latency_combine(bf16(E // R, R * M, 384), LL_IDX, LL_W, ll_handle(hidden=384)), FAILED),
+]
+
+
+@pytest.mark.parametrize("case", range(len(LL_COMBINE_CASES)))
+def test_low_latency_combine_checks_after_good_calls(case):
+    call, expect = LL_COMBINE_CASES[case]
+    same_after_good_calls(lambda b: b.low_latency_combine(LL_Y, LL_IDX, LL_W, LL_HANDLE), call, expect)
+
+
+def test_low_latency_combine_reads_the_native_handle_every_call():
+    """The token count of a handle is the native handle's, read on every call (the short path does not keep it)."""
+    mine = ll_handle()
+    warm = epx.Buffer._unlaunched(R)
+    for _ in range(2):
+        with launched:
+            warm.low_latency_combine(LL_Y, LL_IDX, LL_W, mine)
+    mine[5].num_tokens = T + 1
+    with pytest.raises(ValueError, match="topk_idx"):
+        warm.low_latency_combine(LL_Y, LL_IDX, LL_W, mine)
+
+
+HT_X, HT_HANDLE, HT_W = bf16(T, H), handle(num_recv=7), torch.zeros(7, K)
+FP8_X = (torch.zeros(T, H, dtype=torch.float8_e4m3fn), torch.zeros(T, 2))
+CACHED_DISPATCH_CASES = [
+    (lambda b: b.dispatch(HT_X.float(), handle=HT_HANDLE), TypeError),
+    (lambda b: b.dispatch(misaligned(T, H), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(T + 1, H), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(T, 12), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(H, T).t(), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(HT_X.to("meta"), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(T * H), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(bf16(T, 2 * H), handle=HT_HANDLE), FAILED),
+    (lambda b: b.dispatch(FP8_X, handle=HT_HANDLE), FAILED),
+    (lambda b: b.dispatch((FP8_X[0], torch.zeros(1, 2).expand(T, 2)), handle=HT_HANDLE), ValueError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, config=epx.Config(8, 6, 256)), ValueError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, config=epx.Config(24, 6, 256)), FAILED),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, async_finish="yes"), TypeError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, async_finish=True), FAILED),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, previous_event="now"), TypeError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE, allocate_on_comm_stream=True), ValueError),
+    (lambda b: b.dispatch(HT_X, handle=HT_HANDLE[:5]), TypeError),
+    (lambda b: b.dispatch(HT_X, handle=handle(num_recv=7)), FAILED),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CACHED_DISPATCH_CASES)))
+def test_cached_dispatch_checks_after_good_calls(case):
+    call, expect = CACHED_DISPATCH_CASES[case]
+    same_after_good_calls(lambda b: b.dispatch(HT_X, handle=HT_HANDLE), call, expect)
+
+
+COMBINE_CASES = [
+    (lambda b: b.combine(bf16(8, H), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(torch.zeros(7, H), HT_HANDLE, topk_weights=HT_W), TypeError),
+    (lambda b: b.combine(bf16(7, 12), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(misaligned(7, H), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(bf16(H, 7).t(), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(bf16(7, H).to("meta"), HT_HANDLE, topk_weights=HT_W), ValueError),
+    (lambda b: b.combine(bf16(7, 2 * H), HT_HANDLE, topk_weights=HT_W), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=torch.zeros(6, K)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W.double()), TypeError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=torch.zeros(7, 33)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=torch.zeros(7, 0)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=torch.zeros(K, 7).t()), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W.to("meta")), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, bias=bf16(T + 1, H)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, bias=bf16(T, H)), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, config=epx.Config(8, 6, 256)), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, reduction="two_level"), ValueError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, reduction=1), TypeError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, reduction="flat"), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, async_finish="yes"), TypeError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, async_finish=1), FAILED),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=HT_W, previous_event="now"), TypeError),
+    (lambda b: b.combine(bf16(7, H), HT_HANDLE[:5], topk_weights=HT_W), TypeError),
+    (lambda b: b.combine(bf16(7, H), handle(num_recv=7), topk_weights=HT_W), FAILED),
+]
+
+
+@pytest.mark.parametrize("weights", [True, False])
+@pytest.mark.parametrize("case", range(len(COMBINE_CASES)))
+def test_combine_checks_after_good_calls(case, weights):
+    call, expect = COMBINE_CASES[case]
+    good_w = HT_W if weights else None
+    same_after_good_calls(lambda b: b.combine(bf16(7, H), HT_HANDLE, topk_weights=good_w), call, expect)
