@@ -402,11 +402,8 @@ __device__ void forward_block(const InternodeCombineParams& p, int channel) {
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, C = p.num_channels;
   constexpr int kForwarders = kWarps - 1;
-  InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
-  for (int x = threadIdx.x; x < G * D; x += blockDim.x)
-    sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->combine_base[channel][x / D][x % D]);
-  init_forward_progress(sh.progress, kForwarders, D, p.h.recv_rdma_channel_prefix_matrix, channel, C);
-  __syncthreads();
+  init_forward_block(sh.nvl_base, sh.progress, kForwarders, internode_nvl(p.peers, p.peers.rank)->combine_base[channel],
+                     G, D, p.h.recv_rdma_channel_prefix_matrix, channel, C);
   if (warp < kForwarders)
     forwarder(p, channel, warp, kForwarders, sh);
   else
@@ -415,12 +412,7 @@ __device__ void forward_block(const InternodeCombineParams& p, int channel) {
 
 __global__ void __launch_bounds__(kThreads, 1)
     internode_combine_kernel(const __grid_constant__ InternodeCombineParams p) {
-  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
-  const int channel = blockIdx.x / 2;
-  if (blockIdx.x % 2 == 0)
-    return_block(p, channel);
-  else
-    forward_block(p, channel);
+  run_channel_blocks<return_block, forward_block>(p);
 }
 
 }  // namespace

@@ -163,6 +163,30 @@ __device__ __forceinline__ void init_forward_progress(int (*progress)[kMaxDomain
   }
 }
 
+// Block-wide set-up of a forwarder block (2c + 1), then a barrier: nvl_base[j][i] = where the sub-ring of (local rank
+// j, domain i) starts this operation, read from idle[j][i] (in this rank's control block), and the forwarders'
+// progress (init_forward_progress).
+__device__ __forceinline__ void init_forward_block(uint64_t (*nvl_base)[kMaxDomains], int (*progress)[kMaxDomains],
+                                                   int forwarders, const uint64_t (*idle)[kMaxDomains], int G, int D,
+                                                   const int* recv_rdma_channel_prefix_matrix, int channel,
+                                                   int num_channels) {
+  for (int x = threadIdx.x; x < G * D; x += blockDim.x) nvl_base[x / D][x % D] = read_idle(&idle[x / D][x % D]);
+  init_forward_progress(progress, forwarders, D, recv_rdma_channel_prefix_matrix, channel, num_channels);
+  __syncthreads();
+}
+
+// The body of the internode dispatch and combine kernels: nothing after an earlier error (the check is collective:
+// every rank skips), else block 2c runs First(p, c) and block 2c + 1 Second(p, c).
+template <auto First, auto Second, typename Params>
+__device__ __forceinline__ void run_channel_blocks(const Params& p) {
+  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
+  const int channel = blockIdx.x / 2;
+  if (blockIdx.x % 2 == 0)
+    First(p, channel);
+  else
+    Second(p, channel);
+}
+
 // A coordinator's loop: until done(), call step(); spin with a budget only while a step made no progress.
 template <typename Step>
 __device__ __forceinline__ void coordinate(const FailState& fail, int role, int channel, Step step) {

@@ -392,11 +392,10 @@ __device__ void forward_block(const InternodeDispatchParams& p, int channel) {
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, C = p.num_channels;
   constexpr int kForwarders = kWarps - 1;
-  InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
-  for (int x = threadIdx.x; x < G * D; x += blockDim.x)
-    sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->dispatch_head[channel][x / D][x % D]);  // idle sub-rings
-  init_forward_progress(sh.progress, kForwarders, D, p.h.recv_rdma_channel_prefix_matrix, channel, C);
-  __syncthreads();
+  // The sub-rings this rank forwards into are idle: each starts at its head.
+  init_forward_block(sh.nvl_base, sh.progress, kForwarders,
+                     internode_nvl(p.peers, p.peers.rank)->dispatch_head[channel], G, D,
+                     p.h.recv_rdma_channel_prefix_matrix, channel, C);
   if (warp < kForwarders)
     forwarder(p, channel, warp, kForwarders, sh);
   else
@@ -405,12 +404,7 @@ __device__ void forward_block(const InternodeDispatchParams& p, int channel) {
 
 __global__ void __launch_bounds__(kThreads, 1)
     internode_dispatch_kernel(const __grid_constant__ InternodeDispatchParams p) {
-  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
-  const int channel = blockIdx.x / 2;
-  if (blockIdx.x % 2 == 0)
-    send_block(p, channel);
-  else
-    forward_block(p, channel);
+  run_channel_blocks<send_block, forward_block>(p);
 }
 
 }  // namespace
