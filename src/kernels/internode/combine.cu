@@ -182,12 +182,9 @@ __device__ void net_receiver_coordinator(const InternodeCombineParams& p, int ch
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int m = lane;
-  uint64_t base = 0;
-  int n = 0;
-  if (active) {
-    base = read_idle(&ctrl->combine_base[channel][m]);
-    n = channel_count(p.h.rdma_channel_prefix_matrix, m, channel, C);
-  }
+  uint64_t base;
+  int n;
+  lane_ring(active, ctrl->combine_base[channel], p.h.rdma_channel_prefix_matrix, m, channel, C, base, n);
   int credited = 0;  // positions below this are credited to the forwarder
   coordinate(p.fail, kRoleCombineNetReceiverCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active || credited == n) return 0;
@@ -358,13 +355,10 @@ __device__ void forwarder_coordinator(const InternodeCombineParams& p, int chann
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int i = lane;
-  uint64_t base = 0;
-  int n = 0, index0 = 0;
-  if (active) {
-    base = read_idle(&ctrl->combine_head[channel][i]);  // idle ring: head == the receiver's base
-    n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
-    index0 = net_record_base(p.h, i, channel, C);
-  }
+  uint64_t base;  // idle ring: head == the receiver's base
+  int n;
+  lane_ring(active, ctrl->combine_head[channel], p.h.recv_rdma_channel_prefix_matrix, i, channel, C, base, n);
+  const int index0 = active ? net_record_base(p.h, i, channel, C) : 0;
   int done = 0;
   coordinate(p.fail, kRoleCombineForwarderCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active || done == n) return 0;

@@ -187,6 +187,19 @@ __device__ __forceinline__ void run_channel_blocks(const Params& p) {
     Second(p, channel);
 }
 
+// Lane m of a coordinator whose lanes m < D (`active`) each keep the ring to or from domain m: base = where the ring
+// starts this operation, read from idle[m] (idle here), and n = how many records it carries in this channel, row m
+// of an inclusive [D, C] prefix matrix. The other lanes get 0 and 0.
+__device__ __forceinline__ void lane_ring(bool active, const uint64_t* idle, const int* matrix, int m, int channel,
+                                          int num_channels, uint64_t& base, int& n) {
+  base = 0;
+  n = 0;
+  if (active) {
+    base = read_idle(&idle[m]);
+    n = channel_count(matrix, m, channel, num_channels);
+  }
+}
+
 // A coordinator's loop: until done(), call step(); spin with a budget only while a step made no progress.
 template <typename Step>
 __device__ __forceinline__ void coordinate(const FailState& fail, int role, int channel, Step step) {

@@ -202,12 +202,10 @@ __device__ void sender_coordinator(const InternodeDispatchParams& p, int channel
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < net.num_domains;
   const int m = lane;
-  uint64_t base = 0;
-  int total = 0, published = 0;
-  if (active) {
-    base = read_idle(&ctrl->dispatch_head[channel][m]);  // idle ring: the receiver's base
-    total = channel_count(p.h.rdma_channel_prefix_matrix, m, channel, p.num_channels);
-  }
+  uint64_t base;  // idle ring: head == the receiver's base
+  int total, published = 0;
+  lane_ring(active, ctrl->dispatch_head[channel], p.h.rdma_channel_prefix_matrix, m, channel, p.num_channels, base,
+            total);
   coordinate(p.fail, kRoleNetSenderCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active || published == total) return 0;
     int low = total;
@@ -346,12 +344,9 @@ __device__ void forwarder_coordinator(const InternodeDispatchParams& p, int chan
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int i = lane;
-  uint64_t base = 0;
-  int n = 0;
-  if (active) {
-    base = read_idle(&ctrl->dispatch_base[channel][i]);
-    n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
-  }
+  uint64_t base;
+  int n;
+  lane_ring(active, ctrl->dispatch_base[channel], p.h.recv_rdma_channel_prefix_matrix, i, channel, C, base, n);
   int forwarded = 0, credited = 0;  // records below these are forwarded (tails published) / credited
   coordinate(p.fail, kRoleForwarderCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active) return 0;
