@@ -124,12 +124,7 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   EPX_REQUIRE(rows >= 0 && rdma_rows >= 0, op,
               ": the handle does not know how many tokens arrive (notify_dispatch "
               "not waited for); pass num_worst_tokens");
-  EPX_REQUIRE(o.num_rows >= rows, op, ": outputs have ", o.num_rows, " rows, need ", rows);
-  if (rows > 0) {
-    EPX_REQUIRE(o.recv_x != nullptr && aligned16(o.recv_x), op, ": recv_x must be a 16-byte aligned device pointer");
-    EPX_REQUIRE(h.recv_src_meta != nullptr, op, ": handle.recv_src_meta [rows, 2] must be allocated");
-    EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
-  }
+  check_dispatch_outputs(a, o, rows, h.recv_src_meta, ": handle.recv_src_meta [rows, 2] must be allocated", op);
   EPX_REQUIRE(rdma_rows == 0 || h.send_nvl_head != nullptr, op,
               ": handle.send_nvl_head [num_rdma_recv_tokens, G] must be allocated");
   InternodeDispatchParams p{};

@@ -120,12 +120,7 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   EPX_REQUIRE(rows >= 0, op,
               ": the handle does not know how many tokens arrive (notify_dispatch not waited for);"
               " pass num_worst_tokens");
-  EPX_REQUIRE(o.num_rows >= rows, op, ": outputs have ", o.num_rows, " rows, need ", rows);
-  if (rows > 0) {
-    EPX_REQUIRE(o.recv_x != nullptr && aligned16(o.recv_x), op, ": recv_x must be a 16-byte aligned device pointer");
-    EPX_REQUIRE(h.recv_src_idx != nullptr, op, ": handle.recv_src_idx [rows] must be allocated");
-    EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
-  }
+  check_dispatch_outputs(a, o, rows, h.recv_src_idx, ": handle.recv_src_idx [rows] must be allocated", op);
   DispatchParams p{};
   fill_dispatch_params(p, b, a, h, o, record.x_bytes);
   p.ring = ring;
@@ -191,6 +186,16 @@ void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const Dispa
 }
 
 }  // namespace intranode
+
+void check_dispatch_outputs(const DispatchArgs& a, const DispatchOutputs& o, int rows, const void* src_rows,
+                            const char* src_rows_missing, const char* op) {
+  EPX_REQUIRE(o.num_rows >= rows, op, ": outputs have ", o.num_rows, " rows, need ", rows);
+  if (rows > 0) {
+    EPX_REQUIRE(o.recv_x != nullptr && aligned16(o.recv_x), op, ": recv_x must be a 16-byte aligned device pointer");
+    EPX_REQUIRE(src_rows != nullptr, op, src_rows_missing);
+    EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
+  }
+}
 
 DispatchCounts wait_dispatch_counts(Buffer::Impl& b, int host_seq, int num_experts, DispatchHandle& h,
                                     cudaStream_t stream, const char* op) {

@@ -76,6 +76,11 @@ void fill_combine_params(CombineParamsT& p, const Buffer::Impl& b, const Combine
 // Mode-neutral (runtime/intranode_ops.cpp).
 void get_dispatch_layout(Buffer::Impl& b, const LayoutArgs& a, const LayoutOutputs& o, cudaStream_t stream,
                          const char* op);
+// A dispatch's outputs hold `rows` rows (num_worst_tokens, or the tokens the notify counted): enough rows, recv_x
+// 16-byte aligned, the handle's per-row source array src_rows (src_rows_missing: what to say when it is null) and,
+// for FP8, recv_x_scales.
+void check_dispatch_outputs(const DispatchArgs& a, const DispatchOutputs& o, int rows, const void* src_rows,
+                            const char* src_rows_missing, const char* op);
 // After a notify launched under host sequence number host_seq: waits for its counts, raises an input error the
 // notify found, and returns the received tokens (also set in h.num_recv_tokens) and the tokens per local expert
 // (num_experts: the notify's, 0 without per-expert counts).
