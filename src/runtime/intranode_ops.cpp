@@ -95,39 +95,17 @@ DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Con
   h.is_token_in_rank = a.is_token_in_rank;
 
   NotifyParams p{};
-  p.fail = b.fail_state();
-  p.peers = b.peer_map;
-  p.num_ranks = b.num_ranks;
+  fill_notify_params(p, b, a, h.num_channels);
   p.barrier_only = 0;
-  p.num_tokens_per_rank = a.num_tokens_per_rank;
-  p.num_tokens_per_expert = a.num_tokens_per_expert;
   p.is_token_in_rank = a.is_token_in_rank;
-  p.num_tokens = a.num_tokens;
-  p.num_experts = a.num_tokens_per_expert != nullptr ? a.num_experts : 0;
-  p.num_channels = h.num_channels;
-  p.expert_alignment = a.expert_alignment > 0 ? a.expert_alignment : 1;
-  p.num_worst_tokens = a.num_worst_tokens;
   p.rank_prefix_matrix = h.rank_prefix_matrix;
   p.channel_prefix_matrix = h.channel_prefix_matrix;
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
-  const bool wait = a.num_worst_tokens == 0;
-  p.host_seq = wait ? ++b.host_seq : 0;
   p.signature = op_signature(kOpDispatch, dispatch_record(a).bytes, c);
-  if (b.host_seq == (1 << 30)) b.host_seq = 0;
   launch_notify(p, stream);
   b.check_launch(cudaGetLastError(), op);
-
-  DispatchCounts counts;
-  if (!wait) return counts;
-  b.wait_notify(p.host_seq, op, stream);
-  b.raise_if_input_error(op, stream);
-  const volatile HostShared* host = b.host;
-  counts.num_recv_tokens = host->num_recv_tokens;
-  const int local_experts = p.num_experts / b.num_ranks;
-  counts.num_recv_tokens_per_expert.resize(local_experts);
-  for (int i = 0; i < local_experts; ++i) counts.num_recv_tokens_per_expert[i] = host->num_recv_tokens_per_expert[i];
-  h.num_recv_tokens = counts.num_recv_tokens;
-  return counts;
+  if (a.num_worst_tokens != 0) return DispatchCounts{};  // worst-case mode: not waited for
+  return wait_dispatch_counts(b, p.host_seq, p.num_experts, h, stream, op);
 }
 
 }  // namespace intranode
@@ -142,39 +120,17 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   EPX_REQUIRE(rows >= 0, op,
               ": the handle does not know how many tokens arrive (notify_dispatch not waited for);"
               " pass num_worst_tokens");
-  EPX_REQUIRE(o.num_rows >= rows, op, ": outputs have ", o.num_rows, " rows, need ", rows);
-  if (rows > 0) {
-    EPX_REQUIRE(o.recv_x != nullptr && aligned16(o.recv_x), op, ": recv_x must be a 16-byte aligned device pointer");
-    EPX_REQUIRE(h.recv_src_idx != nullptr, op, ": handle.recv_src_idx [rows] must be allocated");
-    EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
-  }
+  check_dispatch_outputs(a, o, rows, h.recv_src_idx, ": handle.recv_src_idx [rows] must be allocated", op);
   DispatchParams p{};
-  p.fail = b.fail_state();
-  p.peers = b.peer_map;
+  fill_dispatch_params(p, b, a, h, o, record.x_bytes);
   p.ring = ring;
   p.record = record;
-  p.num_ranks = b.num_ranks;
-  p.num_channels = h.num_channels;
-  p.num_tokens = a.num_tokens;
   p.num_send_chunk = c.num_max_send_tokens;
-  p.x_int4 = int(record.x_bytes / 16);
-  p.num_scales = a.dtype == EPX_FP8_E4M3 ? a.num_scales : 0;
-  p.num_topk = a.num_topk;
-  p.experts_per_rank = a.num_topk > 0 ? a.num_experts / b.num_ranks : 0;
-  p.x = static_cast<const int4*>(a.x);
-  p.x_scales = ScaleView::of(a.x_scales, a.num_scales, a.x_scales_stride_token, a.x_scales_stride_group);
-  p.topk_idx = a.topk_idx;
-  p.topk_weights = a.topk_weights;
   p.is_token_in_rank = h.is_token_in_rank;
   p.rank_prefix_matrix = h.rank_prefix_matrix;
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
   p.send_head = h.send_head;
-  p.recv_x = static_cast<int4*>(o.recv_x);
-  p.recv_x_scales = o.recv_x_scales;
-  p.recv_topk_idx = o.recv_topk_idx;
-  p.recv_topk_weights = o.recv_topk_weights;
   p.recv_src_idx = h.recv_src_idx;
-  p.num_worst_tokens = a.num_worst_tokens;
   launch_dispatch(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }
@@ -215,32 +171,45 @@ void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const Dispa
   const RingLayout ring = ring_for(b, c, record.bytes, op);
 
   CombineParams p{};
-  p.fail = b.fail_state();
-  p.peers = b.peer_map;
+  fill_combine_params(p, b, a, h, o);
   p.ring = ring;
   p.record = record;
-  p.num_ranks = b.num_ranks;
-  p.num_channels = h.num_channels;
-  p.num_tokens = h.num_tokens;
   p.num_send_chunk = c.num_max_send_tokens;
   p.x_int4 = int(record.x_bytes / 16);
-  p.num_topk = a.num_topk;
-  p.x = static_cast<const int4*>(a.x);
-  p.topk_weights = a.topk_weights;
   p.rank_prefix_matrix = h.rank_prefix_matrix;
   p.channel_prefix_matrix = h.channel_prefix_matrix;
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
   p.send_head = h.send_head;
-  p.bias0 = static_cast<const int4*>(a.bias0);
-  p.bias1 = static_cast<const int4*>(a.bias1);
-  p.combined_x = static_cast<int4*>(o.combined_x);
-  p.combined_topk_weights = o.combined_topk_weights;
   launch_barrier(b, op_signature(kOpCombine, record.bytes, c), stream, op);
   launch_combine(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }
 
 }  // namespace intranode
+
+void check_dispatch_outputs(const DispatchArgs& a, const DispatchOutputs& o, int rows, const void* src_rows,
+                            const char* src_rows_missing, const char* op) {
+  EPX_REQUIRE(o.num_rows >= rows, op, ": outputs have ", o.num_rows, " rows, need ", rows);
+  if (rows > 0) {
+    EPX_REQUIRE(o.recv_x != nullptr && aligned16(o.recv_x), op, ": recv_x must be a 16-byte aligned device pointer");
+    EPX_REQUIRE(src_rows != nullptr, op, src_rows_missing);
+    EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
+  }
+}
+
+DispatchCounts wait_dispatch_counts(Buffer::Impl& b, int host_seq, int num_experts, DispatchHandle& h,
+                                    cudaStream_t stream, const char* op) {
+  b.wait_notify(host_seq, op, stream);
+  b.raise_if_input_error(op, stream);
+  const volatile HostShared* host = b.host;
+  DispatchCounts counts;
+  counts.num_recv_tokens = host->num_recv_tokens;
+  const int local_experts = num_experts / b.num_ranks;
+  counts.num_recv_tokens_per_expert.resize(local_experts);
+  for (int i = 0; i < local_experts; ++i) counts.num_recv_tokens_per_expert[i] = host->num_recv_tokens_per_expert[i];
+  h.num_recv_tokens = counts.num_recv_tokens;
+  return counts;
+}
 
 void launch_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, const char* op) {
   NotifyParams p{};

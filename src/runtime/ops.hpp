@@ -3,13 +3,89 @@
 // runtime/low_latency_ops.cpp.
 #pragma once
 
+#include "layout/scales.hpp"
 #include "runtime/buffer_impl.hpp"
 
 namespace epx {
 
+// What the intranode and internode modes fill alike in their kernels' parameters (each mode has its own structs,
+// with these fields under the same names); each mode sets the rest.
+
+// A notify with counts (NotifyParams, InternodeNotifyParams): the buffer, the caller's counts and options, and the
+// host sequence number it publishes the counts under (worst-case mode: 0, not waited for).
+template <typename NotifyParamsT>
+void fill_notify_params(NotifyParamsT& p, Buffer::Impl& b, const DispatchArgs& a, int num_channels) {
+  p.fail = b.fail_state();
+  p.peers = b.peer_map;
+  p.num_ranks = b.num_ranks;
+  p.num_tokens_per_rank = a.num_tokens_per_rank;
+  p.num_tokens_per_expert = a.num_tokens_per_expert;
+  p.num_tokens = a.num_tokens;
+  p.num_experts = a.num_tokens_per_expert != nullptr ? a.num_experts : 0;
+  p.num_channels = num_channels;
+  p.expert_alignment = a.expert_alignment > 0 ? a.expert_alignment : 1;
+  p.num_worst_tokens = a.num_worst_tokens;
+  p.host_seq = a.num_worst_tokens == 0 ? ++b.host_seq : 0;
+  if (b.host_seq == (1 << 30)) b.host_seq = 0;
+}
+
+// A dispatch (DispatchParams, InternodeDispatchParams): the buffer, the caller's tokens (x of x_bytes a row, its
+// scales, top-k) and the outputs.
+template <typename DispatchParamsT>
+void fill_dispatch_params(DispatchParamsT& p, const Buffer::Impl& b, const DispatchArgs& a, const DispatchHandle& h,
+                          const DispatchOutputs& o, int64_t x_bytes) {
+  p.fail = b.fail_state();
+  p.peers = b.peer_map;
+  p.num_ranks = b.num_ranks;
+  p.num_channels = h.num_channels;
+  p.num_tokens = a.num_tokens;
+  p.x_int4 = int(x_bytes / 16);
+  p.num_scales = a.dtype == EPX_FP8_E4M3 ? a.num_scales : 0;
+  p.num_topk = a.num_topk;
+  p.experts_per_rank = a.num_topk > 0 ? a.num_experts / b.num_ranks : 0;
+  p.x = static_cast<const int4*>(a.x);
+  p.x_scales = ScaleView::of(a.x_scales, a.num_scales, a.x_scales_stride_token, a.x_scales_stride_group);
+  p.topk_idx = a.topk_idx;
+  p.topk_weights = a.topk_weights;
+  p.recv_x = static_cast<int4*>(o.recv_x);
+  p.recv_x_scales = o.recv_x_scales;
+  p.recv_topk_idx = o.recv_topk_idx;
+  p.recv_topk_weights = o.recv_topk_weights;
+  p.num_worst_tokens = a.num_worst_tokens;
+}
+
+// A combine (CombineParams, InternodeCombineParams): the buffer, the caller's rows, weights and biases, and the
+// outputs.
+template <typename CombineParamsT>
+void fill_combine_params(CombineParamsT& p, const Buffer::Impl& b, const CombineArgs& a, const DispatchHandle& h,
+                         const CombineOutputs& o) {
+  p.fail = b.fail_state();
+  p.peers = b.peer_map;
+  p.num_ranks = b.num_ranks;
+  p.num_channels = h.num_channels;
+  p.num_tokens = h.num_tokens;
+  p.num_topk = a.num_topk;
+  p.x = static_cast<const int4*>(a.x);
+  p.topk_weights = a.topk_weights;
+  p.bias0 = static_cast<const int4*>(a.bias0);
+  p.bias1 = static_cast<const int4*>(a.bias1);
+  p.combined_x = static_cast<int4*>(o.combined_x);
+  p.combined_topk_weights = o.combined_topk_weights;
+}
+
 // Mode-neutral (runtime/intranode_ops.cpp).
 void get_dispatch_layout(Buffer::Impl& b, const LayoutArgs& a, const LayoutOutputs& o, cudaStream_t stream,
                          const char* op);
+// A dispatch's outputs hold `rows` rows (num_worst_tokens, or the tokens the notify counted): enough rows, recv_x
+// 16-byte aligned, the handle's per-row source array src_rows (src_rows_missing: what to say when it is null) and,
+// for FP8, recv_x_scales.
+void check_dispatch_outputs(const DispatchArgs& a, const DispatchOutputs& o, int rows, const void* src_rows,
+                            const char* src_rows_missing, const char* op);
+// After a notify launched under host sequence number host_seq: waits for its counts, raises an input error the
+// notify found, and returns the received tokens (also set in h.num_recv_tokens) and the tokens per local expert
+// (num_experts: the notify's, 0 without per-expert counts).
+DispatchCounts wait_dispatch_counts(Buffer::Impl& b, int host_seq, int num_experts, DispatchHandle& h,
+                                    cudaStream_t stream, const char* op);
 // The collective barrier kernel (the notify kernel without the count exchange): every rank's earlier operations on
 // its stream are done, and every rank agrees on the operation's signature.
 void launch_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, const char* op);

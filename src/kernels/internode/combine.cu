@@ -30,7 +30,6 @@ using namespace dev;
 
 constexpr int kThreads = kDataThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxStreams = kMaxDomains * (kMaxNvlRanks - 1);
 
 // Warps of block 2c: NVLink senders and their coordinator (G > 1), then network receivers and their coordinator
 // (the last warp).
@@ -44,24 +43,9 @@ struct ReturnRoles {
   }
 };
 
-// NVLink streams: (source domain i, local rank s != this one); slices of a stream take ordinals o % slices.
-struct NvlStreams {
-  int count;
-  int slices;
-  __device__ static NvlStreams of(int D, int G, int warps) {
-    const int n = D * (G - 1);
-    return {n, n == 0 || n >= warps ? 1 : warps / n};
-  }
-  __device__ static void source(int st, int g, int G, int& i, int& s) {
-    i = st / (G - 1);
-    s = st % (G - 1);
-    s += s >= g ? 1 : 0;
-  }
-};
-
 struct ReturnShared {
-  int next[kMaxStreams > kWarps ? kMaxStreams : kWarps];  // NVLink senders: next ordinal per (stream, slice)
-  uint64_t base[kMaxStreams];                             // NVLink senders: each sub-ring's start
+  int next[kMaxNvlStreams > kWarps ? kMaxNvlStreams : kWarps];  // NVLink senders: next ordinal per (stream, slice)
+  uint64_t base[kMaxNvlStreams];                                // NVLink senders: each sub-ring's start
   int need[kWarps][kMaxDomains];               // network receivers: ring positions below this are no longer needed
   const uint8_t* record[kWarps][kMaxDomains];  // network receivers: the current token's record per domain
   const int4* rows[kWarps][kMaxRanks];         // network receivers: the current token's rows in summation order
@@ -78,6 +62,8 @@ constexpr int kAnnounceEvery = 4;
 
 // ---- NVLink senders -----------------------------------------------------------------------------------------------
 
+// NVLink senders: row o of stream (i, s) goes, with its top-k weights, into slot base + o of s's sub-ring once s has
+// consumed the row a capacity before it (the head).
 __device__ __forceinline__ void nvl_sender(const InternodeCombineParams& p, int channel, int w, int warps,
                                            ReturnShared& sh) {
   const int lane = threadIdx.x % 32;
@@ -85,77 +71,27 @@ __device__ __forceinline__ void nvl_sender(const InternodeCombineParams& p, int 
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
   const NvlStreams streams = NvlStreams::of(D, G, warps);
   InternodeNvlControl* ctrl = internode_nvl(p.peers, p.peers.rank);
-  const int items = streams.count * streams.slices;
-  SpinBudget budget;
-  while (true) {
-    bool progressed = false, done = true;
-    int wait_peer = -1;
-    uint64_t wait_seen = 0, wait_need = 0;
-    for (int item = w; item < items; item += warps) {
-      const int st = item / streams.slices;
-      int i, s;
-      NvlStreams::source(st, g, G, i, s);
-      const RowRange rows = source_rows(p.h, i * G + s, channel, C);
-      const int n = rows.end - rows.begin;
-      int o = sh.next[item];
-      if (o >= n) continue;
-      done = false;
-      const uint64_t base = sh.base[st];
-      uint64_t head = 0;
-      if (lane == 0) head = acquire(&ctrl->combine_head[channel][s][i]);  // pairs with s's forwarder coordinator
-      head = __shfl_sync(kFullMask, head, 0);
-      for (; o < n && base + o + 1 <= head + p.nvl.capacity; o += streams.slices) {
-        const int row = rows.begin + o;
-        uint8_t* slot = p.nvl.slot(p.peers.nvl.peer[s], channel, g, i, base + o);
+  serve_nvl_streams(
+      p.h, p.fail, kRoleCombineNvlSender, channel, C, g, G, w, warps, streams, sh.next, sh.base,
+      ctrl->combine_head[channel],  // pairs with s's forwarder coordinator
+      [&](uint64_t pos, uint64_t head) { return pos + 1 <= head + p.nvl.capacity; },
+      [&](uint64_t pos) { return pos + 1 - p.nvl.capacity; },
+      [&](int i, int s, int row, uint64_t pos) {
+        uint8_t* slot = p.nvl.slot(p.peers.nvl.peer[s], channel, g, i, pos);
         const float weight = lane < p.num_topk ? ld_nc(p.topk_weights + int64_t(row) * p.num_topk + lane) : 0.f;
         write_rows<kInternodeCopyUnroll>(reinterpret_cast<int4*>(slot), p.x + int64_t(row) * p.x_int4, p.x_int4, lane,
                                          LoadNc{});
         if (lane < p.num_topk) reinterpret_cast<float*>(slot + p.nvl_weight_offset)[lane] = weight;
-        progressed = true;
-      }
-      __syncwarp();
-      if (lane == 0) st_release_cta(&sh.next[item], o);  // pairs with the coordinator's acquire
-      if (o < n) wait_peer = s, wait_seen = head, wait_need = base + o + 1 - p.nvl.capacity;
-    }
-    if (done) return;
-    if (progressed)
-      budget.start = 0;
-    else
-      budget.tick(p.fail, WaitSite{kRoleCombineNvlSender, channel, wait_peer, -1}, int64_t(wait_seen),
-                  int64_t(wait_need));
-  }
+      });
 }
 
 // Publishes each sub-ring's tail at its reader s: base + the least next ordinal over the stream's slices.
 __device__ void nvl_sender_coordinator(const InternodeCombineParams& p, int channel, ReturnShared& sh) {
-  const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
   const NvlStreams streams = NvlStreams::of(D, G, ReturnRoles::of(G).nvl_senders);
-  int published[kMaxStreams / 32 + 1] = {};
-  coordinate(p.fail, kRoleCombineNvlSenderCoordinator, channel, [&](int& peer, int& a, int& b) {
-    int state = 0;
-    for (int round = 0; round * 32 < streams.count; ++round) {
-      const int st = round * 32 + lane;
-      if (st >= streams.count) continue;
-      int i, s;
-      NvlStreams::source(st, g, G, i, s);
-      const RowRange rows = source_rows(p.h, i * G + s, channel, C);
-      const int n = rows.end - rows.begin;
-      int low = n;
-      for (int slice = 0; slice < streams.slices; ++slice)
-        low = min(low, ld_acquire_cta(&sh.next[st * streams.slices + slice]));  // pairs with the senders' releases
-      if (low > published[round]) {
-        publish(&internode_nvl(p.peers, s)->combine_tail[channel][g][i], sh.base[st] + low);  // pairs with s's
-        published[round] = low;                                                               // forwarder's acquire
-        state = max(state, 1);
-      } else if (low < n) {
-        state = 2;
-        peer = s, a = low, b = n;
-      }
-    }
-    return state;
-  });
+  coordinate_nvl_streams(p.h, p.fail, kRoleCombineNvlSenderCoordinator, channel, C, g, G, streams, sh.next, sh.base,
+                         [&](int i, int s) { return &internode_nvl(p.peers, s)->combine_tail[channel][g][i]; });
 }
 
 // ---- network receivers --------------------------------------------------------------------------------------------
@@ -246,12 +182,9 @@ __device__ void net_receiver_coordinator(const InternodeCombineParams& p, int ch
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int m = lane;
-  uint64_t base = 0;
-  int n = 0;
-  if (active) {
-    base = read_idle(&ctrl->combine_base[channel][m]);
-    n = channel_count(p.h.rdma_channel_prefix_matrix, m, channel, C);
-  }
+  uint64_t base;
+  int n;
+  lane_ring(active, ctrl->combine_base[channel], p.h.rdma_channel_prefix_matrix, m, channel, C, base, n);
   int credited = 0;  // positions below this are credited to the forwarder
   coordinate(p.fail, kRoleCombineNetReceiverCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active || credited == n) return 0;
@@ -279,15 +212,8 @@ __device__ void return_block(const InternodeCombineParams& p, int channel) {
   const int G = net.num_local, D = net.num_domains, g = net.local_rank;
   const ReturnRoles roles = ReturnRoles::of(G);
   const NvlStreams streams = NvlStreams::of(D, G, roles.nvl_senders > 0 ? roles.nvl_senders : 1);
-  if (roles.nvl_senders > 0) {
-    for (int item = threadIdx.x; item < streams.count * streams.slices; item += blockDim.x)
-      sh.next[item] = item % streams.slices;
-    for (int st = threadIdx.x; st < streams.count; st += blockDim.x) {
-      int i, s;
-      NvlStreams::source(st, g, G, i, s);
-      sh.base[st] = read_idle(&internode_nvl(p.peers, p.peers.rank)->combine_head[channel][s][i]);  // idle
-    }
-  }
+  if (roles.nvl_senders > 0)  // idle sub-rings: head == base
+    init_nvl_streams(sh.next, sh.base, streams, g, G, internode_nvl(p.peers, p.peers.rank)->combine_head[channel]);
   for (int x = threadIdx.x; x < kWarps * kMaxDomains; x += blockDim.x) sh.need[x / kMaxDomains][x % kMaxDomains] = 0;
   __syncthreads();
   const int first_receiver = roles.nvl_senders > 0 ? roles.nvl_senders + 1 : 0;
@@ -429,13 +355,10 @@ __device__ void forwarder_coordinator(const InternodeCombineParams& p, int chann
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int i = lane;
-  uint64_t base = 0;
-  int n = 0, index0 = 0;
-  if (active) {
-    base = read_idle(&ctrl->combine_head[channel][i]);  // idle ring: head == the receiver's base
-    n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
-    index0 = net_record_base(p.h, i, channel, C);
-  }
+  uint64_t base;  // idle ring: head == the receiver's base
+  int n;
+  lane_ring(active, ctrl->combine_head[channel], p.h.recv_rdma_channel_prefix_matrix, i, channel, C, base, n);
+  const int index0 = active ? net_record_base(p.h, i, channel, C) : 0;
   int done = 0;
   coordinate(p.fail, kRoleCombineForwarderCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active || done == n) return 0;
@@ -473,11 +396,8 @@ __device__ void forward_block(const InternodeCombineParams& p, int channel) {
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, C = p.num_channels;
   constexpr int kForwarders = kWarps - 1;
-  InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
-  for (int x = threadIdx.x; x < G * D; x += blockDim.x)
-    sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->combine_base[channel][x / D][x % D]);
-  init_forward_progress(sh.progress, kForwarders, D, p.h.recv_rdma_channel_prefix_matrix, channel, C);
-  __syncthreads();
+  init_forward_block(sh.nvl_base, sh.progress, kForwarders, internode_nvl(p.peers, p.peers.rank)->combine_base[channel],
+                     G, D, p.h.recv_rdma_channel_prefix_matrix, channel, C);
   if (warp < kForwarders)
     forwarder(p, channel, warp, kForwarders, sh);
   else
@@ -486,12 +406,7 @@ __device__ void forward_block(const InternodeCombineParams& p, int channel) {
 
 __global__ void __launch_bounds__(kThreads, 1)
     internode_combine_kernel(const __grid_constant__ InternodeCombineParams p) {
-  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
-  const int channel = blockIdx.x / 2;
-  if (blockIdx.x % 2 == 0)
-    return_block(p, channel);
-  else
-    forward_block(p, channel);
+  run_channel_blocks<return_block, forward_block>(p);
 }
 
 }  // namespace

@@ -163,6 +163,43 @@ __device__ __forceinline__ void init_forward_progress(int (*progress)[kMaxDomain
   }
 }
 
+// Block-wide set-up of a forwarder block (2c + 1), then a barrier: nvl_base[j][i] = where the sub-ring of (local rank
+// j, domain i) starts this operation, read from idle[j][i] (in this rank's control block), and the forwarders'
+// progress (init_forward_progress).
+__device__ __forceinline__ void init_forward_block(uint64_t (*nvl_base)[kMaxDomains], int (*progress)[kMaxDomains],
+                                                   int forwarders, const uint64_t (*idle)[kMaxDomains], int G, int D,
+                                                   const int* recv_rdma_channel_prefix_matrix, int channel,
+                                                   int num_channels) {
+  for (int x = threadIdx.x; x < G * D; x += blockDim.x) nvl_base[x / D][x % D] = read_idle(&idle[x / D][x % D]);
+  init_forward_progress(progress, forwarders, D, recv_rdma_channel_prefix_matrix, channel, num_channels);
+  __syncthreads();
+}
+
+// The body of the internode dispatch and combine kernels: nothing after an earlier error (the check is collective:
+// every rank skips), else block 2c runs First(p, c) and block 2c + 1 Second(p, c).
+template <auto First, auto Second, typename Params>
+__device__ __forceinline__ void run_channel_blocks(const Params& p) {
+  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
+  const int channel = blockIdx.x / 2;
+  if (blockIdx.x % 2 == 0)
+    First(p, channel);
+  else
+    Second(p, channel);
+}
+
+// Lane m of a coordinator whose lanes m < D (`active`) each keep the ring to or from domain m: base = where the ring
+// starts this operation, read from idle[m] (idle here), and n = how many records it carries in this channel, row m
+// of an inclusive [D, C] prefix matrix. The other lanes get 0 and 0.
+__device__ __forceinline__ void lane_ring(bool active, const uint64_t* idle, const int* matrix, int m, int channel,
+                                          int num_channels, uint64_t& base, int& n) {
+  base = 0;
+  n = 0;
+  if (active) {
+    base = read_idle(&idle[m]);
+    n = channel_count(matrix, m, channel, num_channels);
+  }
+}
+
 // A coordinator's loop: until done(), call step(); spin with a budget only while a step made no progress.
 template <typename Step>
 __device__ __forceinline__ void coordinate(const FailState& fail, int role, int channel, Step step) {
@@ -177,6 +214,120 @@ __device__ __forceinline__ void coordinate(const FailState& fail, int role, int 
     }
     budget.tick(fail, WaitSite{role, channel, peer, 0}, seen, target);
   }
+}
+
+// The NVLink streams of a channel in block 2c: stream st = (source domain i, local rank s != this one), D * (G - 1)
+// of them (dispatch: the sub-ring s forwards into here for domain i, read by the NVLink receivers; combine: the
+// sub-ring at s this rank returns domain i's rows into, written by the NVLink senders). The warps that serve them
+// split each stream into slices; slice k of a stream takes the ordinals o with o % slices == k.
+constexpr int kMaxNvlStreams = kMaxDomains * (kMaxNvlRanks - 1);
+struct NvlStreams {
+  int count;   // D * (G - 1)
+  int slices;  // per stream
+  __device__ static NvlStreams of(int D, int G, int warps) {
+    const int n = D * (G - 1);
+    return {n, n == 0 || n >= warps ? 1 : warps / n};
+  }
+  __device__ static void source(int st, int g, int G, int& i, int& s) {
+    i = st / (G - 1);
+    s = st % (G - 1);
+    s += s >= g ? 1 : 0;
+  }
+};
+
+// Block-wide, before the NVLink stream warps start: next[item] = the first ordinal of item = st * slices + slice (its
+// slice), base[st] = where stream (i, s) starts this operation, read from idle[s][i] (in this rank's control block).
+__device__ __forceinline__ void init_nvl_streams(int* next, uint64_t* base, const NvlStreams& streams, int g, int G,
+                                                 const uint64_t (*idle)[kMaxDomains]) {
+  for (int item = threadIdx.x; item < streams.count * streams.slices; item += blockDim.x)
+    next[item] = item % streams.slices;
+  for (int st = threadIdx.x; st < streams.count; st += blockDim.x) {
+    int i, s;
+    NvlStreams::source(st, g, G, i, s);
+    base[st] = read_idle(&idle[s][i]);
+  }
+}
+
+// NVLink stream warp w of `warps` (dispatch: a receiver; combine: a sender). Its items are item = st * slices +
+// slice for item = w, w + warps, ...; next[item] is the slice's next ordinal o, base[st] the stream's start. Stream
+// (i, s) has the rows of source rank i * G + s in this channel (source_rows). For an item with ordinals left it reads
+// the word words[s][i] that s advances (acquire), then serve(i, s, row, pos) for row = the rows' begin + o and
+// pos = base + o while ready(pos, word), and releases the next o to the coordinator. When no item moved, the spin
+// budget ticks at (role, s) with the word and need(pos) of the last item that waits. Returns once every item is done.
+template <typename Ready, typename Need, typename Serve>
+__device__ __forceinline__ void serve_nvl_streams(const InternodeHandleView& h, const FailState& fail, int role,
+                                                  int channel, int num_channels, int g, int G, int w, int warps,
+                                                  const NvlStreams& streams, int* next, const uint64_t* base,
+                                                  const uint64_t (*words)[kMaxDomains], Ready ready, Need need,
+                                                  Serve serve) {
+  const int lane = threadIdx.x % 32;
+  const int items = streams.count * streams.slices;
+  SpinBudget budget;
+  while (true) {
+    bool progressed = false, done = true;
+    int wait_peer = -1;
+    uint64_t wait_seen = 0, wait_need = 0;
+    for (int item = w; item < items; item += warps) {
+      const int st = item / streams.slices;
+      int i, s;
+      NvlStreams::source(st, g, G, i, s);
+      const RowRange rows = source_rows(h, i * G + s, channel, num_channels);
+      const int n = rows.end - rows.begin;
+      int o = next[item];
+      if (o >= n) continue;
+      done = false;
+      const uint64_t start = base[st];
+      uint64_t word = 0;
+      if (lane == 0) word = acquire(&words[s][i]);  // pairs with s's release
+      word = __shfl_sync(kFullMask, word, 0);
+      for (; o < n && ready(start + o, word); o += streams.slices) {
+        serve(i, s, rows.begin + o, start + o);
+        progressed = true;
+      }
+      __syncwarp();
+      if (lane == 0) st_release_cta(&next[item], o);  // pairs with the coordinator's acquire
+      if (o < n) wait_peer = s, wait_seen = word, wait_need = need(start + o);
+    }
+    if (done) return;
+    if (progressed)
+      budget.start = 0;
+    else
+      budget.tick(fail, WaitSite{role, channel, wait_peer, -1}, int64_t(wait_seen), int64_t(wait_need));
+  }
+}
+
+// The coordinator of the NVLink stream warps: for every stream (i, s), publishes base[st] + the least next ordinal
+// over its slices at word(i, s) (in s's control block) whenever it grows, until every stream is done.
+template <typename Word>
+__device__ __forceinline__ void coordinate_nvl_streams(const InternodeHandleView& h, const FailState& fail, int role,
+                                                       int channel, int num_channels, int g, int G,
+                                                       const NvlStreams& streams, const int* next, const uint64_t* base,
+                                                       Word word) {
+  const int lane = threadIdx.x % 32;
+  int published[kMaxNvlStreams / 32 + 1] = {};
+  coordinate(fail, role, channel, [&](int& peer, int& a, int& b) {
+    int state = 0;
+    for (int round = 0; round * 32 < streams.count; ++round) {
+      const int st = round * 32 + lane;
+      if (st >= streams.count) continue;
+      int i, s;
+      NvlStreams::source(st, g, G, i, s);
+      const RowRange rows = source_rows(h, i * G + s, channel, num_channels);
+      const int n = rows.end - rows.begin;
+      int low = n;
+      for (int slice = 0; slice < streams.slices; ++slice)
+        low = min(low, ld_acquire_cta(&next[st * streams.slices + slice]));  // pairs with the warps' releases
+      if (low > published[round]) {
+        publish(word(i, s), base[st] + low);  // pairs with s's acquire
+        published[round] = low;
+        state = max(state, 1);
+      } else if (low < n) {
+        state = 2;
+        peer = s, a = low, b = n;
+      }
+    }
+    return state;
+  });
 }
 
 }  // namespace epx::dev

@@ -36,7 +36,6 @@ using namespace dev;
 
 constexpr int kThreads = kDataThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxStreams = kMaxDomains * (kMaxNvlRanks - 1);  // NVLink sub-rings one rank reads per channel
 
 // Warps of the network-side block: warp 0 coordinates the senders, then the senders, then the NVLink receivers
 // and (last warp) their coordinator. A domain of one GPU has nothing to receive over NVLink.
@@ -53,8 +52,8 @@ struct SendRoles {
 struct SendShared {
   int progress[kWarps][kMaxDomains];  // sender warp w: every position of stream m below this it owns has arrived
   // NVLink receivers: per (stream, slice) the next ordinal the slice has not copied, and each stream's base.
-  int next[kMaxStreams > kWarps ? kMaxStreams : kWarps];
-  uint64_t base[kMaxStreams];
+  int next[kMaxNvlStreams > kWarps ? kMaxNvlStreams : kWarps];
+  uint64_t base[kMaxNvlStreams];
 };
 
 struct ForwardShared {
@@ -203,12 +202,10 @@ __device__ void sender_coordinator(const InternodeDispatchParams& p, int channel
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < net.num_domains;
   const int m = lane;
-  uint64_t base = 0;
-  int total = 0, published = 0;
-  if (active) {
-    base = read_idle(&ctrl->dispatch_head[channel][m]);  // idle ring: the receiver's base
-    total = channel_count(p.h.rdma_channel_prefix_matrix, m, channel, p.num_channels);
-  }
+  uint64_t base;  // idle ring: head == the receiver's base
+  int total, published = 0;
+  lane_ring(active, ctrl->dispatch_head[channel], p.h.rdma_channel_prefix_matrix, m, channel, p.num_channels, base,
+            total);
   coordinate(p.fail, kRoleNetSenderCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active || published == total) return 0;
     int low = total;
@@ -227,64 +224,22 @@ __device__ void sender_coordinator(const InternodeDispatchParams& p, int channel
   });
 }
 
-// NVLink receivers: stream st = (source domain i, local rank s != this one) is the sub-ring s forwards into for
-// domain i; slices of a stream take ordinals o with o % slices == slice.
-struct RecvStreams {
-  int count;   // D * (G - 1)
-  int slices;  // per stream
-  __device__ static RecvStreams of(int D, int G, int warps) {
-    const int n = D * (G - 1);
-    return {n, n == 0 || n >= warps ? 1 : warps / n};
-  }
-  __device__ static void source(int st, int g, int G, int& i, int& s) {
-    i = st / (G - 1);
-    s = st % (G - 1);
-    s += s >= g ? 1 : 0;
-  }
-};
-
+// NVLink receivers: each record of stream (i, s) that s's forwarder has released (below the tail) goes to its
+// recv_x row.
 __device__ void nvl_receiver(const InternodeDispatchParams& p, int channel, int w, int warps, SendShared& sh) {
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
-  const RecvStreams streams = RecvStreams::of(D, G, warps);
+  const NvlStreams streams = NvlStreams::of(D, G, warps);
   InternodeNvlControl* ctrl = internode_nvl(p.peers, p.peers.rank);
   uint8_t* buffer = p.peers.nvl.local;
-  // This warp's items: (stream, slice) with index item = stream * slices + slice; items w, w + warps, ...
-  const int items = streams.count * streams.slices;
-  SpinBudget budget;
-  while (true) {
-    bool progressed = false, done = true;
-    int wait_peer = -1;
-    uint64_t wait_seen = 0, wait_need = 0;
-    for (int item = w; item < items; item += warps) {
-      const int st = item / streams.slices;
-      int i, s;
-      RecvStreams::source(st, g, G, i, s);
-      const RowRange rows = source_rows(p.h, i * G + s, channel, C);
-      const int n = rows.end - rows.begin;
-      int o = sh.next[item];
-      if (o >= n) continue;
-      done = false;
-      const uint64_t base = sh.base[st];
-      uint64_t tail = 0;
-      if (lane == 0) tail = acquire(&ctrl->dispatch_tail[channel][s][i]);  // pairs with the forwarder's release
-      tail = __shfl_sync(kFullMask, tail, 0);
-      for (; o < n && base + o < tail; o += streams.slices) {
-        write_output_row(p, p.nvl.slot(buffer, channel, s, i, base + o), rows.begin + o, i, lane);
-        progressed = true;
-      }
-      __syncwarp();
-      if (lane == 0) st_release_cta(&sh.next[item], o);  // pairs with the receiver coordinator's acquire
-      if (o < n) wait_peer = s, wait_seen = tail, wait_need = base + o;
-    }
-    if (done) return;
-    if (progressed) {
-      budget.start = 0;
-    } else {
-      budget.tick(p.fail, WaitSite{kRoleNvlReceiver, channel, wait_peer, -1}, int64_t(wait_seen), int64_t(wait_need));
-    }
-  }
+  serve_nvl_streams(
+      p.h, p.fail, kRoleNvlReceiver, channel, C, g, G, w, warps, streams, sh.next, sh.base,
+      ctrl->dispatch_tail[channel], [](uint64_t pos, uint64_t tail) { return pos < tail; },
+      [](uint64_t pos) { return pos; },
+      [&](int i, int s, int row, uint64_t pos) {
+        write_output_row(p, p.nvl.slot(buffer, channel, s, i, pos), row, i, lane);
+      });
 }
 
 // Returns NVLink credit: head of stream (i, s) = its base + the least next ordinal over its slices.
@@ -292,34 +247,12 @@ __device__ void nvl_receiver_coordinator(const InternodeDispatchParams& p, int c
   const int lane = threadIdx.x % 32;
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank, C = p.num_channels;
-  const RecvStreams streams = RecvStreams::of(D, G, SendRoles::of(G).receivers);
-  int published[kMaxStreams / 32 + 1] = {};
-  coordinate(p.fail, kRoleNvlReceiverCoordinator, channel, [&](int& peer, int& a, int& b) {
-    int state = 0;
-    for (int round = 0; round * 32 < streams.count; ++round) {
-      const int st = round * 32 + lane;
-      if (st >= streams.count) continue;
-      int i, s;
-      RecvStreams::source(st, g, G, i, s);
-      const RowRange rows = source_rows(p.h, i * G + s, channel, C);
-      const int n = rows.end - rows.begin;
-      int low = n;
-      for (int slice = 0; slice < streams.slices; ++slice)
-        low = min(low, ld_acquire_cta(&sh.next[st * streams.slices + slice]));
-      if (low > published[round]) {
-        publish(&internode_nvl(p.peers, s)->dispatch_head[channel][g][i], sh.base[st] + low);  // pairs with the
-        published[round] = low;                                                                // forwarder's acquire
-        state = max(state, 1);
-      } else if (low < n) {
-        state = 2;
-        peer = s, a = low, b = n;
-      }
-    }
-    return state;
-  });
+  const NvlStreams streams = NvlStreams::of(D, G, SendRoles::of(G).receivers);
+  coordinate_nvl_streams(p.h, p.fail, kRoleNvlReceiverCoordinator, channel, C, g, G, streams, sh.next, sh.base,
+                         [&](int i, int s) { return &internode_nvl(p.peers, s)->dispatch_head[channel][g][i]; });
   for (int st = lane; st < streams.count; st += 32) {  // where the next operation's sub-rings start
     int i, s;
-    RecvStreams::source(st, g, G, i, s);
+    NvlStreams::source(st, g, G, i, s);
     const RowRange rows = source_rows(p.h, i * G + s, channel, C);
     internode_nvl(p.peers, p.peers.rank)->dispatch_base[channel][s][i] = sh.base[st] + (rows.end - rows.begin);
   }
@@ -331,18 +264,11 @@ __device__ void send_block(const InternodeDispatchParams& p, int channel) {
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, g = net.local_rank;
   const SendRoles roles = SendRoles::of(G);
-  const RecvStreams streams = RecvStreams::of(D, G, roles.receivers > 0 ? roles.receivers : 1);
+  const NvlStreams streams = NvlStreams::of(D, G, roles.receivers > 0 ? roles.receivers : 1);
   for (int x = threadIdx.x; x < kWarps * kMaxDomains; x += blockDim.x)
     sh.progress[x / kMaxDomains][x % kMaxDomains] = 0;
-  if (roles.receivers > 0) {
-    for (int item = threadIdx.x; item < streams.count * streams.slices; item += blockDim.x)
-      sh.next[item] = item % streams.slices;
-    for (int st = threadIdx.x; st < streams.count; st += blockDim.x) {
-      int i, s;
-      RecvStreams::source(st, g, G, i, s);
-      sh.base[st] = read_idle(&internode_nvl(p.peers, p.peers.rank)->dispatch_base[channel][s][i]);
-    }
-  }
+  if (roles.receivers > 0)
+    init_nvl_streams(sh.next, sh.base, streams, g, G, internode_nvl(p.peers, p.peers.rank)->dispatch_base[channel]);
   __syncthreads();
   if (warp == 0) {
     sender_coordinator(p, channel, 1, roles.senders, sh);
@@ -418,12 +344,9 @@ __device__ void forwarder_coordinator(const InternodeDispatchParams& p, int chan
   NetControl* ctrl = net_control(p.peers);
   const bool active = lane < D;
   const int i = lane;
-  uint64_t base = 0;
-  int n = 0;
-  if (active) {
-    base = read_idle(&ctrl->dispatch_base[channel][i]);
-    n = channel_count(p.h.recv_rdma_channel_prefix_matrix, i, channel, C);
-  }
+  uint64_t base;
+  int n;
+  lane_ring(active, ctrl->dispatch_base[channel], p.h.recv_rdma_channel_prefix_matrix, i, channel, C, base, n);
   int forwarded = 0, credited = 0;  // records below these are forwarded (tails published) / credited
   coordinate(p.fail, kRoleForwarderCoordinator, channel, [&](int& peer, int& a, int& b) {
     if (!active) return 0;
@@ -464,11 +387,10 @@ __device__ void forward_block(const InternodeDispatchParams& p, int channel) {
   const NetworkMap& net = p.peers.net;
   const int G = net.num_local, D = net.num_domains, C = p.num_channels;
   constexpr int kForwarders = kWarps - 1;
-  InternodeNvlControl* nvl_ctrl = internode_nvl(p.peers, p.peers.rank);
-  for (int x = threadIdx.x; x < G * D; x += blockDim.x)
-    sh.nvl_base[x / D][x % D] = read_idle(&nvl_ctrl->dispatch_head[channel][x / D][x % D]);  // idle sub-rings
-  init_forward_progress(sh.progress, kForwarders, D, p.h.recv_rdma_channel_prefix_matrix, channel, C);
-  __syncthreads();
+  // The sub-rings this rank forwards into are idle: each starts at its head.
+  init_forward_block(sh.nvl_base, sh.progress, kForwarders,
+                     internode_nvl(p.peers, p.peers.rank)->dispatch_head[channel], G, D,
+                     p.h.recv_rdma_channel_prefix_matrix, channel, C);
   if (warp < kForwarders)
     forwarder(p, channel, warp, kForwarders, sh);
   else
@@ -477,12 +399,7 @@ __device__ void forward_block(const InternodeDispatchParams& p, int channel) {
 
 __global__ void __launch_bounds__(kThreads, 1)
     internode_dispatch_kernel(const __grid_constant__ InternodeDispatchParams p) {
-  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
-  const int channel = blockIdx.x / 2;
-  if (blockIdx.x % 2 == 0)
-    send_block(p, channel);
-  else
-    forward_block(p, channel);
+  run_channel_blocks<send_block, forward_block>(p);
 }
 
 }  // namespace
