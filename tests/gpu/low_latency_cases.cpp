@@ -292,6 +292,14 @@ std::vector<Case> low_latency_cases() {
     c.num_topk = 1;  // one row per token: partial = bf16(w * row), then the sum of one
     cases.push_back(step_case("ll: rank-reduced, top-1", c));
   }
+  {
+    // More than 8 of a token's rows on one rank (at 2 ranks most tokens have 9 or more of their 16 experts on one
+    // of them): the expert rank sums those a slice at a time, in rounds of rows.
+    auto c = rank_case(64, 2176, false, 258);
+    c.num_topk = 16;
+    c.num_experts = 32;
+    cases.push_back(step_case("ll: rank-reduced, top-16 of 32 (more than 8 rows of a token on a rank)", c));
+  }
   cases.push_back(step_case("ll: rank-reduced, receive hook", rank_case(128, 7168, false, 251), true));
   cases.push_back(step_case("ll: rank-reduced, receive hook, fp8 dispatch", rank_case(128, 7168, true, 252), true));
   {
