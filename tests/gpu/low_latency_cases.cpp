@@ -278,6 +278,12 @@ std::vector<Case> low_latency_cases() {
         auto top1 = rank_case(128, 7168, false, 256);
         top1.num_topk = 1;  // one row per token: partial = bf16(w * row), then the sum of one
         own.push_back(step_case("ll: rank-reduced, top-1", top1));
+        // More than 8 of a token's rows on one rank (at 2 ranks most tokens have 9 or more of their 16 experts on
+        // one of them): the expert rank sums those a slice at a time, in rounds of rows.
+        auto top16 = rank_case(64, 2176, false, 258);
+        top16.num_topk = 16;
+        top16.num_experts = 32;
+        own.push_back(step_case("ll: rank-reduced, top-16 of 32 (more than 8 rows of a token on a rank)", top16));
       });
   // The order is chosen per call: flat and rank-reduced combines alternate on one buffer (on handles whose
   // dispatch carried the weights), a receive that does not repeat its send's reduction is rejected, and so are

@@ -295,6 +295,30 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
         cudaStreamSynchronize(stream);
       },
       [&] { s.combine(kLowLatencyRecvPhase); }));
+  // The same three rows in the rank-reduced order (a receive must repeat its send's order, so each block of calls
+  // starts and ends with no send outstanding in the other order).
+  rank_reduced_row([&] {
+    s.combine(kLowLatencySendPhase);
+    return measure(
+        bs, stream, "combine rank-reduced send phase (hook)", plan, [&](int) { s.combine(kLowLatencyRecvPhase); },
+        [&] { s.combine(kLowLatencySendPhase); });
+  });
+  rank_reduced_row([&] {
+    Row r = measure_queued(
+        bs, stream, "combine rank-reduced send phase (hook, queued)", plan, [&] { s.combine(kLowLatencySendPhase); },
+        [&](int) { s.combine(kLowLatencyRecvPhase); });
+    s.combine(kLowLatencyRecvPhase);
+    return r;
+  });
+  rank_reduced_row([&] {
+    return measure(
+        bs, stream, "combine rank-reduced recv phase (hook)", plan,
+        [&](int) {
+          s.combine(kLowLatencySendPhase);
+          cudaStreamSynchronize(stream);
+        },
+        [&] { s.combine(kLowLatencyRecvPhase); });
+  });
 
   rows.push_back(measure_queued(bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16") + " (queued)", plan,
                                 [&] { s.dispatch(kLowLatencyBothPhases); }));
