@@ -320,9 +320,10 @@ __device__ __noinline__ void send_partials(const LowLatencyCombineParams& p, con
 // source rank s (from the layout range). s_items counts the block's items per (local expert, source) pair.
 // kLogfmt: each item goes as its LogFMT block (an item of kChunk int4 is 8 groups: one block).
 // kRank: the rank-reduced order (send_partials).
-template <bool kLogfmt, bool kRank = false>
+template <bool kLogfmt, bool kRank, bool kShrink>
 __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
   static_assert(kChunk == kLogfmtGroupsPerBlock * kLogfmtGroupInt4, "a work item encodes into one LogFMT block");
+  const RankMask mask = shrink_mask<kShrink>(p.mask);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.peers.rank;
   const int L = p.num_experts / R;
@@ -351,15 +352,15 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   __shared__ uint32_t s_skip;
   if (warp == 0) {
     if (lane < R)
-      wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, p.mask, me, lane, p.fail,
+      wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, mask, me, lane, p.fail,
                           WaitSite{kRoleLowLatencyCombineSend, -1, lane, -1});
-    if (p.mask.words != nullptr) {
+    if (kShrink) {
       __syncwarp();  // the lanes' masking stores (atomicExch) come before lane 0's reads
-      if (lane == 0) s_skip = left_out_ranks(p.mask, me, R);
+      if (lane == 0) s_skip = left_out_ranks(mask, me, R);
     }
   }
   __syncthreads();
-  const uint32_t skip = p.mask.words != nullptr ? s_skip : 0u;
+  const uint32_t skip = kShrink ? s_skip : 0u;
   if (warp == 0) {
     int carry = 0;
     for (int base = 0; base < L; base += 32) {
@@ -562,7 +563,8 @@ __device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p
     }
     __syncthreads();  // s_partial is rewritten for the next token
   }
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, p.mask);
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks,
+                 shrink_mask<false>(p.mask));  // no rank masking in this order
 }
 
 // Block b reduces tokens b, b+G, ... as soon as the arrival counters of that token's experts reach their
@@ -572,8 +574,9 @@ __device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p
 // instantiation, so that the receive of a hook reads every row from the receive area without a pointer per slot
 // (fewer spills; one version for both measured within the noise, docs/bench-notes.md).
 // kLogfmt: every slot holds a LogFMT row (layout/logfmt.hpp), decoded to float32 before the weighted sum.
-template <bool kInPlace, bool kLogfmt>
+template <bool kInPlace, bool kLogfmt, bool kShrink>
 __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
+  const RankMask mask = shrink_mask<kShrink>(p.mask);
   static_assert(!(kInPlace && kLogfmt), "LogFMT rows are all in the receive area");
   __shared__ int s_expert[kMaxTopk];  // token t's experts, -1 where skipped
   __shared__ float s_weight[kMaxTopk];
@@ -604,13 +607,13 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
         const int slot = arrival_slot(int(e) / L, int(e) % L, p.num_ranks);
         uint64_t posted = 0;
         valid = wait_for_rank(
-            targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.mask, me, int(e) / L, p.fail,
+            targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, mask, me, int(e) / L, p.fail,
             site, &posted);
         const int32_t total = int32_t(uint32_t(posted));
         int32_t seen = 0;
         if (valid)
           valid = wait_for_rank(
-              arrived + slot, [total](int32_t v) { return int32_t(uint32_t(v) - uint32_t(total)) >= 0; }, total, p.mask,
+              arrived + slot, [total](int32_t v) { return int32_t(uint32_t(v) - uint32_t(total)) >= 0; }, total, mask,
               me, int(e) / L, p.fail, site, &seen);
       }
       s_expert[k] = valid ? int(e) : -1;
@@ -657,7 +660,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   }
   // The counters stay as they are (running totals; an add no token here waited for may still be on its way,
   // and lands before any of its sender's later writes to this set, which wait for this block's epoch).
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, p.mask);
+  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
 // Dynamic shared memory of a launch: the rank-reduced send's token bitmap and its word prefix (send_partials); none
@@ -676,23 +679,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   allow_next_grid();
   // The order is chosen before the row format: the runtime's format word carries the reduction in bit 1 (2 for
   // rank-reduced), and the runtime refuses LogFMT with the rank-reduced order; only bit 0 means LogFMT rows.
+  // A buffer with rank masking runs the phases instantiated for it (kShrink), one without runs none of its code;
+  // the rank-reduced order is refused with rank masking.
+  const bool shrink = p.mask.words != nullptr;
   if (p.phases & kLowLatencySend) {
     if (p.rank_reduced)
-      send_phase<false, true>(p, s_first, s_range, s_items);
+      send_phase<false, true, false>(p, s_first, s_range, s_items);
+    else if ((p.logfmt & 1) && shrink)
+      send_phase<true, false, true>(p, s_first, s_range, s_items);
     else if (p.logfmt & 1)
-      send_phase<true>(p, s_first, s_range, s_items);
+      send_phase<true, false, false>(p, s_first, s_range, s_items);
+    else if (shrink)
+      send_phase<false, false, true>(p, s_first, s_range, s_items);
     else
-      send_phase<false>(p, s_first, s_range, s_items);
+      send_phase<false, false, false>(p, s_first, s_range, s_items);
   }
   if (p.phases & kLowLatencyRecv) {
+    const bool in_place = (p.phases & kLowLatencySend) != 0;
     if (p.rank_reduced)
       receive_rank_phase(p);
+    else if ((p.logfmt & 1) && shrink)
+      receive_phase<false, true, true>(p);
     else if (p.logfmt & 1)
-      receive_phase<false, true>(p);
-    else if (p.phases & kLowLatencySend)
-      receive_phase<true, false>(p);
+      receive_phase<false, true, false>(p);
+    else if (in_place && shrink)
+      receive_phase<true, false, true>(p);
+    else if (in_place)
+      receive_phase<true, false, false>(p);
+    else if (shrink)
+      receive_phase<false, false, true>(p);
     else
-      receive_phase<false, false>(p);
+      receive_phase<false, false, false>(p);
   }
 }
 
