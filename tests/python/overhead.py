@@ -5,9 +5,10 @@
 
 For cached dispatch, combine, low-latency dispatch and low-latency combine (small sizes, so that the GPU work is
 short), it times N back-to-back calls with perf_counter (host time per call: argument checks, stream choreography,
-output allocation and the C call) and with CUDA events on the current stream (time per call on the GPU, including
-what the stream waits for), once through the Python API and once calling the C function through ctypes with
-prebuilt argument structs and preallocated outputs. Every rank makes the same calls (they are collective); rank 0
+output allocation and the C call) and with CUDA events (time per call on the GPU, including what the stream waits
+for), once through the Python API (events on the current stream, where its results are ready) and once calling
+the C function through ctypes with prebuilt argument structs and preallocated outputs (events on the communication
+stream, where those calls run). Every rank makes the same calls (they are collective); rank 0
 prints the slowest rank's numbers (the JSON has every rank's). The best of several repetitions is kept.
 Low-latency dispatch and combine must alternate, so they are timed as a pair, and each half on its own inside the
 same loop (host time only). Two rows at the issue's target shapes: get_dispatch_layout at 4096 tokens, top-8 of
@@ -41,19 +42,22 @@ DECODE_HIDDEN, DECODE_EXPERTS, DECODE_TOPK = 7168, 288, 8  # the decoding shape 
 LAYOUT_TOKENS, LAYOUT_EXPERTS, LAYOUT_TOPK = 4096, 256, 8
 
 
-def timed(fn, calls, reps):
-    """-> (best host microseconds per call, best GPU microseconds per call)."""
+def timed(fn, calls, reps, stream=None):
+    """-> (best host microseconds per call, best GPU microseconds per call). The events go on `stream` (a raw
+    cudaStream_t, for the ctypes calls, which run there), else on the current stream (where the Python API's
+    results are ready)."""
     best_host = best_gpu = float("inf")
+    on = torch.cuda.ExternalStream(stream) if stream is not None else torch.cuda.current_stream()
     for _ in range(reps):
         dist.barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(on)
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         t1 = time.perf_counter()
-        end.record()
+        end.record(on)
         torch.cuda.synchronize()
         best_host = min(best_host, (t1 - t0) / calls * 1e6)
         best_gpu = min(best_gpu, start.elapsed_time(end) / calls * 1e3)
@@ -103,8 +107,8 @@ def intranode(rank, world, calls, reps):
     lib, ptr, stream = epx.lib(), buffer._ptr(), buffer._streams.comm_raw
     raw_dispatch, raw_combine = intranode_calls(lib, ptr, stream, config.to_c(), epx.Buffer._handle_struct(handle), x,
                                                 itr, recv_x, recv_w, w, HIDDEN, TOPK)
-    rows["dispatch (cached)"].append(timed(raw_dispatch, calls, reps))
-    rows["combine"].append(timed(raw_combine, calls, reps))
+    rows["dispatch (cached)"].append(timed(raw_dispatch, calls, reps, stream))
+    rows["combine"].append(timed(raw_combine, calls, reps, stream))
     torch.cuda.synchronize()
     buffer.destroy()
     return rows
@@ -154,7 +158,7 @@ def low_latency(rank, world, calls, reps):
         raw_dispatch()
         raw_combine()
 
-    rows["low-latency dispatch + combine"].append(timed(raw_pair, calls, reps))
+    rows["low-latency dispatch + combine"].append(timed(raw_pair, calls, reps, stream))
 
     raw_halves = timed_halves(raw_dispatch, raw_combine, calls, reps)
     nan = float("nan")  # the halves have no GPU time of their own (they run interleaved)
@@ -174,7 +178,7 @@ def layout(rank, world, calls, reps):
                                                            calls, reps)]}
     lib, ptr, stream = epx.lib(), buffer._ptr(), buffer._streams.comm_raw
     rows["get_dispatch_layout 4096 top-8/256"].append(timed(layout_call(lib, ptr, stream, idx, LAYOUT_EXPERTS, world),
-                                                            calls, reps))
+                                                            calls, reps, stream))
     torch.cuda.synchronize()
     buffer.destroy()
     return rows
