@@ -165,6 +165,23 @@ __device__ __forceinline__ void put_warp_once(const RegionMap& region, int peer,
   put_warp<kUnroll>(region, peer, dst, src, n, lane, load);
 }
 
+// Warp-collective: int4 values held in registers (lane's j-th for dst[j * 32 + lane], those below n <= 32 *
+// kUnroll) into peer's copy, with put_warp's contract. Through a peer pointer they are stored straight from the
+// registers; for NVSHMEM they are first stored at `staging` (this rank's symmetric memory, n int4 the caller
+// owns until the put is complete), the source of the put.
+template <int kUnroll>
+__device__ __forceinline__ void put_warp_values(const RegionMap& region, int peer, int4* dst, const int4 (&v)[kUnroll],
+                                                int n, int lane, int4* staging) {
+  int4* out = has_peer_pointer(region, peer) ? at_peer(region, peer, dst) : staging;
+#pragma unroll
+  for (int j = 0; j < kUnroll; ++j)
+    if (j * 32 + lane < n) st_na(out + j * 32 + lane, v[j]);
+  if (has_peer_pointer(region, peer)) return;
+  __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
+  __syncwarp();
+  put_warp<kUnroll>(region, peer, dst, staging, n, lane, LoadNc{});
+}
+
 // One int32 into `mine`'s place in peer's copy, with put_warp's contract. One thread.
 __device__ __forceinline__ void put_int(const RegionMap& region, int peer, int32_t* mine, int32_t value) {
   if (has_peer_pointer(region, peer)) {

@@ -19,12 +19,10 @@
 // writes that instead (NVSHMEM peers: staged at the item's own place in the combine-send area, which the block never
 // outgrows), every row including this rank's own (no rows read in place); the receive phase decodes each slot's row
 // to float32 before the same weighted sum. A separate instantiation of each phase, so the BF16 path is unchanged.
-// Rank-reduced (EPX_REDUCE_RANK): the same targets and counters; the work items are the (source, token) pairs with a
-// row here (listed from the layout, the same list in every block) times the row's parts, spread block-minor over the
-// grid. An item sums that part of all the token's rows here (weights and slots from the dispatch, recv_topk_slots),
-// their loads in flight together, and sends the bf16 partial into the slot of the token's first expert here; it
-// counts once toward the pair of each of those rows, so every pair's count stays the flat one. The source sums one
-// partial per rank (receive_rank_phase). Own rows are never read in place. A separate instantiation of each phase too.
+// Rank-reduced (EPX_REDUCE_RANK): the same items, targets and counters; the item of a token's first row on this rank
+// sums that part of all the token's rows here (weights and slots from the dispatch, recv_topk_slots) and sends the
+// bf16 partial; the other rows' items send nothing. The source sums one partial per rank (receive_rank_phase). Own
+// rows are never read in place. A separate instantiation of each phase too.
 // Rank masking (enable_shrink, kernels/low_latency/shrink.cuh): no targets, rows or arrival adds go to a rank left
 // out (its pairs' running totals stay as they are), and a slot whose expert is on a rank left out, or on a rank
 // masked while this call waited for it, counts as -1.
@@ -65,261 +63,54 @@ __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, in
   return reinterpret_cast<int32_t*>(receive + slot * row_int4);
 }
 
-// The local expert of packed row g of the concatenation of every local expert's rows: the largest i with
-// s_first[i] <= g (s_first: the exclusive prefix of the experts' row counts, s_first[L] the total). It and
-// source_of serve the rank-reduced send; send_phase's item loop spells out the same searches, so that the flat and
-// LogFMT instantiations compile as they did (through these helpers their PTX differs).
-__device__ __forceinline__ int local_expert_of(const int* s_first, int L, int g) {
-  int lo = 0, hi = L;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (s_first[mid] <= g)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
-// The source rank of row n of local expert i: rows are by source, ascending (s_range: (begin, count) per pair).
-__device__ __forceinline__ int source_of(const int2* s_range, int i, int R, int n) {
-  int s = 0;
-  while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;
-  return s;
-}
-
-// acc[e] += w * float(element e of the 8 bf16 in v), the product rounded to float32 before the add (no fused
-// multiply-add: the reference multiplies, then adds).
-__device__ __forceinline__ void add_weighted_bf16x8(float (&acc)[8], float w, const int4& v) {
-  const uint32_t words[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+// Rank-reduced (kRank): the item [first, last) of row `row` (source s, token t, local expert i = row / (R*M), global
+// expert e). Only the token's first row here (its lowest slot k on this rank, recv_topk_slots) sends: the item's
+// part of the partial bf16(sum over the token's slots on this rank, k ascending, of w * float(row)), float32
+// multiply then add from 0, one rounding, into the source's slot of expert e. The other rows' items send nothing;
+// they still count as sent, so every pair's target stays the flat combine's and the source awaits the first
+// expert's counter.
+__device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p, int64_t row, int s, int t, int e,
+                                               int first, int last, int lane, int4* receive, int4* stage) {
+  constexpr int kPer = kChunk / 32;  // int4 per lane
+  const int K = p.num_topk, row_int4 = p.hidden / 8;
+  const int2 entry = lane < K ? p.recv_topk_slots[(int64_t(s) * p.max_tokens + t) * K + lane] : make_int2(-1, 0);
+  const uint32_t here = __ballot_sync(kFullMask, entry.x >= 0);
+  if (here == 0 || __shfl_sync(kFullMask, entry.x, __ffs(here) - 1) != int(row)) return;  // not the first row
+  float acc[kPer][8] = {};
+  for (uint32_t m = here; m != 0; m &= m - 1) {
+    const int k = __ffs(m) - 1;  // ascending
+    const int64_t rk = __shfl_sync(kFullMask, entry.x, k);
+    const float w = __int_as_float(__shfl_sync(kFullMask, entry.y, k));
+    const int4* src = p.x + rk * row_int4 + first;
+    int4 v[kPer];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    acc[2 * c] = __fadd_rn(acc[2 * c], __fmul_rn(w, __uint_as_float(words[c] << 16)));
-    acc[2 * c + 1] = __fadd_rn(acc[2 * c + 1], __fmul_rn(w, __uint_as_float(words[c] & 0xffff0000u)));
-  }
-}
-
-// int4 per lane of a rank-reduced item (kChunk int4): slice j is int4 first + 32 j + lane of its rows.
-constexpr int kSlices = kChunk / 32;
-// Row loads per lane in flight in the rank-reduced send (the registers a 1024-thread block allows).
-constexpr int kPartialLoads = 8;
-
-// Where lane `lane` reads slice j of a row of the item [first, last): past the row's end (its last item) the last
-// int4 instead, so that no load is predicated (those lanes store nothing).
-__device__ __forceinline__ int slice_offset(int first, int last, int j, int lane) {
-  return min(first + j * 32 + lane, last - 1);
-}
-
-// The kRows rows of a rank-reduced item summed into its partial (lane m of `row` / `weight`: the m-th row here,
-// ascending k, and its weight bits), every slice stored to out[32 j] (+ lane) once its rows are added. A round
-// issues the loads of as many whole slices as kPartialLoads allows, then adds them in ascending k.
-template <int kRows>
-__device__ __forceinline__ void sum_partial_rows(const int4* x, int row_int4, int row, int weight, int first, int last,
-                                                 int lane, int4* out) {
-  constexpr int kPerRound =
-      kRows >= kPartialLoads ? 1 : (kPartialLoads / kRows < kSlices ? kPartialLoads / kRows : kSlices);
-  static_assert(kSlices % kPerRound == 0, "rounds of whole slices");
+    for (int j = 0; j < kPer; ++j)
+      if (first + j * 32 + lane < last) v[j] = ld_nc(src + j * 32 + lane);
 #pragma unroll
-  for (int j0 = 0; j0 < kSlices; j0 += kPerRound) {
-    int4 v[kPerRound][kRows];
+    for (int j = 0; j < kPer; ++j) {
+      if (first + j * 32 + lane >= last) continue;
+      const uint32_t words[4] = {uint32_t(v[j].x), uint32_t(v[j].y), uint32_t(v[j].z), uint32_t(v[j].w)};
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) {
-      const int4* src = x + int64_t(__shfl_sync(kFullMask, row, m)) * row_int4;
-#pragma unroll
-      for (int jj = 0; jj < kPerRound; ++jj) v[jj][m] = ld_nc(src + slice_offset(first, last, j0 + jj, lane));
-    }
-#pragma unroll
-    for (int jj = 0; jj < kPerRound; ++jj) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int m = 0; m < kRows; ++m)
-        add_weighted_bf16x8(acc, __int_as_float(__shfl_sync(kFullMask, weight, m)), v[jj][m]);
-      if (first + (j0 + jj) * 32 + lane < last) st_na(out + (j0 + jj) * 32, pack_bf16x8(acc));
-    }
-  }
-}
-
-// sum_partial_rows for more than kPartialLoads rows (top-k above 8): a slice at a time, its rows in rounds of
-// kPartialLoads (the sum carried across rounds).
-__device__ __forceinline__ void sum_many_partial_rows(const int4* x, int row_int4, int rows, int row, int weight,
-                                                      int first, int last, int lane, int4* out) {
-  for (int j = 0; j < kSlices; ++j) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int m0 = 0; m0 < rows; m0 += kPartialLoads) {
-      int4 v[kPartialLoads];
-#pragma unroll
-      for (int q = 0; q < kPartialLoads; ++q) {  // past the last row: row m0 again, not added
-        const int m = m0 + q < rows ? m0 + q : m0;
-        v[q] = ld_nc(x + int64_t(__shfl_sync(kFullMask, row, m)) * row_int4 + slice_offset(first, last, j, lane));
+      for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
+        acc[j][2 * q] = __fadd_rn(acc[j][2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
+        acc[j][2 * q + 1] = __fadd_rn(acc[j][2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
       }
+    }
+  }
+  int4 out[kPer];
 #pragma unroll
-      for (int q = 0; q < kPartialLoads; ++q)
-        if (m0 + q < rows) add_weighted_bf16x8(acc, __int_as_float(__shfl_sync(kFullMask, weight, m0 + q)), v[q]);
-    }
-    if (first + j * 32 + lane < last) st_na(out + j * 32, pack_bf16x8(acc));
-  }
-}
-
-// Rank-reduced (kRank): the item `part` (int4 [first, last) of the row) of the partial row of source s's token t,
-// one of the (source, token) pairs with a row here (list_partial_tokens). The partial is bf16(sum over the token's
-// slots on this rank, k ascending, of w * float(row)), float32 multiply then add from 0, one rounding (weights and
-// rows from the dispatch, recv_topk_slots); it goes into the source's slot of the token's first expert here (lowest
-// k). The item counts once toward the pair (local expert, s) of every one of the token's rows, so that over all
-// items each pair counts rows x parts, the flat combine's target: the source awaits the first expert's counter,
-// which thus covers this item.
-__device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p, int s, int t, int part, int lane,
-                                               int4* receive, int4* stage, int* s_items) {
-  const int K = p.num_topk, R = p.num_ranks, M = p.max_tokens, row_int4 = p.hidden / 8;
-  const int L = p.num_experts / R;
-  const int rows_per_expert = R * M;  // packed rows: L * R * M <= E * M, far below 2^31
-  // Lane k: slot k's (packed row, weight bits); -1 where the slot's expert is on another rank. Every entry of a
-  // listed token was written by the dispatch. The bound keeps the loads inside x even if the protocol broke.
-  const int2 entry = lane < K ? p.recv_topk_slots[(int64_t(s) * M + t) * K + lane] : make_int2(-1, 0);
-  const bool mine = entry.x >= 0 && entry.x < L * rows_per_expert;
-  const uint32_t rows = __ballot_sync(kFullMask, mine);
-  if (rows == 0) return;  // a listed token has a row here: only a broken protocol gets here
-  if (mine) atomicAdd_block(&s_items[entry.x / rows_per_expert * R + s], 1);
-  const int n = __popc(rows);
-  // Lane m < n: the m-th row here (ascending k) and its weight.
-  uint32_t below = rows;
-  for (int m = 0; m < min(lane, n); ++m) below &= below - 1;
-  const int from = below != 0 ? __ffs(below) - 1 : 0;
-  const int row = __shfl_sync(kFullMask, entry.x, from), weight = __shfl_sync(kFullMask, entry.y, from);
-  const int first = part * kChunk, last = min(first + kChunk, row_int4);
-  const int row0 = __shfl_sync(kFullMask, row, 0);  // the token's first row here
-  const int e = p.peers.rank * L + row0 / rows_per_expert;
-  int4* dst = receive + (int64_t(e) * M + t) * row_int4 + first;
-  // NVSHMEM peers: staged at the first row's own place in the combine-send area (with zero-copy that is x itself:
-  // this item's part of that row, which only this item reads; each lane stores a slice after its own load of it).
-  int4* staged = stage + int64_t(row0) * row_int4 + first;
-  const bool direct = has_peer_pointer(p.peers.ll, s);
-  int4* out = (direct ? at_peer(p.peers.ll, s, dst) : staged) + lane;
-  switch (n) {  // the same in every lane: every shuffle below sees the whole warp
-    case 1:
-      sum_partial_rows<1>(p.x, row_int4, row, weight, first, last, lane, out);
-      break;
-    case 2:
-      sum_partial_rows<2>(p.x, row_int4, row, weight, first, last, lane, out);
-      break;
-    case 3:
-      sum_partial_rows<3>(p.x, row_int4, row, weight, first, last, lane, out);
-      break;
-    case 4:
-      sum_partial_rows<4>(p.x, row_int4, row, weight, first, last, lane, out);
-      break;
-    case 5:
-      sum_partial_rows<5>(p.x, row_int4, row, weight, first, last, lane, out);
-      break;
-    case 6:
-      sum_partial_rows<6>(p.x, row_int4, row, weight, first, last, lane, out);
-      break;
-    case 7:
-      sum_partial_rows<7>(p.x, row_int4, row, weight, first, last, lane, out);
-      break;
-    case 8:
-      sum_partial_rows<8>(p.x, row_int4, row, weight, first, last, lane, out);
-      break;
-    default:
-      sum_many_partial_rows(p.x, row_int4, n, row, weight, first, last, lane, out);
-  }
-  if (direct) return;
-  __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
-  __syncwarp();
-  put_warp_once<kSlices>(p.peers.ll, s, dst, staged, last - first, lane, LoadNc{});
-}
-
-// Words of the rank-reduced send's token bitmap over [R][M] (list_partial_tokens).
-__host__ __device__ __forceinline__ int partial_token_words(int num_ranks, int max_tokens) {
-  return (num_ranks * max_tokens + 31) / 32;
-}
-
-// Rank-reduced (kRank): the (source, token) pairs this rank sends a partial row for, as a bitmap over [R][M] in
-// s_bits (s_word_first: the set bits before each word; the return value: all of them), the same in every block.
-// A token is listed iff a row of this layout names it (recv_src_info of a row of the pair (i, s), read from the
-// layout ranges): exactly the tokens whose recv_topk_slots entries the dispatch wrote (all K of them,
-// note_topk_slot). The entries of other tokens are never written and never read. Sources in `skip` are left out.
-__device__ __noinline__ int list_partial_tokens(const LowLatencyCombineParams& p, const int* s_first,
-                                                const int2* s_range, uint32_t skip, uint32_t* s_bits,
-                                                int* s_word_first) {
-  constexpr int kRowsPerRound = 4;  // rows per thread whose source-info loads are in flight together
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int R = p.num_ranks, M = p.max_tokens;
-  const int L = p.num_experts / R;
-  const int64_t rows_per_expert = int64_t(R) * M;
-  const int words = partial_token_words(R, M), total = s_first[L];
-  for (int w = threadIdx.x; w < words; w += kThreads) s_bits[w] = 0;
-  __syncthreads();
-  for (int g0 = threadIdx.x; g0 < total; g0 += kRowsPerRound * kThreads) {
-    int src[kRowsPerRound], token[kRowsPerRound];
-#pragma unroll
-    for (int q = 0; q < kRowsPerRound; ++q) {
-      const int g = g0 + q * kThreads;
-      src[q] = -1;
-      if (g >= total) continue;
-      const int i = local_expert_of(s_first, L, g), n = g - s_first[i];
-      src[q] = source_of(s_range, i, R, n);
-      token[q] = p.recv_src_info[int64_t(i) * rows_per_expert + n];
-    }
-#pragma unroll
-    for (int q = 0; q < kRowsPerRound; ++q) {
-      const int s = src[q], t = token[q];
-      if (s < 0 || (skip >> s & 1) || t < 0 || t >= M) continue;  // a token outside [0, M): a broken protocol
-      const int bit = s * M + t;
-      atomicOr_block(&s_bits[bit / 32], 1u << (bit % 32));
-    }
-  }
-  __syncthreads();
-  if (warp == 0) {
-    int carry = 0;
-    for (int base = 0; base < words; base += 32) {
-      const int w = base + lane;
-      const int n = w < words ? __popc(s_bits[w]) : 0;
-      const int incl = warp_inclusive_scan(n);
-      if (w < words) s_word_first[w] = carry + incl - n;
-      carry += __shfl_sync(kFullMask, incl, 31);
-    }
-    if (lane == 0) s_word_first[words] = carry;
-  }
-  __syncthreads();
-  return s_word_first[words];
-}
-
-// Rank-reduced (kRank): the partial rows of the listed tokens, in items of kChunk int4 (one per token and part).
-// Listed token c goes to block c % G, whose warps take its tokens' items in turn: every SM reads its share of the
-// local rows, and a block's items touch few (local expert, source) pairs (one arrival add each at the end).
-// s_items counts the block's items per pair (send_partial_item).
-__device__ __noinline__ void send_partials(const LowLatencyCombineParams& p, const int* s_first, const int2* s_range,
-                                           int* s_items, uint32_t skip, int4* receive, int4* stage) {
-  extern __shared__ uint32_t s_dynamic[];  // combine_smem_bytes
-  const int M = p.max_tokens, words = partial_token_words(p.num_ranks, M);
-  uint32_t* s_bits = s_dynamic;
-  int* s_word_first = reinterpret_cast<int*>(s_dynamic + words);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int parts = (p.hidden / 8 + kChunk - 1) / kChunk;
-  const int tokens = list_partial_tokens(p, s_first, s_range, skip, s_bits, s_word_first);
-  for (int w = warp;; w += kWarps) {  // the block's w-th item: part w % parts of its (w / parts)-th token
-    const int c = blockIdx.x + w / parts * gridDim.x, part = w % parts;
-    if (c >= tokens) break;
-    int lo = 0, hi = words;  // the word holding the c-th listed token: the largest with s_word_first <= c
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (s_word_first[mid] <= c)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    uint32_t m = s_bits[lo];
-    for (int k = s_word_first[lo]; k < c; ++k) m &= m - 1;
-    const int bit = lo * 32 + __ffs(m) - 1;
-    send_partial_item(p, bit / M, bit % M, part, lane, receive, stage, s_items);
-  }
+  for (int j = 0; j < kPer; ++j) out[j] = pack_bf16x8(acc[j]);
+  // NVSHMEM peers: staged at the row's own place in the combine-send area (with zero-copy that is x itself: this
+  // item's part of the row, which only this item reads, and its loads are done).
+  put_warp_values<kPer>(p.peers.ll, s, receive + (int64_t(e) * p.max_tokens + t) * row_int4 + first, out, last - first,
+                        lane, stage + row * row_int4 + first);
 }
 
 // Rows this rank sends back, in items of kChunk int4 spread over the whole grid's warps. Row g of the
 // concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and
 // source rank s (from the layout range). s_items counts the block's items per (local expert, source) pair.
 // kLogfmt: each item goes as its LogFMT block (an item of kChunk int4 is 8 groups: one block).
-// kRank: the rank-reduced order (send_partials).
+// kRank: the rank-reduced order (send_partial_item).
 template <bool kLogfmt, bool kRank, bool kShrink>
 __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
   static_assert(kChunk == kLogfmtGroupsPerBlock * kLogfmtGroupInt4, "a work item encodes into one LogFMT block");
@@ -393,74 +184,72 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     sent[pair] = target;
     post64(p.peers.ll, s, targets + arrival_slot(me, i, R), uint64_t(k_ops + 1u) << 32 | uint32_t(target));
   }
-  if constexpr (kRank) {
-    send_partials(p, s_first, s_range, s_items, skip, receive, stage);
-  } else {
-    // With both phases in this launch, this rank's own rows are not copied: the receive phase reads them from x
-    // in place, through the row index each one leaves in its receive slot (local_row_of). A send-only launch
-    // (hook) copies them, since x may change before the hook runs.
-    const bool local_in_place = !kLogfmt && (p.phases & kLowLatencyRecv) != 0;
-    const int64_t slot_int4 = kLogfmt ? logfmt_row_bytes(p.hidden) / 16 : row_int4;  // a receive slot (one row)
-    // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
-    // the start of the next): faster than items a grid apart, than 4 adjacent ones, and than spreading a block's
-    // warps over many rows (docs/bench-notes.md). The block completes its items once, after this loop.
-    constexpr int kBatch = 2;
-    for (int w0 = (blockIdx.x * kWarps + warp) * kBatch; w0 < total * parts; w0 += kBatch * warps) {
-      int b_pair[kBatch];
+  // With both phases in this launch, this rank's own rows are not copied: the receive phase reads them from x
+  // in place, through the row index each one leaves in its receive slot (local_row_of). A send-only launch
+  // (hook) copies them, since x may change before the hook runs.
+  const bool local_in_place = !kLogfmt && !kRank && (p.phases & kLowLatencyRecv) != 0;
+  const int64_t slot_int4 = kLogfmt ? logfmt_row_bytes(p.hidden) / 16 : row_int4;  // a receive slot (one row)
+  // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
+  // the start of the next): faster than items a grid apart, than 4 adjacent ones, and than spreading a block's
+  // warps over many rows (docs/bench-notes.md). The block completes its items once, after this loop.
+  constexpr int kBatch = 2;
+  for (int w0 = (blockIdx.x * kWarps + warp) * kBatch; w0 < total * parts; w0 += kBatch * warps) {
+    int b_pair[kBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int w = w0 + j;
-        b_pair[j] = -1;                    // every slot is set, also those past the end: lane 0 reads them all
-        if (w >= total * parts) continue;  // (a break here left slots j + 1.. unset once kBatch > 2)
-        const int g = w / parts, part = w % parts;
-        int lo = 0, hi = L;  // largest i with s_first[i] <= g
-        while (hi - lo > 1) {
-          const int mid = (lo + hi) / 2;
-          if (s_first[mid] <= g)
-            lo = mid;
-          else
-            hi = mid;
-        }
-        const int i = lo, n = g - s_first[i];
-        int s = 0;
-        while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;  // rows are by source, ascending
-        if (skip >> s & 1) continue;  // a source left out: nothing is written there (b_pair[j] stays -1)
-        const int e = me * L + i;
-        const int64_t row = int64_t(i) * rows_per_expert + n;
-        const int t = p.recv_src_info[row];
-        const int first = part * kChunk, last = min(first + kChunk, row_int4);
-        const int4* src = p.x + row * row_int4 + first;
-        if constexpr (kLogfmt) {
-          int4* block = receive + (int64_t(e) * M + t) * slot_int4 + part * (kLogfmtBlockBytes / 16);
-          const int n = last - first, block_int4 = 1 + n / kLogfmtGroupInt4 * (kLogfmtGroupBytes / 16);
-          if (has_peer_pointer(p.peers.ll, s)) {
-            logfmt_encode_block<kChunk / 32>(at_peer(p.peers.ll, s, block), src, n, lane, LoadNc{}, StoreNa{});
-          } else {  // NVSHMEM puts read symmetric memory; src itself when zero-copy (every load is done first)
-            int4* staged = stage + row * row_int4 + first;
-            logfmt_encode_block<kChunk / 32>(staged, src, n, lane, LoadNc{}, StoreNa{});
-            __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
-            __syncwarp();
-            put_warp_once<kChunk / 32>(p.peers.ll, s, block, staged, block_int4, lane, LoadNc{});
-          }
-        } else if (s == me && local_in_place) {
-          if (part == 0 && lane == 0)  // published like the data items (the block's fence and add)
-            *local_row_of(receive, int64_t(e) * M + t, row_int4) = int32_t(row);
-        } else {
-          if (!has_peer_pointer(p.peers.ll, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
-            warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
-            __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
-            __syncwarp();
-            src = stage + row * row_int4 + first;
-          }
-          put_warp_once<kChunk / 32>(p.peers.ll, s, receive + (int64_t(e) * M + t) * row_int4 + first, src,
-                                     last - first, lane, LoadNc{});
-        }
-        b_pair[j] = i * R + s;
+    for (int j = 0; j < kBatch; ++j) {
+      const int w = w0 + j;
+      b_pair[j] = -1;                    // every slot is set, also those past the end: lane 0 reads them all
+      if (w >= total * parts) continue;  // (a break here left slots j + 1.. unset once kBatch > 2)
+      const int g = w / parts, part = w % parts;
+      int lo = 0, hi = L;  // largest i with s_first[i] <= g
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (s_first[mid] <= g)
+          lo = mid;
+        else
+          hi = mid;
       }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j)
-        if (lane == 0 && b_pair[j] >= 0) atomicAdd_block(&s_items[b_pair[j]], 1);
+      const int i = lo, n = g - s_first[i];
+      int s = 0;
+      while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;  // rows are by source, ascending
+      if (skip >> s & 1) continue;  // a source left out: nothing is written there (b_pair[j] stays -1)
+      const int e = me * L + i;
+      const int64_t row = int64_t(i) * rows_per_expert + n;
+      const int t = p.recv_src_info[row];
+      const int first = part * kChunk, last = min(first + kChunk, row_int4);
+      const int4* src = p.x + row * row_int4 + first;
+      if constexpr (kLogfmt) {
+        int4* block = receive + (int64_t(e) * M + t) * slot_int4 + part * (kLogfmtBlockBytes / 16);
+        const int n = last - first, block_int4 = 1 + n / kLogfmtGroupInt4 * (kLogfmtGroupBytes / 16);
+        if (has_peer_pointer(p.peers.ll, s)) {
+          logfmt_encode_block<kChunk / 32>(at_peer(p.peers.ll, s, block), src, n, lane, LoadNc{}, StoreNa{});
+        } else {  // NVSHMEM puts read symmetric memory; src itself when zero-copy (every load is done first)
+          int4* staged = stage + row * row_int4 + first;
+          logfmt_encode_block<kChunk / 32>(staged, src, n, lane, LoadNc{}, StoreNa{});
+          __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
+          __syncwarp();
+          put_warp_once<kChunk / 32>(p.peers.ll, s, block, staged, block_int4, lane, LoadNc{});
+        }
+      } else if constexpr (kRank) {
+        send_partial_item(p, row, s, t, e, first, last, lane, receive, stage);
+      } else if (s == me && local_in_place) {
+        if (part == 0 && lane == 0)  // published like the data items (the block's fence and add)
+          *local_row_of(receive, int64_t(e) * M + t, row_int4) = int32_t(row);
+      } else {
+        if (!has_peer_pointer(p.peers.ll, s) && !p.x_in_region) {  // NVSHMEM puts read symmetric memory
+          warp_copy<4>(stage + row * row_int4 + first, src, last - first, lane, LoadNc{}, StoreNa{});
+          __threadfence();  // visible to whatever reads the put's source (this warp, or a NIC)
+          __syncwarp();
+          src = stage + row * row_int4 + first;
+        }
+        put_warp_once<kChunk / 32>(p.peers.ll, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first,
+                                   lane, LoadNc{});
+      }
+      b_pair[j] = i * R + s;
     }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      if (lane == 0 && b_pair[j] >= 0) atomicAdd_block(&s_items[b_pair[j]], 1);
   }
   // The block's items are issued: one fence (it waits for every store the block issued, the barrier putting
   // them before it), then one add per pair the block wrote to, at the pair's source. Each lane that adds runs
@@ -663,13 +452,6 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
-// Dynamic shared memory of a launch: the rank-reduced send's token bitmap and its word prefix (send_partials); none
-// for the other orders. Dynamic, so that it lies past every static shared array and moves none of them.
-__host__ __device__ __forceinline__ size_t combine_smem_bytes(const LowLatencyCombineParams& p) {
-  if (!p.rank_reduced || !(p.phases & kLowLatencySend)) return 0;
-  return (2 * size_t(partial_token_words(p.num_ranks, p.max_tokens)) + 1) * sizeof(uint32_t);
-}
-
 __global__ void __launch_bounds__(kThreads, 1)
     low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
@@ -718,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 namespace EPX_LL_BUILD {
 
 void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream) {
-  launch_low_latency_kernel(low_latency_combine_kernel, p, launch, kThreads, combine_smem_bytes(p), stream);
+  launch_low_latency_kernel(low_latency_combine_kernel, p, launch, kThreads, 0, stream);
 }
 
 }  // namespace EPX_LL_BUILD
