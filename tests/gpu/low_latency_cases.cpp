@@ -279,7 +279,7 @@ std::vector<Case> low_latency_cases() {
         top1.num_topk = 1;  // one row per token: partial = bf16(w * row), then the sum of one
         own.push_back(step_case("ll: rank-reduced, top-1", top1));
         // More than 8 of a token's rows on one rank (at 2 ranks most tokens have 9 or more of their 16 experts on
-        // one of them): the expert rank sums those a slice at a time, in rounds of rows.
+        // one of them): a partial of many rows.
         auto top16 = rank_case(64, 2176, false, 258);
         top16.num_topk = 16;
         top16.num_experts = 32;
