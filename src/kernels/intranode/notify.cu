@@ -1,6 +1,5 @@
 // notify: the count exchange in front of a dispatch with a layout, with the epoch barrier
-// (kernels/intranode/epoch_barrier.cuh), and the barrier alone in front of cached dispatch, combine and the
-// low-latency buffer clean.
+// (kernels/intranode/epoch_barrier.cuh), and the barrier alone in front of the low-latency buffer clean.
 //
 // One block. Every rank writes one message into every peer's buffer (the barrier's header, then its
 // tokens-per-rank row and the counts for that peer's experts and channels), then publishes the operation's epoch
