@@ -52,6 +52,8 @@ enum DeviceRole : int32_t {
   kRoleCombineForwarderCoordinator = 24,
   kRoleCombineNetReceiver = 25,  // combine: waits for a network chunk (signal)
   kRoleCombineNetReceiverCoordinator = 26,
+  // A block of an intranode data kernel waiting for its block 0 to finish the epoch barrier (c = the block).
+  kRoleDataStart = 27,
 };
 
 struct DeviceDiag {

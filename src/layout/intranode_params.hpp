@@ -36,7 +36,7 @@ struct NotifyParams {
   FailState fail;
   PeerMap peers;
   int num_ranks;
-  int barrier_only;  // cached dispatch and combine: only the epoch handshake (and error exchange)
+  int barrier_only;  // the low-latency buffer clean: only the epoch barrier (kernels/intranode/epoch_barrier.cuh)
   // Count exchange (barrier_only == 0).
   const int* num_tokens_per_rank;
   const int* num_tokens_per_expert;  // may be null
@@ -56,6 +56,8 @@ struct NotifyParams {
 struct DispatchParams {
   FailState fail;
   PeerMap peers;
+  int barrier;    // 1: the kernel runs the epoch barrier first (cached dispatch); 0: notify ran it
+  int signature;  // with barrier: the operation's shape, which every rank must agree on (NotifyMsg::kSignature)
   RingLayout ring;
   DispatchRecord record;
   int num_ranks;
@@ -85,6 +87,7 @@ struct DispatchParams {
 struct CombineParams {
   FailState fail;
   PeerMap peers;
+  int signature;  // the operation's shape, checked by the epoch barrier the kernel runs first
   RingLayout ring;
   CombineRecord record;
   int num_ranks;

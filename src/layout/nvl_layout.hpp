@@ -3,8 +3,8 @@
 //
 //   [ NvlControl | pad to kAlign | ring data: [channel][peer][slot] records ]
 //
-// The ring data is reused by dispatch and combine (never active at once: every operation starts with the
-// notify/barrier kernel, which no rank passes before all ranks finished their previous operation).
+// The ring data is reused by dispatch and combine (never active at once: every operation starts with the epoch
+// barrier, which no rank passes before all ranks finished their previous operation).
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,7 @@
 
 namespace epx {
 
-// Count message that rank s writes into rank r's buffer during notify (ints).
+// Count message that rank s writes into rank r's buffer in the epoch barrier (the header) and notify (ints).
 struct NotifyMsg {
   static constexpr int kErrorCode = 0;  // first input error the sender saw (ErrorCode), 0 if none
   static constexpr int kErrorRank = 1;  // rank that saw it
@@ -29,10 +29,14 @@ struct NotifyMsg {
 // Control region at offset 0 of every NVLink buffer. Zeroed at creation; counters only grow afterwards.
 struct NvlControl {
   // Written by this rank only.
-  uint32_t epoch;         // operations (notify or barrier) this rank has started
+  uint32_t epoch;         // operations (epoch barriers) this rank has started
   int32_t local_error;    // input error found by this rank's layout kernel, reported at the next notify
-  int32_t op_error;       // collective error of the current operation (0: none), set by notify
+  int32_t op_error;       // collective error of the current operation (0: none), set by its epoch barrier
   int32_t op_error_rank;  // rank that reported op_error
+  // Start words of a high-throughput data kernel that runs the epoch barrier itself (cached dispatch, combine;
+  // kernels/intranode/epoch_barrier.cuh): block 0 releases word b once the barrier is through, block b acquires it
+  // and resets it to 0.
+  uint32_t block_start[2 * kMaxChannels];
   // Written by any rank: 1 + the rank that failed a wait; every wait of every rank checks it.
   int32_t abort;
   int32_t fatal_claimed;  // first failing thread of this rank claims the host diagnostic slot (atomicCAS)

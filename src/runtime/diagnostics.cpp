@@ -95,6 +95,8 @@ const char* role_name(int role) {
       return "internode combine network receiver";
     case kRoleCombineNetReceiverCoordinator:
       return "internode combine network receiver coordinator";
+    case kRoleDataStart:
+      return "intranode data kernel start (waiting for its block 0's epoch barrier)";
   }
   return "unknown role";
 }
@@ -167,6 +169,12 @@ std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
     case kRoleCombineForwarderCoordinator:
     case kRoleCombineNetReceiverCoordinator:
       what = cat("its warps did not finish (stream ", d.peer, " at ", d.a, " of ", d.b, ")");
+      break;
+    case kRoleDataStart:
+      // Block 0's wait for a rank that does not call has half this wait's budget and names that rank; this one
+      // reports only when block 0 did not get to run.
+      what = cat("block ", d.c, " waited for block 0 to finish the epoch barrier (start word ", d.a,
+                 "): were the kernel's blocks not all resident at once (another kernel on the GPU)?");
       break;
     default:
       what = cat("waiting on rank ", d.peer, ": seen ", d.a, ", awaited ", d.b, " (", d.c, ")");

@@ -112,8 +112,9 @@ DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Con
 
 namespace {
 
+// cached: the kernel runs the epoch barrier first (a cached dispatch has no notify in front of it).
 void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
-                          const DispatchOutputs& o, cudaStream_t stream, const char* op) {
+                          const DispatchOutputs& o, bool cached, cudaStream_t stream, const char* op) {
   const DispatchRecord record = dispatch_record(a);
   const RingLayout ring = ring_for(b, c, record.bytes, op);
   const int rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : h.num_recv_tokens;
@@ -123,6 +124,8 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   check_dispatch_outputs(a, o, rows, h.recv_src_idx, ": handle.recv_src_idx [rows] must be allocated", op);
   DispatchParams p{};
   fill_dispatch_params(p, b, a, h, o, record.x_bytes);
+  p.barrier = cached ? 1 : 0;
+  p.signature = op_signature(kOpDispatch, record.bytes, c);
   p.ring = ring;
   p.record = record;
   p.num_send_chunk = c.num_max_send_tokens;
@@ -144,7 +147,7 @@ void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const Dis
   validate_config(c, b.num_nvl_ranks);
   validate_dispatch_args(a, b.num_ranks, false, op);
   validate_handle(h, b, c, a.num_tokens, op);
-  launch_dispatch_data(b, a, c, h, o, stream, op);
+  launch_dispatch_data(b, a, c, h, o, false, stream, op);
 }
 
 void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
@@ -153,8 +156,7 @@ void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, co
   validate_dispatch_args(a, b.num_ranks, true, op);
   validate_handle(h, b, c, a.num_tokens, op);
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
-  launch_barrier(b, op_signature(kOpDispatch, dispatch_record(a).bytes, c), stream, op);
-  launch_dispatch_data(b, a, c, h, o, stream, op);
+  launch_dispatch_data(b, a, c, h, o, true, stream, op);
 }
 
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
@@ -172,6 +174,7 @@ void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const Dispa
 
   CombineParams p{};
   fill_combine_params(p, b, a, h, o);
+  p.signature = op_signature(kOpCombine, record.bytes, c);  // the kernel runs the epoch barrier first
   p.ring = ring;
   p.record = record;
   p.num_send_chunk = c.num_max_send_tokens;
@@ -180,7 +183,6 @@ void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const Dispa
   p.channel_prefix_matrix = h.channel_prefix_matrix;
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
   p.send_head = h.send_head;
-  launch_barrier(b, op_signature(kOpCombine, record.bytes, c), stream, op);
   launch_combine(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }

@@ -86,8 +86,9 @@ void check_dispatch_outputs(const DispatchArgs& a, const DispatchOutputs& o, int
 // (num_experts: the notify's, 0 without per-expert counts).
 DispatchCounts wait_dispatch_counts(Buffer::Impl& b, int host_seq, int num_experts, DispatchHandle& h,
                                     cudaStream_t stream, const char* op);
-// The collective barrier kernel (the notify kernel without the count exchange): every rank's earlier operations on
-// its stream are done, and every rank agrees on the operation's signature.
+// The collective barrier kernel (the notify kernel without the count exchange: the epoch barrier alone): every
+// rank's earlier operations on its stream are done, and every rank agrees on the operation's signature. Cached
+// dispatch and combine run the same barrier inside their data kernel instead (kernels/intranode/epoch_barrier.cuh).
 void launch_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, const char* op);
 
 namespace intranode {

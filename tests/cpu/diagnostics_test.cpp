@@ -37,6 +37,15 @@ TEST(Diagnostics, EveryTimeoutSaysWhoWaitedWhereAndForHowLong) {
   }
 }
 
+TEST(Diagnostics, ADataKernelBlockThatNeverStartedNamesItself) {
+  // A block waiting for its own block 0 (kernels/intranode/epoch_barrier.cuh) waits on no peer: it names the block.
+  const std::string m = epx::describe_fatal(diag(epx::kRoleDataStart, -1, 0, 1, 5), 2.0);
+  EXPECT_TRUE(contains(m, "rank 0 ")) << m;
+  EXPECT_TRUE(contains(m, epx::role_name(epx::kRoleDataStart))) << m;
+  EXPECT_TRUE(contains(m, "timed out after 2 s on channel 7")) << m;
+  EXPECT_TRUE(contains(m, "block 5 waited for block 0")) << m;
+}
+
 TEST(Diagnostics, IntranodeWaitsNameThePeerRank) {
   for (int role : {epx::kRoleNotify, epx::kRoleDispatchSender, epx::kRoleDispatchReceiver, epx::kRoleCombineSender,
                    epx::kRoleCombineReceiver, epx::kRoleLowLatencyRecv, epx::kRoleLowLatencyCombineRecv}) {

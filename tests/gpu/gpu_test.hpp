@@ -52,7 +52,8 @@ std::vector<Case> low_latency_transport_cases(const LowLatencyTransportInfo& inf
 // "" when info is what `expected` names, else what differs.
 std::string transport_mismatch(const LowLatencyTransportInfo& info, int num_ranks, const std::string& expected);
 
-// Runs the timeout scenario in its own processes (a timed-out rank's CUDA context is lost).
+// Runs the timeout scenarios, a rank missing from a dispatch, a cached dispatch and a combine, each in its own
+// processes (a timed-out rank's CUDA context is lost).
 int run_timeout_suite(int num_ranks);
 // The missing-rank scenario on one rank, after the session's layout: every rank but 0 comes to the dispatch two
 // budgets late, so rank 0's waits expire. Rank 0 must fail with kTimeout soon after `budget` seconds, with a

@@ -1,5 +1,6 @@
 // GPU tests of the high-throughput path (intranode, and internode when the suite's Buffer spans domains) against the
 // reference model (semantics.md sections 1-3, 6, 7).
+#include <algorithm>
 #include <cstring>
 
 #include "../../tools/harness/high_throughput.hpp"
@@ -262,6 +263,43 @@ std::vector<Case> high_throughput_cases(bool internode) {
                            HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
                            return err + dispatch_and_combine(s, 4);
                          }});
+
+    // Cached dispatch and combine check the shape in their data kernel's epoch barrier (no notify in front): one rank
+    // with another ring size fails every rank's call (reported by check(), as these calls do not wait), and the
+    // buffer stays usable.
+    cases.push_back(Case{
+        "ranks that disagree on a cached dispatch or a combine fail together, buffer stays usable", [](Context& ctx) {
+          HtSession s(ctx.buffer, base_case({64}, 2048, 37), ctx.dispatch_config, ctx.combine_config, ctx.stream);
+          std::string err = dispatch_and_combine(s, 10);
+          Config d = ctx.dispatch_config, k = ctx.combine_config;
+          if (ctx.rank == ctx.num_ranks - 1) {
+            d.num_max_recv_tokens = std::max(d.num_max_send_tokens, d.num_max_recv_tokens / 2);
+            k.num_max_recv_tokens = std::max(k.num_max_send_tokens, k.num_max_recv_tokens / 2);
+            if (d.num_max_recv_tokens == ctx.dispatch_config.num_max_recv_tokens ||
+                k.num_max_recv_tokens == ctx.combine_config.num_max_recv_tokens)
+              return std::string("the default configs leave no smaller ring to disagree with\n");
+          }
+          s.set_ring_sizes(d, k);
+          const auto expect_disagreement = [&](const char* op, auto call) {
+            try {
+              call();
+              ctx.buffer.check(ctx.stream);
+              if (ctx.num_ranks > 1) err += std::string(op) + ": expected an error, it succeeded\n";
+            } catch (const Error& e) {
+              const std::string wrong = wrong_error(e, Status::kInvalidArgument, "disagree");
+              if (!wrong.empty()) err += std::string(op) + ": " + wrong;
+            }
+          };
+          expect_disagreement("cached dispatch", [&] { s.dispatch_cached(); });
+          expect_disagreement("combine", [&] { s.combine(); });
+          s.set_ring_sizes(ctx.dispatch_config, ctx.combine_config);
+          s.set_x(11);
+          s.dispatch_cached();
+          err += s.check_dispatch();
+          s.set_combine_inputs(12);
+          s.combine();
+          return err + s.check_combine();
+        }});
 
     cases.push_back(Case{"buffer too small is reported before any launch", [](Context& ctx) {
                            Config big = ctx.dispatch_config;

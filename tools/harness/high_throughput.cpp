@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 namespace epx::harness {
 
@@ -132,6 +133,13 @@ void HtSession::set_configs(const Config& dispatch_config, const Config& combine
   recv_src_meta_.resize(size_t(max_rows_) * 2);
   recv_src_meta_.fill_bytes(0x7b, stream_);
   send_nvl_head_.fill_bytes(0x7b, stream_);
+}
+
+void HtSession::set_ring_sizes(const Config& dispatch_config, const Config& combine_config) {
+  if (dispatch_config.num_sms != dispatch_config_.num_sms || combine_config.num_sms != combine_config_.num_sms)
+    throw std::invalid_argument("set_ring_sizes: num_sms must stay as it was (use set_configs)");
+  dispatch_config_ = dispatch_config;
+  combine_config_ = combine_config;
 }
 
 double HtSession::net_bytes_remote() const {

@@ -57,6 +57,9 @@ class HtSession {
   // before dispatch_cached() or combine().
   void set_configs(const Config& dispatch_config, const Config& combine_config);
   void set_reduction(int reduction) { c_.reduction = reduction; }
+  // Other ring sizes (num_max_send_tokens, num_max_recv_tokens) for the next calls, keeping the handle: num_sms must
+  // be the current configs' (the handle's channels follow it).
+  void set_ring_sizes(const Config& dispatch_config, const Config& combine_config);
 
   // "" when equal to the reference model, else the first mismatches.
   std::string check_layout() const;

@@ -18,6 +18,7 @@
 #include "device/warp.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/intranode/chunk_publisher.cuh"
+#include "kernels/intranode/epoch_barrier.cuh"
 #include "kernels/intranode/peer_groups.cuh"
 #include "kernels/intranode/sender_coordinator.cuh"
 #include "layout/intranode_params.hpp"
@@ -241,7 +242,7 @@ __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s
 template <int kUnroll, int kRanks>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
   __shared__ int s_need[kReducerWarps][kMaxNvlRanks];
-  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
+  if (!start_operation(p.fail, p.peers, p.num_ranks, true, p.signature)) return;  // every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
     // At most 2 ranks the coordinated sender, at more the chunked one: each is the faster there

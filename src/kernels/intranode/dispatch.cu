@@ -5,8 +5,9 @@
 // and advances its head. A rank's own tokens take no ring: the receiver block's group for this rank copies them
 // from x to the outputs (dispatch_self_copy), so every sender warp works for a peer. Record order is token order,
 // so rows from source s, channel c land at consecutive rows starting at recv_channel_prefix_matrix[s][c]. Ring
-// indices never reset (64-bit, monotonic): an operation starts where the last one ended, and notify guarantees the
-// ring is idle then.
+// indices never reset (64-bit, monotonic): an operation starts where the last one ended, and the epoch barrier
+// guarantees the ring is idle then (the notify kernel's in front of a dispatch with a layout, the kernel's own in a
+// cached dispatch: start_operation).
 #include <cuda_runtime.h>
 
 #include "device/ptx.cuh"
@@ -15,6 +16,7 @@
 #include "device/warp.cuh"
 #include "device/warp_copy.cuh"
 #include "kernels/intranode/chunk_publisher.cuh"
+#include "kernels/intranode/epoch_barrier.cuh"
 #include "kernels/intranode/peer_groups.cuh"
 #include "kernels/intranode/sender_coordinator.cuh"
 #include "layout/intranode_params.hpp"
@@ -307,7 +309,7 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
 template <int kUnroll, bool kCoordinated>
 __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
-  if (ld_relaxed_sys(&nvl_self(p.peers)->op_error) != 0) return;  // collective: every rank skips
+  if (!start_operation(p.fail, p.peers, p.num_ranks, p.barrier != 0, p.signature)) return;  // every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
     run_sender_block<kCoordinated>(

@@ -1,11 +1,10 @@
-// notify: the count exchange in front of a dispatch, and the barrier in front of cached dispatch and combine.
+// notify: the count exchange in front of a dispatch with a layout, with the epoch barrier
+// (kernels/intranode/epoch_barrier.cuh), and the barrier alone in front of the low-latency buffer clean.
 //
-// One block. Every rank writes one message into every peer's buffer (its tokens-per-rank row, the counts
-// for that peer's experts and channels, and any input error it knows of), then publishes the operation's
-// epoch in the peer's notify_flag. When a rank has seen the epoch from every rank, each rank has finished
-// all of its previous operation's kernels (they precede notify on its stream), so rings are idle and
-// message slots of parity epoch & 1 can be reused. Errors are collective: every rank computes the same
-// op_error from the same messages, and the data kernels of every rank skip when it is set.
+// One block. Every rank writes one message into every peer's buffer (the barrier's header, then its
+// tokens-per-rank row and the counts for that peer's experts and channels), then publishes the operation's epoch
+// in the peer's notify_flag. Errors are collective: every rank computes the same op_error from the same messages,
+// and the data kernels of every rank skip when it is set.
 #include <cuda_runtime.h>
 
 #include "device/ptx.cuh"
@@ -13,6 +12,7 @@
 #include "device/transport.cuh"
 #include "device/wait.cuh"
 #include "device/warp.cuh"
+#include "kernels/intranode/epoch_barrier.cuh"
 #include "layout/intranode_params.hpp"
 
 namespace epx {
@@ -37,14 +37,10 @@ __device__ void count_channels(const NotifyParams& p, int (*s_counts)[kMaxChanne
 }
 
 // The value of field `field` of the message this rank sends to rank j.
-__device__ int message_field(const NotifyParams& p, int j, int field, int error, int error_rank,
+__device__ int message_field(const NotifyParams& p, int j, int field, const EpochEntry& e,
                              int (*s_counts)[kMaxChannels]) {
   const int R = p.num_ranks;
-  if (field == NotifyMsg::kErrorCode) return error;
-  if (field == NotifyMsg::kErrorRank) return error ? error_rank : -1;
-  if (field == NotifyMsg::kNumTokens) return p.num_tokens;
-  if (field == NotifyMsg::kSignature) return p.signature;
-  if (field < NotifyMsg::kHeader) return 0;
+  if (field < NotifyMsg::kHeader) return header_field(field, e, p.num_tokens, p.signature);
   if (field < NotifyMsg::tokens_per_rank(R)) return p.num_tokens_per_rank[field - NotifyMsg::tokens_per_rank(0)];
   if (field < NotifyMsg::expert(kMaxLocalExperts)) {
     const int L = p.num_experts / R;
@@ -66,12 +62,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
 
   if (tid == 0) {
     check_abort(p.fail, WaitSite{kRoleNotify, -1, -1, 0});  // a peer failed earlier: fail now, not after the budget
-    s_epoch = self->epoch + 1;
-    self->epoch = s_epoch;
-    // Sticky: an error stays until every rank's host has reported it (runtime clears op_error then).
-    s_error = self->op_error ? self->op_error : self->local_error;
-    s_error_rank = self->op_error ? self->op_error_rank : me;
-    self->local_error = 0;
+    const EpochEntry e = enter_epoch(self, me);
+    s_epoch = e.epoch;
+    s_error = e.error;
+    s_error_rank = e.error_rank;
     s_worst_rank = R;
   }
   __syncthreads();
@@ -94,8 +88,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
   }
 
   // Messages to every rank (this one included), then the epoch flag.
-  const int error = s_error;
-  const int error_rank = s_error_rank;
+  const EpochEntry entry{epoch, s_error, s_error_rank};
   const int fields = p.barrier_only ? NotifyMsg::kHeader : NotifyMsg::channel(C);
   for (int i = tid; i < R * fields; i += blockDim.x) {
     const int j = i / fields, field = i % fields;
@@ -103,8 +96,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
     const bool unused_expert = field >= NotifyMsg::expert(0) && field < NotifyMsg::channel(0) &&
                                field - NotifyMsg::expert(0) >= (p.num_experts ? p.num_experts / R : 0);
     if (unused || unused_expert) continue;
-    write_word(&nvl_control(p.peers, j)->notify_msg[parity][me][field],
-               message_field(p, j, field, error, error_rank, s_counts));
+    write_word(&nvl_control(p.peers, j)->notify_msg[parity][me][field], message_field(p, j, field, entry, s_counts));
   }
   // Every thread's message stores precede the flag stores through the block barrier; one release store per
   // peer carries them (release is cumulative), so no thread needs a fence of its own.
@@ -117,20 +109,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams 
 
   auto msg = [&](int s, int field) { return dev::ld_cg(&self->notify_msg[parity][s][field]); };
   if (tid == 0) {
-    int code = 0, rank = -1;
-    for (int s = 0; s < R && code == 0; ++s) {
-      code = msg(s, NotifyMsg::kErrorCode);
-      rank = msg(s, NotifyMsg::kErrorRank);
-    }
-    for (int s = 0; s < R && code == 0; ++s) {
-      const int theirs = msg(s, NotifyMsg::kSignature);
-      if (theirs == p.signature) continue;
-      code = kErrShapeMismatch;
-      rank = s;
-      write_diag(&p.fail.host->input, kErrShapeMismatch, me, kRoleNotify, s, theirs, p.signature);
-    }
-    s_error = code;
-    s_error_rank = rank;
+    const Verdict v = collective_verdict(self, parity, R, p.signature, p.fail, me);
+    s_error = v.code;
+    s_error_rank = v.rank;
   }
   __syncthreads();
   const int collective_error = s_error;
