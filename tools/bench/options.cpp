@@ -131,8 +131,11 @@ const char* intranode_usage() {
          "The NCCL baseline is loaded at run time from $EPX_NCCL_LIB, libnccl.so.2 or the pip package.\n";
 }
 
-IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
-  IntranodeOptions o;
+// The option loop of a high-throughput mode: --help, the options every such mode has (parse_ht_option), then
+// `own(o, a, value)` for the mode's own ones (false: unknown), then check_ht_options.
+template <typename Options, typename Own>
+Options parse_ht_mode_options(int argc, char** argv, bool* help, Own own) {
+  Options o;
   *help = false;
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
@@ -144,19 +147,26 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
     if (a == "--help" || a == "-h") {
       *help = true;
       return o;
-    } else if (parse_ht_option(a, value, &o)) {  // the options every high-throughput mode has
-    } else if (a == "--chunks") {
-      o.chunks = parse_int_list(a, value(), 1, 1 << 20);
-    } else if (a == "--ring") {
-      o.rings = parse_int_list(a, value(), 1, 1 << 20);
-    } else if (a == "--check-all") {
-      o.check_all = true;
-    } else {
-      throw UsageError{"unknown option '" + a + "'"};
     }
+    if (!parse_ht_option(a, value, &o) && !own(o, a, value)) throw UsageError{"unknown option '" + a + "'"};
   }
   check_ht_options(o);
   return o;
+}
+
+IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
+  return parse_ht_mode_options<IntranodeOptions>(
+      argc, argv, help, [](IntranodeOptions& o, const std::string& a, const std::function<std::string()>& value) {
+        if (a == "--chunks")
+          o.chunks = parse_int_list(a, value(), 1, 1 << 20);
+        else if (a == "--ring")
+          o.rings = parse_int_list(a, value(), 1, 1 << 20);
+        else if (a == "--check-all")
+          o.check_all = true;
+        else
+          return false;
+        return true;
+      });
 }
 
 void validate_intranode_options(const IntranodeOptions& o, int num_ranks) { check_experts_split(o, num_ranks); }
@@ -219,26 +229,13 @@ const char* internode_usage() {
 }
 
 InternodeOptions parse_internode_options(int argc, char** argv, bool* help) {
-  InternodeOptions o;
-  *help = false;
-  for (int i = 0; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw UsageError{a + " needs a value"};
-      return argv[++i];
-    };
-    if (a == "--help" || a == "-h") {
-      *help = true;
-      return o;
-    } else if (parse_ht_option(a, value, &o)) {  // the options every high-throughput mode has
-    } else if (a == "--domains") {
-      o.domains = parse_int(a, value(), 1, epx::limits().max_ranks);
-    } else {
-      throw UsageError{"unknown option '" + a + "'"};
-    }
-  }
-  check_ht_options(o);
-  if (o.gpus > 0) internode_domains(o, o.gpus);  // the split is known already: say now what is wrong with it
+  InternodeOptions o = parse_ht_mode_options<InternodeOptions>(
+      argc, argv, help, [](InternodeOptions& o, const std::string& a, const std::function<std::string()>& value) {
+        if (a != "--domains") return false;
+        o.domains = parse_int(a, value(), 1, epx::limits().max_ranks);
+        return true;
+      });
+  if (!*help && o.gpus > 0) internode_domains(o, o.gpus);  // the split is known already: say now what is wrong
   return o;
 }
 
