@@ -82,6 +82,11 @@ struct DispatchParams {
   float* recv_topk_weights;
   int* recv_src_idx;
   int num_worst_tokens;  // > 0: pad rows [num_recv_tokens, num_worst_tokens)
+  // 2 ranks: how the two blocks of a channel share the work (DispatchSplit): sender-block warps that copy this rank's
+  // own tokens (the other sender warps write the peer's ring), and receiver-block warps that read the peer's ring
+  // (the others copy own tokens too).
+  int self_sender_warps;
+  int ring_receiver_warps;
 };
 
 struct CombineParams {

@@ -198,6 +198,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   ll_transport = transport.transport;
   ll_force_nvshmem = transport.force_nvshmem;
   ll_launch.early = parse_env_switch("EPX_LL_EARLY_LAUNCH", std::getenv("EPX_LL_EARLY_LAUNCH"));
+  has_dispatch_split = parse_dispatch_split(std::getenv("EPX_HT_DISPATCH_SPLIT"), &dispatch_split);
   // With NVSHMEM the low-latency region is a symmetric allocation of its own (attach_low_latency_region).
   alloc_bytes = ll_offset + (ll_transport == LowLatencyTransport::kCudaIpc ? 2 * ll_set_bytes : 0);
   EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));

@@ -14,6 +14,7 @@
 #include "layout/ll_params.hpp"
 #include "layout/nvl_layout.hpp"
 #include "layout/peer_map.hpp"
+#include "runtime/dispatch_split.hpp"
 #include "runtime/domains.hpp"
 #include "runtime/transport.hpp"
 
@@ -66,6 +67,9 @@ struct Buffer::Impl {
   int64_t ll_set_bytes = 0;
   int ll_next_set = 0;           // alternates on every low-latency call (dispatch or combine)
   LowLatencyLaunch ll_launch{};  // the same grid on every rank (create)
+  // $EPX_HT_DISPATCH_SPLIT at creation (has_dispatch_split), else the defaults per row format (dispatch_split.hpp)
+  bool has_dispatch_split = false;
+  DispatchSplit dispatch_split{};
   // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};

@@ -2,9 +2,12 @@
 // size hints.
 #include "runtime/config.hpp"
 
+#include <cstdio>
+
 #include "layout/internode_layout.hpp"
 #include "layout/ll_layout.hpp"
 #include "layout/nvl_layout.hpp"
+#include "runtime/dispatch_split.hpp"
 #include "runtime/domains.hpp"
 #include "runtime/errors.hpp"
 #include "runtime/validate.hpp"
@@ -151,6 +154,24 @@ InternodeSizes internode_size_hints(const Config& config, int64_t hidden_bytes, 
   s.rdma_bytes = align_up(net.bytes(C), kAlign);
   s.nvl_bytes = G > 1 ? align_up(nvl.bytes(C), kAlign) : 0;  // one GPU per domain forwards to itself only
   return s;
+}
+
+DispatchSplit default_dispatch_split(bool fp8) {
+  // 24 SMs, 4096 tokens x 7168, top-8 of 256: BF16 rows best at 6 sender warps, FP8 rows (half the bytes per token
+  // against the same per-token work) at 5; 16 ring readers for both.
+  return DispatchSplit{fp8 ? 5 : 6, 16};
+}
+
+bool parse_dispatch_split(const char* value, DispatchSplit* out) {
+  if (value == nullptr || value[0] == '\0') return false;
+  int s = -1, w = -1, end = 0;
+  const bool ok = std::sscanf(value, "%d,%d%n", &s, &w, &end) == 2 && value[end] == '\0' && s >= 0 &&
+                  s <= kDataWarps - 2 && w >= 1 && w <= kDataWarps - 1;
+  EPX_REQUIRE(ok, "EPX_HT_DISPATCH_SPLIT must be \"S,W\" with S in [0, ", kDataWarps - 2,
+              "] (sender warps copying own ", "tokens) and W in [1, ", kDataWarps - 1,
+              "] (receiver warps reading the peer's ring), got '", value, "'");
+  *out = DispatchSplit{s, w};
+  return true;
 }
 
 }  // namespace epx

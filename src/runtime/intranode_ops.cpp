@@ -134,6 +134,9 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
   p.send_head = h.send_head;
   p.recv_src_idx = h.recv_src_idx;
+  const DispatchSplit split = b.has_dispatch_split ? b.dispatch_split : default_dispatch_split(a.dtype == EPX_FP8_E4M3);
+  p.self_sender_warps = split.self_sender_warps;
+  p.ring_receiver_warps = split.ring_receiver_warps;
   launch_dispatch(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }

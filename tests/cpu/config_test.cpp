@@ -14,6 +14,7 @@
 #include "kernels/intranode/sender_groups.hpp"
 #include "layout/limits.hpp"
 #include "layout/nvl_layout.hpp"
+#include "runtime/dispatch_split.hpp"
 #include "test_helpers.hpp"
 
 using ::testing::HasSubstr;
@@ -184,6 +185,59 @@ TEST(SenderGroups, PeersOnlySkipsSelf) {
     }
   }
   EXPECT_EQ(epx::SenderGroups::peers_only(2).each, epx::kSenderWarps);
+}
+
+// The 2-rank dispatch split (runtime/dispatch_split.hpp): the peer's group is the first kSenderWarps - S warps
+// (the coordinator publishes its tails only), the rest of the sender warps are outside every group (they copy own
+// tokens); other rank counts keep peers_only.
+TEST(SenderGroups, DispatchSplitAtTwoRanks) {
+  for (int s = 0; s <= epx::kDataWarps - 2; ++s) {
+    const epx::SenderGroups g = epx::SenderGroups::dispatch(2, s);
+    EXPECT_EQ(g.own, 0);
+    EXPECT_EQ(g.each, epx::kSenderWarps - s);
+    for (int self = 0; self < 2; ++self) {
+      EXPECT_EQ(g.first_warp(1 - self, self), 0) << "S " << s << ", self " << self;
+      EXPECT_EQ(g.used(2), epx::kSenderWarps - s);
+    }
+  }
+  for (int r = 1; r <= epx::kMaxNvlRanks; ++r) {
+    if (r == 2) continue;
+    EXPECT_EQ(epx::SenderGroups::dispatch(r, 5).each, epx::SenderGroups::peers_only(r).each) << r << " ranks";
+  }
+}
+
+TEST(DispatchSplit, DefaultsAreInRange) {
+  for (const bool fp8 : {false, true}) {
+    const epx::DispatchSplit d = epx::default_dispatch_split(fp8);
+    EXPECT_GE(d.self_sender_warps, 0);
+    EXPECT_LE(d.self_sender_warps, epx::kDataWarps - 2);
+    EXPECT_GE(d.ring_receiver_warps, 1);
+    EXPECT_LE(d.ring_receiver_warps, epx::kDataWarps - 1);
+  }
+}
+
+TEST(DispatchSplit, ParsesTheVariableOrNamesIt) {
+  epx::DispatchSplit d{3, 7};
+  EXPECT_FALSE(epx::parse_dispatch_split(nullptr, &d));
+  EXPECT_FALSE(epx::parse_dispatch_split("", &d));
+  EXPECT_EQ(d, (epx::DispatchSplit{3, 7}));  // untouched
+  EXPECT_TRUE(epx::parse_dispatch_split("6,16", &d));
+  EXPECT_EQ(d, (epx::DispatchSplit{6, 16}));
+  EXPECT_TRUE(epx::parse_dispatch_split("0,1", &d));
+  EXPECT_EQ(d, (epx::DispatchSplit{0, 1}));
+  EXPECT_TRUE(epx::parse_dispatch_split("22,23", &d));
+  EXPECT_EQ(d, (epx::DispatchSplit{22, 23}));
+  for (const char* bad : {"6", "6,", "6,16,1", "6 16", "-1,16", "23,16", "6,0", "6,24", "a,b", "6,16x"}) {
+    try {
+      epx::parse_dispatch_split(bad, &d);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const epx::Error& e) {
+      EXPECT_EQ(e.status(), epx::Status::kInvalidArgument) << bad;
+      EXPECT_THAT(e.what(), HasSubstr("EPX_HT_DISPATCH_SPLIT")) << bad;
+      EXPECT_THAT(e.what(), HasSubstr(bad)) << bad;
+    }
+  }
+  EXPECT_EQ(d, (epx::DispatchSplit{22, 23}));  // a refused value leaves it as it was
 }
 
 // The chunked dispatch senders' groups (kernels/sender_groups.hpp, chunked_peer_slot): every rank but self gets

@@ -2,9 +2,11 @@
 //
 // Block 2c sends channel c, block 2c+1 receives it. Channel c covers a contiguous token range of every rank.
 // Ring (c, s) lives in receiver r's buffer; sender s writes records and advances its tail, r copies them to recv_x
-// and advances its head. A rank's own tokens take no ring: the receiver block's group for this rank copies them
-// from x to the outputs (dispatch_self_copy), so every sender warp works for a peer. Record order is token order,
-// so rows from source s, channel c land at consecutive rows starting at recv_channel_prefix_matrix[s][c]. Ring
+// and advances its head. A rank's own tokens take no ring: an own-token group copies them from x to the outputs
+// (dispatch_self_copy). At 3 or more ranks it is the receiver block's group for this rank, and every sender warp
+// works for a peer; at 2 ranks it also takes the sender block's last warps (DispatchSplit, runtime/dispatch_split.hpp:
+// a row pushed over NVLink costs a warp more than one copied locally, so the blocks balance). Record order is token
+// order, so rows from source s, channel c land at consecutive rows starting at recv_channel_prefix_matrix[s][c]. Ring
 // indices never reset (64-bit, monotonic): an operation starts where the last one ended, and the epoch barrier
 // guarantees the ring is idle then (the notify kernel's in front of a dispatch with a layout, the kernel's own in a
 // cached dispatch: start_operation).
@@ -125,6 +127,35 @@ __device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, i
   store_row_fields(p, row, f, p.x_scales.token(t), lane, LoadNc{});
 }
 
+// A warp (gwarp of gwarps) of the own-token group: scans the channel's tokens 32 at a time as the senders do
+// (every warp scans them all and so knows every stream position), copies the routed tokens whose position is
+// its own (position % group warps == its index) from x to their output rows, and records send_head[t][me]
+// (windows dealt round-robin over the group). No ring, no wait: the inputs are this rank's. Rows past the
+// channel's count from the layout (an inconsistent handle) are not written.
+template <int kUnroll>
+__device__ void dispatch_self_copy(const DispatchParams& p, int channel, int gwarp, int gwarps) {
+  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, me = p.peers.rank;
+  const ChannelRange range = ChannelRange::of(p.num_tokens, C, channel);
+  const int row_begin = p.recv_channel_prefix_matrix[me * C + channel];
+  const int row_end =
+      channel + 1 < C ? p.recv_channel_prefix_matrix[me * C + channel + 1] : p.rank_prefix_matrix[me * R + me];
+  int routed = 0;  // stream position of the window's first routed token
+  for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
+    const int t = cursor + lane;
+    const bool in = t < range.end && p.is_token_in_rank[int64_t(t) * R + me];
+    const uint32_t mask = __ballot_sync(kFullMask, in);
+    if (window % gwarps == gwarp && t < range.end) {
+      const int pos = routed + __popc(mask & lanemask_lt());
+      p.send_head[int64_t(t) * R + me] = in ? pos : -pos - 1;
+    }
+    int i = routed;
+    for (uint32_t m = mask; m != 0; m &= m - 1, ++i)
+      if (i % gwarps == gwarp && row_begin + i < row_end)
+        copy_own_token<kUnroll>(p, cursor + __ffs(m) - 1, row_begin + i, lane);
+    routed += __popc(mask);
+  }
+}
+
 // Chunked sender (3 or more ranks, see launch_dispatch), the group for one peer (PeerGroup::of_peers): scans the
 // channel's tokens in order, takes up to a chunk of those routed to the destination, copies them (token i of the chunk
 // by warp i % warps); the chunk's publisher then publishes the tail (kernels/chunk_publisher.cuh). Every warp scans the
@@ -178,7 +209,8 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
 }
 
 // Coordinated sender (at most 2 ranks, see launch_dispatch): a warp of the group for one peer
-// (SenderGroups::peers_only: at 2 ranks all 23 sender warps) scans the channel's tokens 32 at a time (every warp of the
+// (SenderGroups::dispatch: at 2 ranks the first 23 - self_sender_warps sender warps; the others join the own-token
+// group) scans the channel's tokens 32 at a time (every warp of the
 // group scans them all, so all agree on the stream positions without talking), writes the routed tokens whose position
 // is its own (position % group warps == its index) into ring slots, and after each window publishes its progress word
 // in shared memory: every position below it that this warp owns is written. No barrier and no system fence here: the
@@ -187,7 +219,13 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
 template <int kUnroll>
 __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
-  const SenderGroups::Place place = SenderGroups::peers_only(R).place(warp, R, me);
+  const SenderGroups groups = SenderGroups::dispatch(R, p.self_sender_warps);
+  if (R == 2 && warp >= groups.each) {  // a warp of the own-token group (its receiver-block part comes first)
+    const int own = kDataWarps - p.ring_receiver_warps;
+    dispatch_self_copy<kUnroll>(p, channel, own + warp - groups.each, own + p.self_sender_warps);
+    return;
+  }
+  const SenderGroups::Place place = groups.place(warp, R, me);
   if (place.index >= place.warps) return;  // idle: no group (the coordinator reads group warps' words only)
   const int dest = place.dest, gwarp = place.index, gwarps = place.warps;
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
@@ -226,48 +264,35 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
 __device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel, const int32_t* s_progress) {
   const int lane = threadIdx.x % 32, me = p.peers.rank;
   uint64_t* tail_j = lane < p.num_ranks ? &nvl_control(p.peers, lane)->dispatch_tail[channel][me] : nullptr;
-  coordinate_sender_tails(tail_j, s_progress, SenderGroups::peers_only(p.num_ranks), p.num_ranks, me, p.fail,
-                          kRoleDispatchCoordinator, channel);
-}
-
-// The receiver block's group for this rank itself: scans the channel's tokens 32 at a time as the senders do
-// (every warp scans them all and so knows every stream position), copies the routed tokens whose position is
-// its own (position % group warps == its index) from x to their output rows, and records send_head[t][me]
-// (windows dealt round-robin over the group). No ring, no wait: the inputs are this rank's. Rows past the
-// channel's count from the layout (an inconsistent handle) are not written.
-template <int kUnroll>
-__device__ void dispatch_self_copy(const DispatchParams& p, int channel, const PeerGroup& g) {
-  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, me = p.peers.rank;
-  const ChannelRange range = ChannelRange::of(p.num_tokens, C, channel);
-  const int row_begin = p.recv_channel_prefix_matrix[me * C + channel];
-  const int row_end =
-      channel + 1 < C ? p.recv_channel_prefix_matrix[me * C + channel + 1] : p.rank_prefix_matrix[me * R + me];
-  int routed = 0;  // stream position of the window's first routed token
-  for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
-    const int t = cursor + lane;
-    const bool in = t < range.end && p.is_token_in_rank[int64_t(t) * R + me];
-    const uint32_t mask = __ballot_sync(kFullMask, in);
-    if (window % g.warps == g.warp && t < range.end) {
-      const int pos = routed + __popc(mask & lanemask_lt());
-      p.send_head[int64_t(t) * R + me] = in ? pos : -pos - 1;
-    }
-    int i = routed;
-    for (uint32_t m = mask; m != 0; m &= m - 1, ++i)
-      if (i % g.warps == g.warp && row_begin + i < row_end)
-        copy_own_token<kUnroll>(p, cursor + __ffs(m) - 1, row_begin + i, lane);
-    routed += __popc(mask);
-  }
+  coordinate_sender_tails(tail_j, s_progress, SenderGroups::dispatch(p.num_ranks, p.self_sender_warps), p.num_ranks, me,
+                          p.fail, kRoleDispatchCoordinator, channel);
 }
 
 // Receiver group for one source: waits for the source's tail, copies what arrived, publishes the head. The
-// group for this rank itself copies from x instead (dispatch_self_copy).
+// group for this rank itself copies from x instead (dispatch_self_copy); at 2 ranks the groups are the first
+// ring_receiver_warps warps (the peer) and the rest (own tokens, numbered before the sender block's own-token
+// warps).
 template <int kUnroll>
 __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t* s_tail) {
   PeerGroup g;
-  if (!PeerGroup::of(p.num_ranks, g)) return;
-  if (g.peer == p.peers.rank) {
-    dispatch_self_copy<kUnroll>(p, channel, g);
-    return;
+  if (p.num_ranks == 2) {  // the peer's ring: the first ring_receiver_warps warps; own tokens: the rest (DispatchSplit)
+    const int warp = threadIdx.x / 32, ring = p.ring_receiver_warps;
+    if (warp >= ring) {
+      dispatch_self_copy<kUnroll>(p, channel, warp - ring, kDataWarps - ring + p.self_sender_warps);
+      return;
+    }
+    g.peer = 1 - p.peers.rank;
+    g.warp = warp;
+    g.warps = ring;
+    g.threads = ring * 32;
+    g.barrier_id = 1 + g.peer;
+    g.leader = warp == 0 && threadIdx.x % 32 == 0;
+  } else {
+    if (!PeerGroup::of(p.num_ranks, g)) return;
+    if (g.peer == p.peers.rank) {
+      dispatch_self_copy<kUnroll>(p, channel, g.warp, g.warps);
+      return;
+    }
   }
   const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, src = g.peer, me = p.peers.rank;
   NvlControl* self = nvl_self(p.peers);

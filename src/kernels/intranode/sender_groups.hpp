@@ -3,8 +3,8 @@
 // coordinator. Combine (of): the group for this rank itself writes local memory, faster per warp than a peer
 // over NVLink, so it is the smaller one: every peer gets ceil(W / R) warps (at most (W - 1) / (R - 1), so that
 // it keeps one), the own rank the rest (the best split measured at 2 ranks; docs/bench-notes.md). Dispatch
-// (peers_only): no own group, the receiver block copies this rank's tokens. Host and device (unit-tested on the
-// CPU).
+// (peers_only, or dispatch at 2 ranks): no own group here, the receiver block copies this rank's tokens, at 2 ranks
+// with the sender block's last warps. Host and device (unit-tested on the CPU).
 #pragma once
 
 #include "layout/limits.hpp"
@@ -27,6 +27,11 @@ struct SenderGroups {
   // x to the outputs, kernels/intranode/dispatch.cu), every peer kSenderWarps / (R - 1) warps, the rest idle.
   EPX_HD static SenderGroups peers_only(int num_ranks) {
     return {0, num_ranks > 1 ? kSenderWarps / (num_ranks - 1) : 0};
+  }
+  // The dispatch's groups at 2 ranks when self_warps sender warps copy this rank's own tokens instead: the peer's
+  // group is the first kSenderWarps - self_warps warps. Other rank counts: peers_only.
+  EPX_HD static SenderGroups dispatch(int num_ranks, int self_warps) {
+    return num_ranks == 2 ? SenderGroups{0, kSenderWarps - self_warps} : peers_only(num_ranks);
   }
   // Warps in groups (the rest are idle).
   EPX_HD int used(int num_ranks) const { return own + (num_ranks - 1) * each; }
