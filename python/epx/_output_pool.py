@@ -22,8 +22,9 @@ private pool is rewritten by every replay), or while deterministic algorithms fi
 carry old bytes where a fresh one carries the fill). The capture query asks about the current device's current
 stream: the Buffer's device in a process that owns one GPU, as every Buffer needs. The key includes the current
 stream and whether inference mode is on (tensors made in inference mode are inference tensors); a call with another
-key drops the sets of the old one. At most MAX_SETS sets are kept: a new set evicts the oldest (not free, or it
-would have been handed out).
+key drops the sets of the old one, and its own first call's outputs are not kept (a key that changes every call,
+as the combine's token count may, costs a comparison only). At most MAX_SETS sets are kept: a new set evicts the
+oldest (not free, or it would have been handed out).
 """
 
 from __future__ import annotations
@@ -62,14 +63,17 @@ class _Set:
         # outputs as the call unpacks them (None for an output the key does not have). The call allocates straight
         # into that tuple, so each tensor is referenced by it and by the two tuples of rows below, nothing else.
         self.outputs = outputs
-        tensors = [t for t in outputs if t is not None]
-        # Each tensor's storage object is held, so that it stays the one torch hands out for that storage (the same
-        # Python object while it is alive): a caller holding it shows in its reference count.
-        storages = [t.untyped_storage() for t in tensors]
-        self.counted = tuple((t, st, st._cdata) for t, st in zip(tensors, storages))
-        self.laid_out = tuple((t, t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+        counted, laid_out = [], []
+        for t in outputs:
+            if t is not None:
+                # The storage object is held, so that it stays the one torch hands out for that storage (the same
+                # Python object while it is alive): a caller holding it shows in its reference count.
+                st = t.untyped_storage()
+                counted.append((t, st, st._cdata))
+                laid_out.append((t, t.data_ptr(), t.shape, t.stride(), t.dtype))
+        self.counted, self.laid_out = tuple(counted), tuple(laid_out)
         self.counts = None
-        del tensors, storages
+        counted = laid_out = t = st = None  # no reference of this frame may count in the baseline
         _check(self)  # measures the baseline: the counts with only the pool referencing the tensors
 
 
@@ -123,8 +127,11 @@ class OutputPool:
         self._keeping = True
         inference = _inference()
         if key != self._key or stream != self._stream or inference is not self._inference:
+            # A new key is kept from its second call in a row on: a key that changes every call (the combine's
+            # token count in a loop of varying batches) costs this comparison, not a set's bookkeeping.
             self._key, self._stream, self._inference = key, stream, inference
             self._sets = []
+            self._keeping = False
             return None
         sets = self._sets
         i = 0

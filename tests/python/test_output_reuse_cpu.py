@@ -101,12 +101,29 @@ def counts(buf, kind="dispatch"):
     return buf.get_low_latency_output_reuse_counts()[kind]
 
 
+def warm(buf, fp8=False):
+    """Three dispatches and combines of the test's shapes, dropped, so that the next call of each kind reuses a set:
+    a key's first call is not kept, its second is, and a third set is made while the second's handle is still
+    referenced by the combine (which remembers the last handle it checked, until the next combine)."""
+    x, idx, w = inputs()
+    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    for _ in range(3):
+        buf.low_latency_combine(y, idx, w, buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)[2])
+
+
+def delta(buf, before, kind="dispatch"):
+    """-> (sets reused, sets allocated) since counts were `before`."""
+    now = counts(buf, kind)
+    return now[0] - before[0], now[1] - before[1]
+
+
 # ---- reuse happens -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("weights", [False, True], ids=["", "topk_weights"])
 def test_a_decoding_loop_allocates_nothing_after_warm_up(env, fp8, weights):
     """As a decoding loop: the previous outputs stay in the loop's names until the next call's results replace
-    them, so two sets alternate; after those two, no call allocates."""
+    them, so two sets alternate; after the first call (whose outputs a new key does not keep) and those two, no
+    call allocates."""
     _, new_buffer, _ = env
     buf = new_buffer()
     x, idx, w = inputs()
@@ -125,7 +142,7 @@ def test_a_decoding_loop_allocates_nothing_after_warm_up(env, fp8, weights):
         for _ in range(6):
             step()
     assert mode.count == 0, "steady-state calls allocated"
-    assert counts(buf) == (8, 2, 2) and counts(buf, "combine") == (8, 2, 2)
+    assert counts(buf) == (7, 3, 2) and counts(buf, "combine") == (7, 3, 2)
 
 
 def test_reuse_is_on_by_default_and_can_be_switched(env):
@@ -134,7 +151,7 @@ def test_reuse_is_on_by_default_and_can_be_switched(env):
     assert buf.low_latency_output_reuse is True
     for _ in range(3):
         dispatch(buf)
-    assert counts(buf) == (2, 1, 1)
+    assert counts(buf) == (1, 2, 1)  # the key's first call is not kept, its second is, the third reuses it
     buf.set_low_latency_output_reuse(False)
     assert buf.low_latency_output_reuse is False and counts(buf) == (0, 0, 0)
     with CountAllocations() as mode:
@@ -144,7 +161,7 @@ def test_reuse_is_on_by_default_and_can_be_switched(env):
     buf.set_low_latency_output_reuse(True)
     for _ in range(3):
         dispatch(buf)
-    assert counts(buf) == (2, 1, 1)
+    assert counts(buf) == (1, 2, 1)
 
 
 def test_the_environment_switch(env, monkeypatch):
@@ -225,19 +242,21 @@ def test_a_set_is_not_handed_out_while_something_references_it(env, hold, infere
     context = torch.inference_mode() if inference else torch.no_grad()
     with context:
         fp8 = hold is _hold_scales
-        dispatch(buf, fp8=fp8)  # a first set, dropped: the pool's behaviour after a reuse is checked too
-        result = dispatch(buf, fp8=fp8)
+        warm(buf, fp8=fp8)
+        before = counts(buf)
+        result = dispatch(buf, fp8=fp8)  # a kept set handed out again: the pool's state after a reuse
+        assert delta(buf, before) == (1, 0)
         held = footprint(tensors_of(result))
         holder = hold(result)
         del result
         for _ in range(4):
             assert disjoint(dispatch(buf, fp8=fp8), held), f"handed out while {hold.__name__[6:]} is held"
-        reused, allocated, _ = counts(buf)
-        assert allocated == 2 and reused == 4  # the other set alternates with nothing; the held one waits
+        # one new set (the other kept one holds the last combined handle), handed out again; the held one waits
+        assert delta(buf, before) == (4, 1)
         del holder
         # Released: handed out again (the pool hands out its oldest free set first).
         again = dispatch(buf, fp8=fp8)
-        assert counts(buf)[0] == 5 and any(id(t) in held[0] for t in tensors_of(again))
+        assert delta(buf, before) == (5, 1) and any(id(t) in held[0] for t in tensors_of(again))
 
 
 def test_an_owner_in_cpp_alone_holds_the_set(env, monkeypatch):
@@ -249,6 +268,7 @@ def test_an_owner_in_cpp_alone_holds_the_set(env, monkeypatch):
     monkeypatch.setattr(output_pool, "_refs", lambda o: 0 if isinstance(o, torch.Tensor) else python_refs(o))
     _, new_buffer, _ = env
     buf = new_buffer()
+    warm(buf)
     result = dispatch(buf)
     held = footprint(tensors_of(result))
     capsule = _hold_dlpack(result)
@@ -277,6 +297,7 @@ def test_events_and_hooks_hold_their_sets(env, mode, which):
         return r
 
     call()
+    call()
     result = call(**kw)
     held = footprint(tensors_of(result))
     keeper = result[-2] if mode == "async" else result[-1]  # the event, or the hook
@@ -298,6 +319,7 @@ def test_combine_sets_follow_the_same_rules(env):
     y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
     _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     buf.low_latency_combine(y, idx, w, handle)
+    buf.low_latency_combine(y, idx, w, handle)
     combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
     with torch.inference_mode():
         view = combined[1:]
@@ -315,7 +337,25 @@ def test_combine_sets_follow_the_same_rules(env):
     x4, idx4, w4 = inputs(4)
     _, _, handle4, _, _ = buf.low_latency_dispatch(x4, idx4, M, E, use_fp8=False)
     assert tuple(buf.low_latency_combine(y, idx4, w4, handle4)[0].shape) == (4, H)
-    assert counts(buf, "combine")[2] == 1, "a new key drops the sets of the old one"
+    assert counts(buf, "combine")[2] == 0, "a new key drops the sets of the old one (and keeps its first call's)"
+    buf.low_latency_combine(y, idx4, w4, handle4)
+    assert counts(buf, "combine")[2] == 1
+
+
+def test_a_key_that_changes_every_call_keeps_nothing(env):
+    """The combine's key is its token count: a loop whose batch changes every step makes a set per call, as without
+    reuse, and keeps none (no bookkeeping); a token count seen twice in a row is kept from its second call."""
+    _, new_buffer, _ = env
+    buf = new_buffer()
+    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    for tokens in (1, 2, 3, 4, 5, 6, 5, 4):
+        x, idx, w = inputs(tokens)
+        handle = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)[2]
+        buf.low_latency_combine(y, idx, w, handle)
+        assert counts(buf, "combine")[2] == 0
+    assert counts(buf, "combine")[:2] == (0, 8)
+    buf.low_latency_combine(y, idx, w, handle)
+    assert counts(buf, "combine") == (0, 9, 1)
 
 
 def test_the_pool_is_bounded(env):
@@ -382,8 +422,10 @@ def test_a_tensor_changed_in_place_is_never_handed_out_again(env, change):
     _, new_buffer, launches = env
     buf = new_buffer()
     other = torch.zeros(L, ROWS, dtype=torch.int32)  # held by the caller throughout
-    dispatch(buf)
+    warm(buf)
+    before = counts(buf)
     result = dispatch(buf)
+    assert delta(buf, before) == (1, 0)
     change(result, other)
     del result
     fresh = dispatch(new_buffer())  # what the outputs look like
@@ -396,24 +438,27 @@ def test_a_tensor_changed_in_place_is_never_handed_out_again(env, change):
         _, _, _, pointers = launches[-1]
         assert [t.data_ptr() for t in tensors_of(result)] == [p for p in pointers if p is not None]
         del result, got, want  # the loop's names hold the set too
-    assert counts(buf)[:2] == (4, 2)
+    assert delta(buf, before) == (4, 1)  # the set that changed is not handed out again: one more allocated
 
 
 # ---- never across streams, during capture, or after destroy ------------------------------------------------------
 def test_no_reuse_on_another_stream(env):
     cuda, new_buffer, _ = env
     buf = new_buffer()
+    warm(buf)
+    before = counts(buf)
     dispatch(buf)
-    dispatch(buf)
-    assert counts(buf) == (1, 1, 1)
+    assert delta(buf, before) == (1, 0)
     other = cuda.new_stream("other")
     with torch.cuda.stream(other):
         dispatch(buf)
-        assert counts(buf) == (1, 2, 1), "not reused on another stream, and dropped"
+        assert delta(buf, before) == (1, 1) and counts(buf)[2] == 0, "not reused on another stream, and dropped"
         dispatch(buf)
-        assert counts(buf) == (2, 2, 1)  # reused on the new stream
+        dispatch(buf)
+        assert delta(buf, before) == (2, 2) and counts(buf)[2] == 1  # reused on the new stream
     dispatch(buf)
-    assert counts(buf) == (2, 3, 1), "back on the first stream: the other stream's set is dropped, not reused"
+    assert delta(buf, before) == (2, 3) and counts(buf)[2] == 0, \
+        "back on the first stream: the other stream's set is dropped, not reused"
 
 
 def test_no_reuse_and_nothing_kept_during_capture(env):
@@ -421,6 +466,7 @@ def test_no_reuse_and_nothing_kept_during_capture(env):
     buf = new_buffer()
     x, idx, w = inputs()
     y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    warm(buf)
     r = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     c = buf.low_latency_combine(y, idx, w, r[2])
     eager = footprint(tensors_of(r) + tensors_of(c))  # alive in the pool: their ids and memory stay theirs
@@ -429,11 +475,13 @@ def test_no_reuse_and_nothing_kept_during_capture(env):
     queries = cuda.capture_queries
     cuda.capturing = True
     captured = []
-    for _ in range(3):
-        r = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        c = buf.low_latency_combine(y, idx, w, r[2])
-        assert disjoint(r, eager) and disjoint(c, eager), "an eager set handed out during capture"
-        captured += [weakref.ref(t) for t in tensors_of(r) + tensors_of(c)]
+    with CountAllocations() as mode:
+        for _ in range(3):
+            r = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            c = buf.low_latency_combine(y, idx, w, r[2])
+            assert disjoint(r, eager) and disjoint(c, eager), "an eager set handed out during capture"
+            captured += [weakref.ref(t) for t in tensors_of(r) + tensors_of(c)]
+    assert mode.count == 3 * (4 + 1), "every call during capture allocates"
     del r, c
     cuda.capturing = False
     assert cuda.capture_queries - queries == 6
@@ -441,9 +489,11 @@ def test_no_reuse_and_nothing_kept_during_capture(env):
                                                       (before[1][0], before[1][1] + 3, before[1][2]))
     # After capture the eager sets are handed out again (and this combine replaces the captured handle that the
     # combine's short path remembered).
-    r = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-    c = buf.low_latency_combine(y, idx, w, r[2])
-    assert all(id(t) in eager[0] for t in tensors_of(r) + tensors_of(c))
+    with CountAllocations() as mode:
+        r = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        c = buf.low_latency_combine(y, idx, w, r[2])
+    assert mode.count == 0 and delta(buf, before[0]) == (1, 3) and delta(buf, before[1], "combine") == (1, 3)
+    del r, c
     assert all(ref() is None for ref in captured), "a set allocated during capture was kept"
 
 
@@ -452,6 +502,7 @@ def test_destroy_drops_the_sets(env):
     buf = new_buffer()
     x, idx, w = inputs()
     y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    warm(buf)
     recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
     alive = [weakref.ref(t) for t in (recv, handle[0], combined)]
@@ -493,8 +544,10 @@ def _run(new_buffer, launches, reuse):
     x, idx, w = inputs()
     y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
     seen, held = [], collections.deque(maxlen=2)
-    plan = [dict(), dict(), dict(use_fp8=True), dict(), dict(topk_weights=w), dict(return_recv_hook=True), dict(),
-            dict(async_finish=True), dict(), dict(use_fp8=True), dict(use_fp8=True), dict()]
+    plan = [dict(), dict(), dict(), dict(), dict(use_fp8=True), dict(use_fp8=True), dict(use_fp8=True),
+            dict(use_fp8=True), dict(), dict(topk_weights=w), dict(topk_weights=w), dict(topk_weights=w),
+            dict(topk_weights=w), dict(), dict(), dict(return_recv_hook=True), dict(), dict(async_finish=True), dict(),
+            dict(), dict(use_fp8=True), dict(use_fp8=True), dict(use_fp8=True)]
     for i, kw in enumerate(plan):
         kw = dict(kw)
         fp8 = kw.pop("use_fp8", False)
@@ -522,7 +575,7 @@ def test_outputs_are_what_fresh_allocations_would_carry(env):
     _, new_buffer, launches = env
     fresh, fresh_counts = _run(new_buffer, launches, False)
     reused, reuse_counts = _run(new_buffer, launches, True)
-    assert fresh_counts == (0, 0, 0) and reuse_counts[0] > 0, "the reuse run must reuse"
+    assert fresh_counts == (0, 0, 0) and reuse_counts[0] >= 5, "the reuse run must reuse"
     assert len(fresh) == len(reused)
     for i, ((calls_a, layout_a, bytes_a), (calls_b, layout_b, bytes_b)) in enumerate(zip(fresh, reused)):
         assert calls_a == calls_b, f"call {i}: the library got other arguments"
