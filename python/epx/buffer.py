@@ -34,7 +34,7 @@ from .bootstrap import AllGather, from_mpi_comm, from_torch_group
 from .config import Config
 from .errors import FailedStateError, InternalError, NotSupportedError, error_for
 from .event import EventOverlap
-from .low_latency import LowLatencyMixin
+from .low_latency import LowLatencyMixin, output_reuse_env
 
 Handle = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # deep_ep's internode handle: (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
@@ -128,7 +128,8 @@ class Buffer(LowLatencyMixin):
 
     Attributes (read-only by convention): rank, group_size, group (the process group, or the mpi4py communicator
     when only comm was given), comm, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy,
-    enable_shrink; the class attribute num_sms (set by set_num_sms; None: the library's default, 24).
+    enable_shrink, low_latency_output_reuse (set by set_low_latency_output_reuse); the class attribute num_sms (set
+    by set_num_sms; None: the library's default, 24).
     """
 
     # SMs of the high-throughput kernels, set by set_num_sms(); None means the library's default.
@@ -174,7 +175,8 @@ class Buffer(LowLatencyMixin):
                 used to exchange the set-up bytes when group is None.
 
         Raises:
-            TypeError / ValueError: an argument of the wrong type or out of range, or neither group nor comm.
+            TypeError / ValueError: an argument of the wrong type or out of range, or neither group nor comm;
+                ValueError for $EPX_LL_OUTPUT_REUSE other than 0 or 1 (set_low_latency_output_reuse).
             RuntimeError: no CUDA device. epx.EpxError subclasses for failures of the library (BootstrapError
                 when the exchange of set-up bytes fails, RemoteError when another rank failed).
         """
@@ -187,6 +189,7 @@ class Buffer(LowLatencyMixin):
         _checks.flag("use_fabric", use_fabric)
         explicitly_destroy = _checks.flag("explicitly_destroy", explicitly_destroy)
         enable_shrink = _checks.flag("enable_shrink", enable_shrink)
+        output_reuse = output_reuse_env()
         if group is None and comm is None:
             raise ValueError("epx.Buffer needs group (a torch.distributed process group) or comm (an mpi4py comm)")
         if group is None:
@@ -210,7 +213,7 @@ class Buffer(LowLatencyMixin):
         _, _, _, num_nvl_ranks, internode = _lib.buffer_info(out.value)
         self._init_state(_Native(out.value, boot), group, comm, boot.rank, boot.size,
                          torch.device("cuda", device_index), num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-                         explicitly_destroy, num_nvl_ranks, internode)
+                         explicitly_destroy, num_nvl_ranks, internode, output_reuse)
         self._attach_streams(comm_stream)
         self.enable_shrink = enable_shrink
         if explicitly_destroy:
@@ -220,7 +223,7 @@ class Buffer(LowLatencyMixin):
             self._finalizer = weakref.finalize(self, self._native.destroy_at_exit_or_gc)
 
     def _init_state(self, native, group, comm, rank, size, device, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-                    explicitly_destroy, num_nvl_ranks, internode):
+                    explicitly_destroy, num_nvl_ranks, internode, output_reuse):
         self._native = native
         self.group = group if group is not None else comm  # deep_ep keeps the communicator there when no group
         self.comm = comm
@@ -240,6 +243,7 @@ class Buffer(LowLatencyMixin):
         self._ll_dispatch_state = None  # low-latency dispatch: the last arguments that passed (low_latency.py)
         self._ll_combine_last = None    # low-latency combine: the last handle that passed, its x shape, its ref
         self._ll_combine_structs = None  # low-latency combine: the argument structs calls without a hook share
+        self.set_low_latency_output_reuse(output_reuse)  # the output pools of the low-latency calls (low_latency.py)
         self._views = Views()       # tensors handed out over this buffer's memory
         # Zero-size tensors whose new_empty allocates outputs of their dtype on the device.
         self._protos = {dtype: torch.empty(0, dtype=dtype, device=device) for dtype in _OUTPUT_DTYPES}
@@ -259,7 +263,7 @@ class Buffer(LowLatencyMixin):
         self = cls.__new__(cls)
         self._init_state(None, None, None, rank, group_size, torch.device(device), num_nvl_bytes, num_rdma_bytes,
                          low_latency_mode, True, num_nvl_ranks if num_nvl_ranks is not None else group_size,
-                         internode)
+                         internode, output_reuse_env())
         self._comm_stream = None
         self._streams = None
         self._finalizer = None
@@ -287,6 +291,7 @@ class Buffer(LowLatencyMixin):
             self._native = None
             self._last_handle = None
             self._ll_dispatch_state = self._ll_combine_last = self._ll_combine_structs = None
+            self._ll_drop_output_pools()
 
     def _ptr(self) -> int:
         native = self._native

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from . import _lib
+from . import _env, _lib
 
 
 class Config:
@@ -107,7 +107,4 @@ def _domain_size(num_ranks: int, num_nvl_ranks: Optional[int]) -> int:
 
 def _force_internode() -> bool:
     """$EPX_FORCE_INTERNODE as the library reads it: unset, empty or 0 is off, 1 is on."""
-    env = os.environ.get("EPX_FORCE_INTERNODE", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"EPX_FORCE_INTERNODE must be 0 or 1, got '{env}'")
-    return env == "1"
+    return _env.switch("EPX_FORCE_INTERNODE", False)

@@ -2,7 +2,8 @@
 layer's stream choreography and the CPU timing of its host overhead (overhead_cpu.py) run on.
 
 - FakeCuda replaces torch's stream and event entry points (torch.cuda.current_stream, stream, Event,
-  Tensor.record_stream, and the raw ones epx._streams binds) with objects that track ordering: every stream
+  Tensor.record_stream, the raw ones epx._streams binds, and the capture query epx._output_pool binds) with
+  objects that track ordering: every stream
   keeps a vector clock, an event records the clock of the stream it was recorded on, and waiting for an
   event merges that clock into the waiting stream's. `after(b, a)` then says whether operation b is ordered
   after operation a on the device.
@@ -109,6 +110,8 @@ class FakeCuda:
         self.events_created = 0
         self.record_stream_calls = []  # (tensor, stream)
         self.stream_contexts = []      # streams made current by torch.cuda.stream(...)
+        self.capturing = False         # what the capture query answers (a test sets it to fake a CUDA-graph capture)
+        self.capture_queries = 0
         self.streams = {}
         self.compute = self.new_stream("compute")
         self.current = self.compute
@@ -147,6 +150,10 @@ class FakeCuda:
         finally:
             self.current = saved
 
+    def is_current_stream_capturing(self):
+        self.capture_queries += 1
+        return self.capturing
+
     def record_stream(self, tensor, stream):
         self.record_stream_calls.append((tensor, stream))
 
@@ -177,6 +184,12 @@ class FakeCuda:
         for name, value in (("_current_stream", self.current_stream),):
             if hasattr(event_module, name):
                 s.enter_context(_patch(event_module, name, value))
+        try:
+            import epx._output_pool as output_pool
+        except ImportError:  # a tree without the output pool
+            output_pool = None
+        if output_pool is not None:
+            s.enter_context(_patch(output_pool, "_is_capturing", self.is_current_stream_capturing))
         return self
 
     def __exit__(self, *exc):
@@ -186,8 +199,9 @@ class FakeCuda:
     def builtin_noops(self):
         """For timing: the raw entry points of epx._streams become C builtins that do nothing (an event's
         record and wait: operator.is_; the current stream: dict.get), so that they cost what a call of
-        torch's C functions costs in Python, without its CUDA work, and no Python frame of a fake. The
-        current stream must not change meanwhile, and nothing is counted or ordered."""
+        torch's C functions costs in Python, without its CUDA work, and no Python frame of a fake. The capture
+        query becomes bool (a builtin answering False). The current stream must not change meanwhile, and nothing
+        is counted or ordered."""
         import epx._streams as streams
         with contextlib.ExitStack() as s:
             for name, value in (("_raw_current_stream", {0: self.current.cuda_stream}.get),
@@ -195,6 +209,12 @@ class FakeCuda:
                                 ("_event_record", operator.is_), ("_event_wait", operator.is_)):
                 if hasattr(streams, name):
                     s.enter_context(_patch(streams, name, value))
+            try:
+                import epx._output_pool as output_pool
+            except ImportError:
+                output_pool = None
+            if output_pool is not None:
+                s.enter_context(_patch(output_pool, "_is_capturing", bool))
             yield
 
 

@@ -6,13 +6,19 @@ out, so that a change to the Python layer can be timed on any machine.
 The library is tests/python/stub_epx.c (every C function returns at once) and torch's streams and events are
 fakes (_fake_cuda.py) that do no CUDA work, so what is left is the Python layer's own work: argument checks,
 ctypes structs, torch allocations (on the CPU here), stream bookkeeping. Each method is timed against a
-direct ctypes call of the same stub function with prebuilt structs, as overhead.py does on GPUs. Where the
+direct ctypes call of the same stub function with prebuilt structs, as overhead.py does on GPUs (the FP8 rows
+against the BF16 call: the stub does the same for both). Where the
 code calls torch's Python wrappers (torch.cuda.current_stream, Stream.wait_stream, Event(), ...) the fakes
 are Python functions too; where it calls torch's C entry points directly (epx._streams) they are C builtins
 that do nothing (FakeCuda.builtin_noops). The torch.cuda column counts the stream and event calls one
 method call makes: on a GPU machine each also does CUDA work (a microsecond or so, with its GIL release),
 which this table does not show. The allocations column counts the tensors one call allocates (each a CUDA
 caching-allocator call on a GPU, about 1.6 us there, more than the CPU allocation timed here).
+
+The low-latency rows run as a decoding loop does: each call's results replace the previous call's in the loop's
+names, so the previous outputs are still held while the next call runs, and the Buffer hands out again the output
+sets nothing references any more (python/README.md). The "sets reused" column gives the output sets handed out
+again / allocated during the timed calls; the "(no reuse)" rows are the same calls on a Buffer with reuse off.
 """
 
 import argparse
@@ -114,22 +120,40 @@ def measure(calls, reps):
         rows["combine"] = (py_combine, raw_combine)
 
         # ---- low-latency ----------------------------------------------------------------------------------------
-        ll = fake_buffer(cuda, WORLD)
         lx = torch.randn(M, HIDDEN, generator=g).to(torch.bfloat16)
         lidx = torch.rand(M, EXPERTS, generator=g).topk(TOPK, dim=1).indices
         lw = torch.rand(M, TOPK, generator=g)
-        lrecv, _, lhandle, _, _ = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
-        y = lrecv.clone()
 
-        def py_ll_dispatch():
-            ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
+        stats = torch.zeros(EXPERTS // WORLD, dtype=torch.int32)
 
-        def py_ll_combine():
-            ll.low_latency_combine(y, lidx, lw, lhandle)
+        def low_latency_rows(ll):
+            """-> (dispatch, combine, pair, y, FP8 dispatch with stats): the calls of a decoding loop on Buffer ll,
+            each call's results replacing the previous call's (held until then, as a loop's names hold them)."""
+            held = {}
+            lrecv, _, lhandle, _, _ = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
+            y = lrecv.clone()
 
-        def py_ll_pair():
-            _, _, hd, _, _ = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
-            ll.low_latency_combine(y, lidx, lw, hd)
+            def dispatch():
+                held["dispatch"] = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
+
+            def dispatch_fp8():
+                held["dispatch"] = ll.low_latency_dispatch(lx, lidx, M, EXPERTS,
+                                                           cumulative_local_expert_recv_stats=stats, use_fp8=True)
+
+            def combine():
+                held["combine"] = ll.low_latency_combine(y, lidx, lw, lhandle)
+
+            def pair():
+                held["dispatch"] = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
+                held["combine"] = ll.low_latency_combine(y, lidx, lw, held["dispatch"][2])
+
+            return dispatch, combine, pair, y, dispatch_fp8
+
+        ll = fake_buffer(cuda, WORLD)
+        py_ll_dispatch, py_ll_combine, py_ll_pair, y, py_ll_fp8 = low_latency_rows(ll)
+        fresh = fake_buffer(cuda, WORLD)
+        fresh.set_low_latency_output_reuse(False)
+        fresh_rows = low_latency_rows(fresh)
 
         raw_ll_dispatch, raw_ll_combine = low_latency_calls(lib, ll._ptr(), ll._streams.comm_raw, lx, lidx,
                                                             lw, y, HIDDEN, TOPK, EXPERTS, M, WORLD)
@@ -149,19 +173,39 @@ def measure(calls, reps):
         rows["layout 4096 top-8/256"] = (py_layout, layout_call(lib, lay._ptr(), lay._streams.comm_raw, lay_idx,
                                                                 LAYOUT_EXPERTS, WORLD))
 
-        rows["low-latency dispatch"] = (py_ll_dispatch, raw_ll_dispatch)
-        rows["low-latency combine"] = (py_ll_combine, raw_ll_combine)
-        rows["low-latency dispatch + combine"] = (py_ll_pair, raw_ll_pair)
+        rows["low-latency dispatch"] = (py_ll_dispatch, raw_ll_dispatch, ll)
+        rows["low-latency combine"] = (py_ll_combine, raw_ll_combine, ll)
+        rows["low-latency dispatch + combine"] = (py_ll_pair, raw_ll_pair, ll)
+        rows["low-latency dispatch FP8 + stats"] = (py_ll_fp8, raw_ll_dispatch, ll)
+        rows["low-latency dispatch (no reuse)"] = (fresh_rows[0], raw_ll_dispatch, fresh)
+        rows["low-latency combine (no reuse)"] = (fresh_rows[1], raw_ll_combine, fresh)
+        rows["low-latency dispatch + combine (no reuse)"] = (fresh_rows[2], raw_ll_pair, fresh)
+        rows["low-latency dispatch FP8 + stats (no reuse)"] = (fresh_rows[4], raw_ll_dispatch, fresh)
 
         results = {}
-        for name, (py, raw) in rows.items():
+        for name, row in rows.items():
+            py, raw = row[0], row[1]
+            owner = row[2] if len(row) > 2 else None
             n_calls, n_events = cuda_calls(cuda, py)
             n_allocs = allocations(py)
+            before = reuse_counts(owner)
             with cuda.builtin_noops():
                 results[name] = {"python_us": timed(py, calls, reps), "ctypes_us": timed(raw, calls, reps),
                                  "torch_cuda_calls": n_calls, "events_created": n_events, "allocations": n_allocs}
+            after = reuse_counts(owner)
             results[name]["overhead_us"] = results[name]["python_us"] - results[name]["ctypes_us"]
+            if owner is not None:
+                results[name]["sets_reused"] = after[0] - before[0]
+                results[name]["sets_allocated"] = after[1] - before[1]
     return results
+
+
+def reuse_counts(buf):
+    """-> (output sets reused, allocated) so far by buf's low-latency calls, dispatch and combine together."""
+    if buf is None:
+        return 0, 0
+    counts = buf.get_low_latency_output_reuse_counts().values()
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
 
 def main():
@@ -174,11 +218,16 @@ def main():
     results = measure(args.calls, args.reps)
     print(f"stub library, fake streams; {args.calls} calls x {args.reps} repetitions (best); tokens {TOKENS}, "
           f"hidden {HIDDEN}, experts {EXPERTS}, top-{TOPK}, {WORLD} ranks; microseconds per call")
-    print(f"{'operation':32} {'python':>8} {'ctypes':>8} {'overhead':>9} {'torch.cuda calls':>17} {'new events':>11} "
-          f"{'allocations':>12}")
+    print(f"{'operation':42} {'python':>8} {'ctypes':>8} {'overhead':>9} {'torch.cuda calls':>17} {'new events':>11} "
+          f"{'allocations':>12} {'sets reused':>14}")
     for name, r in results.items():
-        print(f"{name:32} {r['python_us']:8.2f} {r['ctypes_us']:8.2f} {r['overhead_us']:9.2f} "
-              f"{r['torch_cuda_calls']:17d} {r['events_created']:11d} {r['allocations']:12d}")
+        sets = "-"
+        if r.get("sets_reused", 0) + r.get("sets_allocated", 0):
+            sets = f"{r['sets_reused']}/{r['sets_reused'] + r['sets_allocated']}"
+        elif "sets_reused" in r:
+            sets = "off"
+        print(f"{name:42} {r['python_us']:8.2f} {r['ctypes_us']:8.2f} {r['overhead_us']:9.2f} "
+              f"{r['torch_cuda_calls']:17d} {r['events_created']:11d} {r['allocations']:12d} {sets:>14}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

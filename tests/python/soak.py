@@ -21,7 +21,8 @@ on the CPU: every output against the reference model (_ref.py: rows, top-k ids a
 the prefix matrix, FP8 data and scales, the low-latency layout and source indices, the FP8 combine).
 Memory: cudaMemGetInfo and the caching allocator's numbers after the set-up and warm-up (the first
 iterations load every kernel and fill the allocator's pools) and at the end, with the soak's own tensors dropped
-and torch's cached free blocks released (torch.cuda.empty_cache):
+and torch's cached free blocks released (torch.cuda.empty_cache; the low-latency output sets the Buffer keeps for
+reuse are dropped first):
 device memory outside torch's allocator must not grow by more than 2 MiB, and the allocated bytes by no more than
 64 KiB (what the Buffers keep of the last shapes; a repeating leak exceeds it).
 Rank 0 prints progress every 1000 iterations and a summary; the exit status is 1 when any rank saw a wrong
@@ -395,6 +396,10 @@ class Soak:
     # ---- the run -------------------------------------------------------------------------------------------------
     def memory(self):
         self.prev = None
+        # The low-latency output sets the Buffer keeps for reuse (python/README.md) are the last shapes' outputs,
+        # not a leak (at most 3 per call kind, pinned by tests/python/test_output_reuse_cpu.py): dropped here.
+        self.ll.set_low_latency_output_reuse(False)
+        self.ll.set_low_latency_output_reuse(True)
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # cached free blocks returned: "used" is what is allocated, in torch or outside it
