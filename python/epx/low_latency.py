@@ -6,9 +6,9 @@ later runs the receive phase on that same stream; otherwise the call runs on the
 after it waited for the current one, and the current stream waits for it at the end unless async_finish
 (then an EventOverlap is returned, holding the tensors the call uses until the caller is done with it).
 
-Outputs: each call's output tensors come from a small pool per Buffer (_output_pool.py) when a set the Buffer handed
-out earlier is referenced by nothing else any more, else they are allocated; set_low_latency_output_reuse and
-$EPX_LL_OUTPUT_REUSE turn that off.
+Outputs: each call allocates its output tensors, as deep_ep does. Opt-in (set_low_latency_output_reuse,
+$EPX_LL_OUTPUT_REUSE=1): they come from a small pool per Buffer (_output_pool.py) when a set the Buffer handed out
+earlier is referenced by nothing else any more.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def _noop() -> None:
 
 
 def output_reuse_env() -> bool:
-    """$EPX_LL_OUTPUT_REUSE: 0 turns the reuse of low-latency output sets off for Buffers created afterwards; unset,
-    empty or 1 leaves it on."""
-    return _env.switch("EPX_LL_OUTPUT_REUSE", True)
+    """$EPX_LL_OUTPUT_REUSE: 1 turns the reuse of low-latency output sets on for Buffers created afterwards; unset,
+    empty or 0 leaves it off."""
+    return _env.switch("EPX_LL_OUTPUT_REUSE", False)
 
 
 class _RecvHook:
@@ -133,11 +133,11 @@ class LowLatencyMixin:
     # ---- output reuse -------------------------------------------------------------------------------------------
     def set_low_latency_output_reuse(self, enabled: bool) -> None:
         """epx extension (local): whether low_latency_dispatch and low_latency_combine hand out again output tensors
-        of earlier calls that nothing references any more, instead of allocating new ones (on by default;
-        $EPX_LL_OUTPUT_REUSE=0 at creation turns it off). Saves the host time of the allocations (about 1.6 us
+        of earlier calls that nothing references any more, instead of allocating new ones (off by default;
+        $EPX_LL_OUTPUT_REUSE=1 at creation turns it on). Saves the host time of the allocations (about 1.6 us
         each on a GPU; the dispatch makes 5 or 6) and keeps up to 3 output sets per call kind allocated (at
         decoding shapes one dispatch set is hundreds of MB). Turning it off drops the kept sets. python/README.md
-        says what "references" covers, and what it cannot see (record_stream).
+        says what "references" covers, and what it cannot see (record_stream: the reason it is not the default).
 
         Arguments:
             enabled: bool. Where this torch lacks the queries the checks need, reuse stays off.

@@ -10,7 +10,7 @@
 namespace epx {
 
 struct DispatchSplit {
-  int self_sender_warps = 0;                  // in [0, kDataWarps - 2]: the peer's group keeps one warp
+  int self_sender_warps = 0;                 // in [0, kDataWarps - 2]: the peer's group keeps one warp
   int ring_receiver_warps = kDataWarps / 2;  // in [1, kDataWarps - 1]
   bool operator==(const DispatchSplit& o) const {
     return self_sender_warps == o.self_sender_warps && ring_receiver_warps == o.ring_receiver_warps;

@@ -17,9 +17,9 @@ dispatch with cumulative stats) in an eager loop against the same pair replayed 
 columns, and graph_* in the JSON). tests/python/overhead_cpu.py times the Python side alone on a CPU.
 
 The low-latency loops run as a decoding loop does: each call's results replace the previous call's in the loop's
-names (held until then), so the Buffer hands out again the output sets nothing references any more
-(python/README.md); the "(no reuse)" rows repeat them with Buffer.set_low_latency_output_reuse(False), and the
-"sets reused" column (sets_reused / sets_allocated in the JSON, rank 0's) says how many sets were handed out again.
+names (held until then). The "(reuse)" rows repeat them with Buffer.set_low_latency_output_reuse(True) (opt-in), so
+the Buffer hands out again the output sets nothing references any more (python/README.md), and the "sets reused"
+column (sets_reused / sets_allocated in the JSON, rank 0's) says how many sets were handed out again.
 "capture query" is the host time of the CUDA-graph capture query each low-latency call makes while reuse is on.
 Each rank's process is pinned to one CPU core (--no-pin: not pinned), preferably one local to its GPU (the PCI
 device's local_cpulist in sysfs); the cores are printed.
@@ -210,7 +210,7 @@ def low_latency(rank, world, calls, reps, sets):
     raw = timed(raw_pair, calls, reps, stream)
     raw_halves = timed_halves(raw_dispatch, raw_combine, calls, reps)
     nan = float("nan")  # the halves have no GPU time of their own (they run interleaved)
-    for suffix, reuse in (("", True), (" (no reuse)", False)):
+    for suffix, reuse in (("", False), (" (reuse)", True)):
         buffer.set_low_latency_output_reuse(reuse)
         name = "low-latency dispatch + combine" + suffix
         rows[name] = [counted(buffer, sets, name, lambda: timed(py_pair, calls, reps)), raw]
@@ -274,7 +274,7 @@ def decode(rank, world, calls, reps, sets):
     name = f"decode pair {M}x{DECODE_HIDDEN} top-{DECODE_TOPK}/{DECODE_EXPERTS} fp8"
     rows = {}
     nan = float("nan")
-    for suffix, reuse in (("", True), (" (no reuse)", False)):
+    for suffix, reuse in (("", False), (" (reuse)", True)):
         buffer.set_low_latency_output_reuse(reuse)
         rows[name + suffix] = [counted(buffer, sets, name + suffix, lambda: timed(pair, calls, reps))]
         halves = counted(buffer, sets, "  of which dispatch (eager)" + suffix,
@@ -293,7 +293,7 @@ def decode(rank, world, calls, reps, sets):
         pair()
     replay = timed(graph.replay, calls, reps)  # the "ctypes" columns of these rows: graph replays
     rows[name].append(replay)
-    rows[name + " (no reuse)"].append(replay)
+    rows[name + " (reuse)"].append(replay)
     held.clear()
     torch.cuda.synchronize()
     del graph

@@ -150,6 +150,7 @@ def measure(calls, reps):
             return dispatch, combine, pair, y, dispatch_fp8
 
         ll = fake_buffer(cuda, WORLD)
+        ll.set_low_latency_output_reuse(True)  # opt-in
         py_ll_dispatch, py_ll_combine, py_ll_pair, y, py_ll_fp8 = low_latency_rows(ll)
         fresh = fake_buffer(cuda, WORLD)
         fresh.set_low_latency_output_reuse(False)

@@ -103,6 +103,7 @@ class Soak:
         self.ht = epx.Buffer(dist.group.WORLD, num_nvl_bytes=nvl, explicitly_destroy=True)
         rdma = epx.Buffer.get_low_latency_rdma_size_hint(M, LL_H, world, LL_E)
         self.ll = epx.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True, explicitly_destroy=True)
+        self.ll.set_low_latency_output_reuse(True)  # the opt-in path: checks, hooks, graphs go through reused sets
         self.ll.clean_low_latency_buffer(M, LL_H, LL_E)
         for b in (self.ht, self.ll):
             b.set_timeout(30.0)

@@ -24,8 +24,8 @@ L, ROWS = E // R, R * M
 
 @pytest.fixture
 def env():
-    """-> (FakeCuda, a function making a Buffer, the launches seen: (name, phases, scalar arguments, output
-    pointers) per C call of a low-latency dispatch or combine)."""
+    """-> (FakeCuda, a function making a Buffer (reuse switched on unless reuse=None: the default), the launches
+    seen: (name, phases, scalar arguments, output pointers) per C call of a low-latency dispatch or combine)."""
     launches = []
     try:
         with FakeCuda() as cuda:
@@ -47,7 +47,13 @@ def env():
                 return fn
 
             with stub_library(wrap):
-                yield cuda, lambda: fake_buffer(cuda, R), launches
+                def new_buffer(reuse=True):
+                    buf = fake_buffer(cuda, R)
+                    if reuse is not None:
+                        buf.set_low_latency_output_reuse(reuse)
+                    return buf
+
+                yield cuda, new_buffer, launches
     except RuntimeError as e:  # no C compiler for the stub
         pytest.skip(str(e))
 
@@ -145,9 +151,15 @@ def test_a_decoding_loop_allocates_nothing_after_warm_up(env, fp8, weights):
     assert counts(buf) == (7, 3, 2) and counts(buf, "combine") == (7, 3, 2)
 
 
-def test_reuse_is_on_by_default_and_can_be_switched(env):
+def test_reuse_is_off_by_default_and_can_be_switched(env):
     _, new_buffer, _ = env
-    buf = new_buffer()
+    buf = new_buffer(reuse=None)
+    assert buf.low_latency_output_reuse is False
+    with CountAllocations() as mode:
+        for _ in range(3):
+            dispatch(buf)
+    assert mode.count == 3 * 4 and counts(buf) == (0, 0, 0)
+    buf.set_low_latency_output_reuse(True)
     assert buf.low_latency_output_reuse is True
     for _ in range(3):
         dispatch(buf)
@@ -167,17 +179,17 @@ def test_reuse_is_on_by_default_and_can_be_switched(env):
 def test_the_environment_switch(env, monkeypatch):
     _, new_buffer, _ = env
     monkeypatch.setenv("EPX_LL_OUTPUT_REUSE", "0")
-    buf = new_buffer()
+    buf = new_buffer(reuse=None)
     assert buf.low_latency_output_reuse is False
     with CountAllocations() as mode:
         for _ in range(3):
             dispatch(buf)
     assert mode.count == 3 * 4 and counts(buf) == (0, 0, 0)
     monkeypatch.setenv("EPX_LL_OUTPUT_REUSE", "1")
-    assert new_buffer().low_latency_output_reuse is True
+    assert new_buffer(reuse=None).low_latency_output_reuse is True
     monkeypatch.setenv("EPX_LL_OUTPUT_REUSE", "off")
     with pytest.raises(ValueError, match="EPX_LL_OUTPUT_REUSE must be 0 or 1"):
-        new_buffer()
+        new_buffer(reuse=None)
 
 
 # ---- never while anything references the set -----------------------------------------------------------------
