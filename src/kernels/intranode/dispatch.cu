@@ -208,14 +208,13 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
   }
 }
 
-// Coordinated sender (at most 2 ranks, see launch_dispatch): a warp of the group for one peer
-// (SenderGroups::dispatch: at 2 ranks the first 23 - self_sender_warps sender warps; the others join the own-token
-// group) scans the channel's tokens 32 at a time (every warp of the
-// group scans them all, so all agree on the stream positions without talking), writes the routed tokens whose position
-// is its own (position % group warps == its index) into ring slots, and after each window publishes its progress word
-// in shared memory: every position below it that this warp owns is written. No barrier and no system fence here: the
-// coordinator turns progress into ring tails. Also records send_head[t][dest] as the chunked sender does (windows dealt
-// round-robin over the group).
+// Coordinated sender (at most 2 ranks, see launch_dispatch): a warp of the group for one peer (SenderGroups::dispatch:
+// at 2 ranks the first 23 - self_sender_warps sender warps; the others join the own-token group) scans the channel's
+// tokens 32 at a time (every warp of the group scans them all, so all agree on the stream positions without talking),
+// writes the routed tokens whose position is its own (position % group warps == its index) into ring slots, and after
+// each window publishes its progress word in shared memory: every position below it that this warp owns is written. No
+// barrier and no system fence here: the coordinator turns progress into ring tails. Also records send_head[t][dest] as
+// the chunked sender does (windows dealt round-robin over the group).
 template <int kUnroll>
 __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
