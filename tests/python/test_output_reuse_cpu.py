@@ -151,29 +151,33 @@ def test_a_decoding_loop_allocates_nothing_after_warm_up(env, fp8, weights):
     assert counts(buf) == (7, 3, 2) and counts(buf, "combine") == (7, 3, 2)
 
 
+def assert_allocates_every_call(buf, calls):
+    """calls dispatches on buf allocate their 4 outputs each, and the Buffer keeps no set."""
+    with CountAllocations() as mode:
+        for _ in range(calls):
+            dispatch(buf)
+    assert mode.count == calls * 4 and counts(buf) == (0, 0, 0)
+
+
+def assert_reuses_from_the_third_call(buf):
+    for _ in range(3):
+        dispatch(buf)
+    assert counts(buf) == (1, 2, 1)  # the key's first call is not kept, its second is, the third reuses it
+
+
 def test_reuse_is_off_by_default_and_can_be_switched(env):
     _, new_buffer, _ = env
     buf = new_buffer(reuse=None)
     assert buf.low_latency_output_reuse is False
-    with CountAllocations() as mode:
-        for _ in range(3):
-            dispatch(buf)
-    assert mode.count == 3 * 4 and counts(buf) == (0, 0, 0)
+    assert_allocates_every_call(buf, 3)
     buf.set_low_latency_output_reuse(True)
     assert buf.low_latency_output_reuse is True
-    for _ in range(3):
-        dispatch(buf)
-    assert counts(buf) == (1, 2, 1)  # the key's first call is not kept, its second is, the third reuses it
+    assert_reuses_from_the_third_call(buf)
     buf.set_low_latency_output_reuse(False)
     assert buf.low_latency_output_reuse is False and counts(buf) == (0, 0, 0)
-    with CountAllocations() as mode:
-        dispatch(buf)
-        dispatch(buf)
-    assert mode.count == 2 * 4 and counts(buf) == (0, 0, 0)
+    assert_allocates_every_call(buf, 2)
     buf.set_low_latency_output_reuse(True)
-    for _ in range(3):
-        dispatch(buf)
-    assert counts(buf) == (1, 2, 1)
+    assert_reuses_from_the_third_call(buf)
 
 
 def test_the_environment_switch(env, monkeypatch):
@@ -181,10 +185,7 @@ def test_the_environment_switch(env, monkeypatch):
     monkeypatch.setenv("EPX_LL_OUTPUT_REUSE", "0")
     buf = new_buffer(reuse=None)
     assert buf.low_latency_output_reuse is False
-    with CountAllocations() as mode:
-        for _ in range(3):
-            dispatch(buf)
-    assert mode.count == 3 * 4 and counts(buf) == (0, 0, 0)
+    assert_allocates_every_call(buf, 3)
     monkeypatch.setenv("EPX_LL_OUTPUT_REUSE", "1")
     assert new_buffer(reuse=None).low_latency_output_reuse is True
     monkeypatch.setenv("EPX_LL_OUTPUT_REUSE", "off")
