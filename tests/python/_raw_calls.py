@@ -1,7 +1,8 @@
 """Direct ctypes calls of the C functions with prebuilt structs and preallocated outputs: the baseline
 that both host-overhead timers (overhead.py on GPUs, overhead_cpu.py with the stub library) hold the Python API
-against."""
+against, and the host timer they share."""
 
+import time
 from ctypes import byref, c_int
 
 import torch
@@ -87,3 +88,14 @@ def layout_call(lib, ptr, stream, idx, experts, world):
 
     call.keep = (per_rank, per_expert, in_rank, args, outs)
     return call
+
+
+def best_host_us(fn, calls, reps):
+    """Best microseconds of host time per call over reps runs of calls back-to-back calls of fn."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best

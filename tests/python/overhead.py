@@ -45,7 +45,7 @@ except ImportError:  # a source checkout: the package is in python/
 from epx import _output_pool  # noqa: E402
 
 sys.path.insert(0, HERE)
-from _raw_calls import intranode_calls, layout_call, low_latency_calls  # noqa: E402
+from _raw_calls import best_host_us, intranode_calls, layout_call, low_latency_calls  # noqa: E402
 
 TOKENS, HIDDEN, EXPERTS, TOPK, M = 128, 2048, 32, 4, 128
 DECODE_HIDDEN, DECODE_EXPERTS, DECODE_TOPK = 7168, 288, 8  # the decoding shape of the issue's targets (M tokens)
@@ -226,13 +226,7 @@ def low_latency(rank, world, calls, reps, sets):
 
 def capture_query(calls, reps):
     """Host time of the capture query the low-latency calls make while output reuse is on (no GPU time)."""
-    query = _output_pool._is_capturing
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            query()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    best = best_host_us(_output_pool._is_capturing, calls, reps)
     nan = float("nan")
     return {"capture query (host only)": [(best, nan), (nan, nan)]}
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,22 +38,11 @@ except ImportError:  # a source checkout: the package is in python/
     import epx
 
 from _fake_cuda import FakeCuda, fake_buffer, stub_library  # noqa: E402
-from _raw_calls import intranode_calls, layout_call, low_latency_calls  # noqa: E402
+from _raw_calls import best_host_us, intranode_calls, layout_call, low_latency_calls  # noqa: E402
 
 # overhead.py's shapes, on 2 ranks
 WORLD, TOKENS, HIDDEN, EXPERTS, TOPK, M = 2, 128, 2048, 32, 4, 128
 LAYOUT_TOKENS, LAYOUT_EXPERTS, LAYOUT_TOPK = 4096, 256, 8
-
-
-def timed(fn, calls, reps):
-    """Best microseconds per call over reps runs of calls calls."""
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return best
 
 
 def cuda_calls(cuda, fn):
@@ -191,8 +179,8 @@ def measure(calls, reps):
             n_allocs = allocations(py)
             before = reuse_counts(owner)
             with cuda.builtin_noops():
-                results[name] = {"python_us": timed(py, calls, reps), "ctypes_us": timed(raw, calls, reps),
-                                 "torch_cuda_calls": n_calls, "events_created": n_events, "allocations": n_allocs}
+                results[name] = {"python_us": best_host_us(py, calls, reps),
+                                 "ctypes_us": best_host_us(raw, calls, reps), "torch_cuda_calls": n_calls, "events_created": n_events, "allocations": n_allocs}
             after = reuse_counts(owner)
             results[name]["overhead_us"] = results[name]["python_us"] - results[name]["ctypes_us"]
             if owner is not None:
