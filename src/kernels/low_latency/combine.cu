@@ -1,6 +1,7 @@
 // Low-latency combine (semantics.md section 5).
 //
-// Send phase: rows are cut into work items of kChunk int4, one per warp at a time over the whole grid; a row
+// Send phase: rows are cut into work items of kChunk int4 (rank-reduced, with few rows: 32, rank_small_items), a
+// warp's at a time over the whole grid; a row
 // goes back into its source rank's receive area at [global expert][source token] once every rank has received
 // every earlier op on this buffer set (their epochs, kernels/low_latency/epochs.cuh; polls of local memory, once per
 // rank and block). Before its rows, the sender posts every (expert, source) pair's target at the source: the value the
@@ -68,10 +69,10 @@ __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, in
 // part of the partial bf16(sum over the token's slots on this rank, k ascending, of w * float(row)), float32
 // multiply then add from 0, one rounding, into the source's slot of expert e. The other rows' items send nothing;
 // they still count as sent, so every pair's target stays the flat combine's and the source awaits the first
-// expert's counter.
+// expert's counter. kPer: int4 per lane (the item is kPer * 32 int4).
+template <int kPer>
 __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p, int64_t row, int s, int t, int e,
                                                int first, int last, int lane, int4* receive, int4* stage) {
-  constexpr int kPer = kChunk / 32;  // int4 per lane
   const int K = p.num_topk, row_int4 = p.hidden / 8;
   const int2 entry = lane < K ? p.recv_topk_slots[(int64_t(s) * p.max_tokens + t) * K + lane] : make_int2(-1, 0);
   const uint32_t here = __ballot_sync(kFullMask, entry.x >= 0);
@@ -106,14 +107,16 @@ __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p,
                         lane, stage + row * row_int4 + first);
 }
 
-// Rows this rank sends back, in items of kChunk int4 spread over the whole grid's warps. Row g of the
+// Rows this rank sends back, in items of kItem int4 spread over the whole grid's warps, kBatch adjacent ones per warp
+// at a time. Row g of the
 // concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and
 // source rank s (from the layout range). s_items counts the block's items per (local expert, source) pair.
 // kLogfmt: each item goes as its LogFMT block (an item of kChunk int4 is 8 groups: one block).
 // kRank: the rank-reduced order (send_partial_item).
-template <bool kLogfmt, bool kRank, bool kShrink>
+template <bool kLogfmt, bool kRank, bool kShrink, int kItem = kChunk, int kBatch = 2>
 __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
   static_assert(kChunk == kLogfmtGroupsPerBlock * kLogfmtGroupInt4, "a work item encodes into one LogFMT block");
+  static_assert(kItem == kChunk || kRank, "only the rank-reduced items come in other sizes");
   const RankMask mask = shrink_mask<kShrink>(p.mask);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.peers.rank;
@@ -168,9 +171,9 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   __syncthreads();
   const int total = s_first[L];
   const int warps = gridDim.x * kWarps;
-  // Work items of kChunk int4 (one round of loads per lane each): ceil(row_int4 / kChunk) per row. With an
+  // Work items of kItem int4 (one round of loads per lane each): ceil(row_int4 / kItem) per row. With an
   // NVSHMEM peer each item is a put and a quiet (put_warp).
-  const int parts = (row_int4 + kChunk - 1) / kChunk;
+  const int parts = (row_int4 + kItem - 1) / kItem;
   // Targets first, one warp per (local expert, source) pair, also for pairs without rows (the source may wait
   // for them: it only knows which experts its tokens chose). The running total is this pair's own (only this
   // rank adds to the source's counter for this expert, and only the warp of the pair's index writes it: the
@@ -192,7 +195,6 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
   // A warp takes kBatch adjacent items at a time (w0, w0 + 1, ...: 4 KB of one row, or the end of one row and
   // the start of the next): faster than items a grid apart, than 4 adjacent ones, and than spreading a block's
   // warps over many rows (docs/bench-notes.md). The block completes its items once, after this loop.
-  constexpr int kBatch = 2;
   for (int w0 = (blockIdx.x * kWarps + warp) * kBatch; w0 < total * parts; w0 += kBatch * warps) {
     int b_pair[kBatch];
 #pragma unroll
@@ -216,7 +218,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       const int e = me * L + i;
       const int64_t row = int64_t(i) * rows_per_expert + n;
       const int t = p.recv_src_info[row];
-      const int first = part * kChunk, last = min(first + kChunk, row_int4);
+      const int first = part * kItem, last = min(first + kItem, row_int4);
       const int4* src = p.x + row * row_int4 + first;
       if constexpr (kLogfmt) {
         int4* block = receive + (int64_t(e) * M + t) * slot_int4 + part * (kLogfmtBlockBytes / 16);
@@ -231,7 +233,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
           put_warp_once<kChunk / 32>(p.peers.ll, s, block, staged, block_int4, lane, LoadNc{});
         }
       } else if constexpr (kRank) {
-        send_partial_item(p, row, s, t, e, first, last, lane, receive, stage);
+        send_partial_item<kItem / 32>(p, row, s, t, e, first, last, lane, receive, stage);
       } else if (s == me && local_in_place) {
         if (part == 0 && lane == 0)  // published like the data items (the block's fence and add)
           *local_row_of(receive, int64_t(e) * M + t, row_int4) = int32_t(row);
@@ -452,6 +454,15 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
+// Rank-reduced send: items of 32 int4, one per warp, when the rows here (about num_tokens * num_topk when the ranks
+// hold about as many tokens each) fit the grid's warps that way; otherwise kChunk-int4 items, two per warp. Few rows
+// in small items put more warps on the few partial sums (each loads all of a token's rows here); with many rows the
+// larger items cost less per byte (docs/bench-notes.md). Every block decides alike (same parameters, same grid).
+__device__ __forceinline__ bool rank_small_items(const LowLatencyCombineParams& p, int warps) {
+  const int64_t items = int64_t(p.num_tokens) * p.num_topk * ((p.hidden / 8 + 31) / 32);
+  return items <= warps;
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
     low_latency_combine_kernel(const __grid_constant__ LowLatencyCombineParams p) {
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
@@ -465,7 +476,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the rank-reduced order is refused with rank masking.
   const bool shrink = p.mask.words != nullptr;
   if (p.phases & kLowLatencySend) {
-    if (p.rank_reduced)
+    if (p.rank_reduced && rank_small_items(p, gridDim.x * kWarps))
+      send_phase<false, true, false, 32, 1>(p, s_first, s_range, s_items);
+    else if (p.rank_reduced)
       send_phase<false, true, false>(p, s_first, s_range, s_items);
     else if ((p.logfmt & 1) && shrink)
       send_phase<true, false, true>(p, s_first, s_range, s_items);
