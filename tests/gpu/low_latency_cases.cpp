@@ -284,7 +284,7 @@ std::vector<Case> low_latency_cases() {
         top16.num_topk = 16;
         top16.num_experts = 32;
         own.push_back(step_case("ll: rank-reduced, top-16 of 32 (more than 8 rows of a token on a rank)", top16));
-        // Few rows: the send cuts them into 32-int4 items (rank_small_items), staged in x itself with zero-copy.
+        // Few rows: the send cuts them into 32-int4 items (small_items), staged in x itself with zero-copy.
         own.push_back(
             step_case("ll: rank-reduced, zero-copy combine, 8 tokens", with_zero_copy(rank_case(8, 7168, true, 259))));
       });

@@ -1,6 +1,6 @@
 // Low-latency combine (semantics.md section 5).
 //
-// Send phase: rows are cut into work items of kChunk int4 (rank-reduced, with few rows: 32, rank_small_items), a
+// Send phase: rows are cut into work items of kChunk int4 (BF16 rows, few of them: 32, small_items), a
 // warp's at a time over the whole grid; a row
 // goes back into its source rank's receive area at [global expert][source token] once every rank has received
 // every earlier op on this buffer set (their epochs, kernels/low_latency/epochs.cuh; polls of local memory, once per
@@ -116,7 +116,7 @@ __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p,
 template <bool kLogfmt, bool kRank, bool kShrink, int kItem = kChunk, int kBatch = 2>
 __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
   static_assert(kChunk == kLogfmtGroupsPerBlock * kLogfmtGroupInt4, "a work item encodes into one LogFMT block");
-  static_assert(kItem == kChunk || kRank, "only the rank-reduced items come in other sizes");
+  static_assert(kItem == kChunk || !kLogfmt, "a LogFMT item is one block of kChunk int4");
   const RankMask mask = shrink_mask<kShrink>(p.mask);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, me = p.peers.rank;
@@ -244,8 +244,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
           __syncwarp();
           src = stage + row * row_int4 + first;
         }
-        put_warp_once<kChunk / 32>(p.peers.ll, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first,
-                                   lane, LoadNc{});
+        put_warp_once<kItem / 32>(p.peers.ll, s, receive + (int64_t(e) * M + t) * row_int4 + first, src, last - first,
+                                  lane, LoadNc{});
       }
       b_pair[j] = i * R + s;
     }
@@ -454,11 +454,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
-// Rank-reduced send: items of 32 int4, one per warp, when the rows here (about num_tokens * num_topk when the ranks
-// hold about as many tokens each) fit the grid's warps that way; otherwise kChunk-int4 items, two per warp. Few rows
-// in small items put more warps on the few partial sums (each loads all of a token's rows here); with many rows the
-// larger items cost less per byte (docs/bench-notes.md). Every block decides alike (same parameters, same grid).
-__device__ __forceinline__ bool rank_small_items(const LowLatencyCombineParams& p, int warps) {
+// BF16 send (flat without rank masking, or rank-reduced): items of 32 int4, one per warp, when the rows here (about
+// num_tokens * num_topk when the ranks hold about as many tokens each) fit the grid's warps that way; otherwise
+// kChunk-int4 items, two per warp. Few rows in small items put more warps on them (in the rank-reduced order each
+// sending item loads all of a token's rows here); with many rows the larger items cost less per byte
+// (docs/bench-notes.md). Every block decides alike (same parameters, same grid).
+__device__ __forceinline__ bool small_items(const LowLatencyCombineParams& p, int warps) {
   const int64_t items = int64_t(p.num_tokens) * p.num_topk * ((p.hidden / 8 + 31) / 32);
   return items <= warps;
 }
@@ -476,7 +477,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the rank-reduced order is refused with rank masking.
   const bool shrink = p.mask.words != nullptr;
   if (p.phases & kLowLatencySend) {
-    if (p.rank_reduced && rank_small_items(p, gridDim.x * kWarps))
+    const bool small = small_items(p, gridDim.x * kWarps);
+    if (p.rank_reduced && small)
       send_phase<false, true, false, 32, 1>(p, s_first, s_range, s_items);
     else if (p.rank_reduced)
       send_phase<false, true, false>(p, s_first, s_range, s_items);
@@ -486,6 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       send_phase<true, false, false>(p, s_first, s_range, s_items);
     else if (shrink)
       send_phase<false, false, true>(p, s_first, s_range, s_items);
+    else if (small)
+      send_phase<false, false, false, 32, 1>(p, s_first, s_range, s_items);
     else
       send_phase<false, false, false>(p, s_first, s_range, s_items);
   }
