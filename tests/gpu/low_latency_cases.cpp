@@ -229,6 +229,11 @@ std::vector<Case> low_latency_cases() {
       }(),
       true));
   cases.push_back(step_case("ll: zero-copy combine", with_zero_copy(ll_case(128, 7168, true, 53))));
+  // Few rows: the send cuts them into 32-int4 items, one per warp (small_items), also in a send-only launch (own rows
+  // copied) and staged in x itself with zero-copy.
+  cases.push_back(step_case("ll: receive hook, bf16, 4 tokens (small send items)", ll_case(4, 7168, false, 56), true));
+  cases.push_back(
+      step_case("ll: zero-copy combine, 8 tokens (small send items)", with_zero_copy(ll_case(8, 7168, true, 57))));
 
   // The LogFMT combine (use_logfmt): the flat cases above with LogFMT rows, every one bit for bit against the
   // reference model. Hidden sizes with a partial last work item (1152, 2176: 9 and 17 groups; 640: 5 groups, one
@@ -285,8 +290,8 @@ std::vector<Case> low_latency_cases() {
         top16.num_experts = 32;
         own.push_back(step_case("ll: rank-reduced, top-16 of 32 (more than 8 rows of a token on a rank)", top16));
         // Few rows: the send cuts them into 32-int4 items (small_items), staged in x itself with zero-copy.
-        own.push_back(
-            step_case("ll: rank-reduced, zero-copy combine, 8 tokens", with_zero_copy(rank_case(8, 7168, true, 259))));
+        own.push_back(step_case("ll: rank-reduced, zero-copy combine, 8 tokens (small send items)",
+                                with_zero_copy(rank_case(8, 7168, true, 259))));
       });
   // The order is chosen per call: flat and rank-reduced combines alternate on one buffer (on handles whose
   // dispatch carried the weights), a receive that does not repeat its send's reduction is rejected, and so are
