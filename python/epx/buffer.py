@@ -241,7 +241,8 @@ class Buffer(LowLatencyMixin):
         self._configs = {}          # the field values of a Config passed in -> its epx_config
         self._last_handle = None    # _HandleCache of the last handle checked
         self._ll_dispatch_state = None  # low-latency dispatch: the last arguments that passed (low_latency.py)
-        self._ll_combine_last = None    # low-latency combine: the last handle that passed, its x shape, its ref
+        self._ll_combine_last = None    # low-latency combine: the last handle that passed, its x shape, the
+        # reduction argument and its code
         self._ll_combine_structs = None  # low-latency combine: the argument structs calls without a hook share
         self.set_low_latency_output_reuse(output_reuse)  # the output pools of the low-latency calls (low_latency.py)
         self._views = Views()       # tensors handed out over this buffer's memory

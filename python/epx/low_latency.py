@@ -401,11 +401,13 @@ class LowLatencyMixin:
         d = self._device
         c = self._ll_combine_last
         # The common call: the handle of the last call whose checks passed (the same tuple: its parts were checked
-        # then; the native handle's counts are read again), flat and without LogFMT. Every tensor check is repeated,
-        # in the same order. Anything else, or a tensor the short test here does not pass, goes through every check
+        # then; the native handle's counts are read again) with the same reduction argument (None or the same str,
+        # c[2]; its code c[3] was checked with that handle), without LogFMT. Every tensor check is repeated, in the
+        # same order. Anything else, or a tensor the short test here does not pass, goes through every check
         # (_ll_combine_checks), which raises the error that says what is wrong.
         T = -1
-        if c is not None and c[0] is handle and reduction is None and use_logfmt is False \
+        if c is not None and c[0] is handle and (reduction is c[2] or (type(reduction) is str and reduction == c[2])) \
+                and use_logfmt is False \
                 and (zero_copy is False or zero_copy is True):
             h = handle[5]
             tk = (h.num_tokens, h.num_topk)
@@ -415,7 +417,7 @@ class LowLatencyMixin:
                     and topk_idx.is_contiguous() and topk_idx.shape == tk \
                     and isinstance(topk_weights, _Tensor) and topk_weights.dtype is _FP32 \
                     and topk_weights.device == d and topk_weights.is_contiguous() and topk_weights.shape == tk:
-                T, H, code = tk[0], handle[3], _REDUCE_FLAT
+                T, H, code = tk[0], handle[3], c[3]
                 if out is not None:
                     _checks.tensor("out", out, _BF16, (T, H), d, aligned16=True)
         if T < 0:
@@ -501,7 +503,7 @@ class LowLatencyMixin:
             if use_logfmt and H % _LOGFMT_GROUP != 0:
                 raise ValueError(f"use_logfmt needs hidden % {_LOGFMT_GROUP} == 0, got {H}")
         # Referenced, so that the tuple's id is not reused while it is remembered.
-        self._ll_combine_last = (handle, x_shape)
+        self._ll_combine_last = (handle, x_shape, reduction, code)
         return h, T, H, zero_copy, use_logfmt, code
 
     # ---- rank masking (deep_ep's enable_shrink mode; semantics.md section 9) --------------------------------------

@@ -115,10 +115,12 @@ def measure(calls, reps):
         stats = torch.zeros(EXPERTS // WORLD, dtype=torch.int32)
 
         def low_latency_rows(ll):
-            """-> (dispatch, combine, pair, y, FP8 dispatch with stats): the calls of a decoding loop on Buffer ll,
-            each call's results replacing the previous call's (held until then, as a loop's names hold them)."""
+            """-> (dispatch, combine, pair, y, FP8 dispatch with stats, combine with reduction='rank'): the calls of a
+            decoding loop on Buffer ll, each call's results replacing the previous call's (held until then, as a
+            loop's names hold them)."""
             held = {}
             lrecv, _, lhandle, _, _ = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
+            whandle = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False, topk_weights=lw)[2]
             y = lrecv.clone()
 
             def dispatch():
@@ -135,11 +137,14 @@ def measure(calls, reps):
                 held["dispatch"] = ll.low_latency_dispatch(lx, lidx, M, EXPERTS, use_fp8=False)
                 held["combine"] = ll.low_latency_combine(y, lidx, lw, held["dispatch"][2])
 
-            return dispatch, combine, pair, y, dispatch_fp8
+            def combine_rank():
+                held["combine"] = ll.low_latency_combine(y, lidx, lw, whandle, reduction="rank")
+
+            return dispatch, combine, pair, y, dispatch_fp8, combine_rank
 
         ll = fake_buffer(cuda, WORLD)
         ll.set_low_latency_output_reuse(True)  # opt-in
-        py_ll_dispatch, py_ll_combine, py_ll_pair, y, py_ll_fp8 = low_latency_rows(ll)
+        py_ll_dispatch, py_ll_combine, py_ll_pair, y, py_ll_fp8, py_ll_rank = low_latency_rows(ll)
         fresh = fake_buffer(cuda, WORLD)
         fresh.set_low_latency_output_reuse(False)
         fresh_rows = low_latency_rows(fresh)
@@ -166,6 +171,7 @@ def measure(calls, reps):
         rows["low-latency combine"] = (py_ll_combine, raw_ll_combine, ll)
         rows["low-latency dispatch + combine"] = (py_ll_pair, raw_ll_pair, ll)
         rows["low-latency dispatch FP8 + stats"] = (py_ll_fp8, raw_ll_dispatch, ll)
+        rows["low-latency combine, reduction='rank'"] = (py_ll_rank, raw_ll_combine, ll)
         rows["low-latency dispatch (no reuse)"] = (fresh_rows[0], raw_ll_dispatch, fresh)
         rows["low-latency combine (no reuse)"] = (fresh_rows[1], raw_ll_combine, fresh)
         rows["low-latency dispatch + combine (no reuse)"] = (fresh_rows[2], raw_ll_pair, fresh)
