@@ -1,21 +1,20 @@
 // Low-latency combine (semantics.md section 5).
 //
-// Send phase: rows are cut into work items of kChunk int4 (BF16 rows, few of them: 32, small_items), a
-// warp's at a time over the whole grid; a row
-// goes back into its source rank's receive area at [global expert][source token] once every rank has received
-// every earlier op on this buffer set (their epochs, kernels/low_latency/epochs.cuh; polls of local memory, once per
-// rank and block). Before its rows, the sender posts every (expert, source) pair's target at the source: the value the
-// source's arrival counter for that expert reaches once this op's items of the pair are written (a running total over
-// the set's combines, tagged with the op's number; relaxed, it orders nothing). Each block counts its items per pair in
-// shared memory and, after its last one, adds the counts to the sources' arrival counters behind one system-scope
-// fence: no completion step per warp, and the adds land right behind the data. Writes into other ranks go through
-// device/transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is not already in the symmetric region
-// (zero-copy) is first copied to its place in this set's combine-send area. A row for this rank itself is copied only
-// when the receive runs in a later launch (hook); with both phases in one launch it stays in x and its receive slot
-// holds its row index instead (a copy less on the critical path; docs/bench-notes.md). Receive phase: block b reduces
-// tokens b, b+G, ..., each once the arrival counters of its experts have reached their targets: out[t] = bf16(sum over
-// k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding; then the block adds its completion to
-// every rank's epoch counter (kernels/low_latency/epochs.cuh): no last block.
+// Send phase: rows are cut into work items of kChunk int4 (BF16 rows, few of them: 32, small_items), spread over the
+// whole grid's warps; a row goes back into its source rank's receive area at [global expert][source token] once every
+// rank has received every earlier op on this buffer set (their epochs, kernels/low_latency/epochs.cuh; polls of local
+// memory, once per rank and block). Before its rows, the sender posts every (expert, source) pair's target at the
+// source: the value the source's arrival counter for that expert reaches once this op's items of the pair are written
+// (a running total over the set's combines, tagged with the op's number; relaxed, it orders nothing). Each block counts
+// its items per pair in shared memory and, after its last one, adds the counts to the sources' arrival counters behind
+// one system-scope fence: no completion step per warp, and the adds land right behind the data. Writes into other ranks
+// go through device/transport.cuh (peer pointer or NVSHMEM); for NVSHMEM peers a row that is not already in the
+// symmetric region (zero-copy) is first copied to its place in this set's combine-send area. A row for this rank itself
+// is copied only when the receive runs in a later launch (hook); with both phases in one launch it stays in x and its
+// receive slot holds its row index instead (a copy less on the critical path; docs/bench-notes.md). Receive phase:
+// block b reduces tokens b, b+G, ..., each once the arrival counters of its experts have reached their targets: out[t]
+// = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding; then the block adds
+// its completion to every rank's epoch counter (kernels/low_latency/epochs.cuh): no last block.
 // LogFMT (use_logfmt, docs/logfmt.md): the send phase encodes each work item into one block of the LogFMT row and
 // writes that instead (NVSHMEM peers: staged at the item's own place in the combine-send area, which the block never
 // outgrows), every row including this rank's own (no rows read in place); the receive phase decodes each slot's row
