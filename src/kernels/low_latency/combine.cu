@@ -107,9 +107,9 @@ __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p,
 }
 
 // Rows this rank sends back, in items of kItem int4 spread over the whole grid's warps, kBatch adjacent ones per warp
-// at a time. Row g of the
-// concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g < s_first[i + 1]) and
-// source rank s (from the layout range). s_items counts the block's items per (local expert, source) pair.
+// at a time. Row g of the concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g <
+// s_first[i + 1]) and source rank s (from the layout range). s_items counts the block's items per (local expert,
+// source) pair.
 // kLogfmt: each item goes as its LogFMT block (an item of kChunk int4 is 8 groups: one block).
 // kRank: the rank-reduced order (send_partial_item).
 template <bool kLogfmt, bool kRank, bool kShrink, int kItem = kChunk, int kBatch = 2>
