@@ -11,7 +11,8 @@ the C function through ctypes with prebuilt argument structs and preallocated ou
 stream, where those calls run). Every rank makes the same calls (they are collective); rank 0
 prints the slowest rank's numbers (the JSON has every rank's). The best of several repetitions is kept.
 Low-latency dispatch and combine must alternate, so they are timed as a pair, and each half on its own inside the
-same loop (host time only). Two rows at the issue's target shapes: get_dispatch_layout at 4096 tokens, top-8 of
+same loop (host time only); the pair also in the rank-reduced order (the dispatch with topk_weights, the combine
+with reduction="rank"; no ctypes columns: the ctypes baseline makes flat calls). Two rows at the issue's target shapes: get_dispatch_layout at 4096 tokens, top-8 of
 256 (Python against ctypes), and the low-latency pair at the decoding shape (M tokens x 7168, top-8 of 288, FP8
 dispatch with cumulative stats) in an eager loop against the same pair replayed from a CUDA graph (its "ctypes"
 columns, and graph_* in the JSON). tests/python/overhead_cpu.py times the Python side alone on a CPU.
@@ -218,6 +219,21 @@ def low_latency(rank, world, calls, reps, sets):
                             lambda: timed_halves(py_dispatch, py_combine, calls, reps))
         rows["  of which dispatch" + suffix] = [(py_halves[0], nan), (raw_halves[0], nan)]
         rows["  of which combine" + suffix] = [(py_halves[1], nan), (raw_halves[1], nan)]
+    # The rank-reduced order (SPEC section 5): the dispatch carries the weights, the combine sums per expert rank.
+    # No ctypes columns (the ctypes baseline makes flat calls).
+    buffer.set_low_latency_output_reuse(False)
+
+    def py_rank_dispatch():
+        held["dispatch"] = buffer.low_latency_dispatch(x, idx, M, EXPERTS, use_fp8=False, topk_weights=w)
+
+    def py_rank_combine():
+        held["combine"] = buffer.low_latency_combine(y, idx, w, held["dispatch"][2], reduction="rank")
+
+    name = "low-latency dispatch + combine, reduction='rank'"
+    rows[name] = [timed(lambda: (py_rank_dispatch(), py_rank_combine()), calls, reps), (nan, nan)]
+    rank_halves = timed_halves(py_rank_dispatch, py_rank_combine, calls, reps)
+    rows["  of which dispatch (with weights)"] = [(rank_halves[0], nan), (nan, nan)]
+    rows["  of which combine, reduction='rank'"] = [(rank_halves[1], nan), (nan, nan)]
     held.clear()
     torch.cuda.synchronize()
     buffer.destroy()
