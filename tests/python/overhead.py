@@ -12,10 +12,11 @@ stream, where those calls run). Every rank makes the same calls (they are collec
 prints the slowest rank's numbers (the JSON has every rank's). The best of several repetitions is kept.
 Low-latency dispatch and combine must alternate, so they are timed as a pair, and each half on its own inside the
 same loop (host time only); the pair also in the rank-reduced order (the dispatch with topk_weights, the combine
-with reduction="rank"; no ctypes columns: the ctypes baseline makes flat calls). Two rows at the issue's target shapes: get_dispatch_layout at 4096 tokens, top-8 of
-256 (Python against ctypes), and the low-latency pair at the decoding shape (M tokens x 7168, top-8 of 288, FP8
-dispatch with cumulative stats) in an eager loop against the same pair replayed from a CUDA graph (its "ctypes"
-columns, and graph_* in the JSON). tests/python/overhead_cpu.py times the Python side alone on a CPU.
+with reduction="rank"; no ctypes columns: the ctypes baseline makes flat calls). Two rows at the issue's target
+shapes: get_dispatch_layout at 4096 tokens, top-8 of 256 (Python against ctypes), and the low-latency pair at the
+decoding shape (M tokens x 7168, top-8 of 288, FP8 dispatch with cumulative stats) in an eager loop against the same
+pair replayed from a CUDA graph (its "ctypes" columns, and graph_* in the JSON). tests/python/overhead_cpu.py times
+the Python side alone on a CPU.
 
 The low-latency loops run as a decoding loop does: each call's results replace the previous call's in the loop's
 names (held until then). The "(reuse)" rows repeat them with Buffer.set_low_latency_output_reuse(True) (opt-in), so
