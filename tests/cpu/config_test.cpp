@@ -130,31 +130,28 @@ TEST(Config, NvlSizeHintRejectsBadInput) {
   EXPECT_THAT(invalid_argument_message([&] { epx::nvl_size_hint(valid_config(), 8192, 9); }), HasSubstr("ranks"));
 }
 
-// The coordinated senders' warp groups (kernels/sender_groups.hpp): every data warp in exactly one group, groups
-// contiguous in rank order, every group at least one warp; at 2 ranks the own rank's group is the smaller one.
-TEST(SenderGroups, CoverEveryDataWarpOnce) {
-  for (int r = 1; r <= epx::kMaxNvlRanks; ++r) {
-    const epx::SenderGroups g = epx::SenderGroups::of(r);
-    for (int self = 0; self < r; ++self) {
-      int next = 0;
-      for (int peer = 0; peer < r; ++peer) {
-        EXPECT_EQ(g.first_warp(peer, self), next) << r << " ranks, self " << self << ", peer " << peer;
-        EXPECT_GE(g.warps(peer, self), 1) << r << " ranks, self " << self << ", peer " << peer;
-        next += g.warps(peer, self);
-      }
-      EXPECT_EQ(next, epx::kSenderWarps) << r << " ranks, self " << self;
-      for (int w = 0; w < epx::kSenderWarps; ++w) {
-        const epx::SenderGroups::Place at = g.place(w, r, self);
-        EXPECT_EQ(at.index, w - g.first_warp(at.dest, self)) << r << " ranks, self " << self << ", warp " << w;
-        EXPECT_TRUE(at.index >= 0 && at.index < at.warps) << r << " ranks, self " << self << ", warp " << w;
-        EXPECT_EQ(at.warps, g.warps(at.dest, self)) << r << " ranks, self " << self << ", warp " << w;
+// The 2-rank combine's coordinated senders (kernels/intranode/sender_groups.hpp): one group, for the peer, of the
+// first kCombinePeerWarps warps; no group for this rank (its rows are read in place); the other warps idle. One
+// rank alone has no group.
+TEST(SenderGroups, CombineHasOnlyThePeersGroup) {
+  const epx::SenderGroups g = epx::SenderGroups::combine(2);
+  EXPECT_EQ(g.own, 0);
+  EXPECT_EQ(g.used(2), epx::SenderGroups::kCombinePeerWarps);
+  for (int self = 0; self < 2; ++self) {
+    EXPECT_EQ(g.first_warp(1 - self, self), 0) << "self " << self;
+    for (int w = 0; w < epx::kSenderWarps; ++w) {
+      const epx::SenderGroups::Place at = g.place(w, 2, self);
+      if (w < epx::SenderGroups::kCombinePeerWarps) {
+        EXPECT_EQ(at.dest, 1 - self) << "self " << self << ", warp " << w;
+        EXPECT_EQ(at.index, w) << "self " << self << ", warp " << w;
+      } else {
+        EXPECT_GE(at.index, at.warps) << "self " << self << ", idle warp " << w;
       }
     }
   }
-  const epx::SenderGroups two = epx::SenderGroups::of(2);
-  EXPECT_EQ(two.own, 11);
-  EXPECT_EQ(two.each, 12);
-  EXPECT_EQ(epx::SenderGroups::of(1).own, epx::kSenderWarps);
+  const epx::SenderGroups one = epx::SenderGroups::combine(1);
+  EXPECT_EQ(one.used(1), 0);
+  EXPECT_GE(one.place(0, 1, 0).index, one.place(0, 1, 0).warps);
 }
 
 // The dispatch's coordinated senders have no group for their own rank (the receiver block copies its tokens):

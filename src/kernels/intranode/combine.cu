@@ -2,11 +2,13 @@
 //
 // Block 2c sends channel c: for every source rank s, the rows that dispatch put at
 // [recv_channel_prefix_matrix[s][c], ...) go back, in the same order, into ring (c, me) of rank s. So the
-// k-th record of that ring is the token whose send_head[t][me] == k. Block 2c+1 reduces channel c: reducer
-// warps take tokens round robin, wait for each contributing rank's record, and sum them in ascending rank
-// order in float32 (then bias0, then bias1), rounding once. A coordinator warp frees ring slots: every
-// reducer publishes, per rank, the lowest position it may still read; the coordinator publishes the minimum
-// as the ring head.
+// k-th record of that ring is the token whose send_head[t][me] == k. At 2 ranks or fewer (kOwnInPlace) this
+// rank's own rows take no ring: the reducers read them from x in place, at row recv_channel_prefix_matrix[me][c]
+// + send_head[t][me] (at 4 ranks that measured no faster; docs/bench-notes.md). Block 2c+1 reduces channel c:
+// reducer warps take tokens round robin, wait for each contributing rank's record, and sum the rows in
+// ascending rank order in float32 (then bias0, then bias1), rounding once. A coordinator warp frees ring
+// slots: every reducer publishes, per ring, the lowest position it may still read; the coordinator publishes
+// the minimum as the ring head.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -32,6 +34,10 @@ using namespace dev;
 constexpr int kCopyUnroll = 4;
 
 constexpr int kReducerWarps = kDataWarps - 1;  // the last warp of a receiver block coordinates
+
+// Own rows read in place (no own ring, no sender group for this rank): the kernels for at most 2 ranks.
+template <int kRanks>
+constexpr bool kOwnInPlace = kRanks <= 2;
 
 __device__ __forceinline__ int row_end_of(const CombineParams& p, int src, int channel) {
   return channel + 1 < p.num_channels ? p.recv_channel_prefix_matrix[src * p.num_channels + channel + 1]
@@ -74,14 +80,15 @@ __device__ void combine_sender(const CombineParams& p, int channel, ChunkGrants&
   }
 }
 
-// Coordinated sender (at most 2 ranks, as in dispatch): a warp of the group for one destination (a source rank
-// of the dispatch; SenderGroups) pushes the rows of that rank's stream whose position is its own (position %
-// group warps == its index) and after each row publishes its progress word in shared memory: every position
-// below it that this warp owns is written. The sender coordinator turns progress into ring tails.
+// Coordinated sender (at most 2 ranks, as in dispatch): a warp of the peer's group (SenderGroups::combine) pushes the
+// rows of the peer's stream whose position is its own (position % group warps == its index) and after each row
+// publishes its progress word in shared memory: every position below it that this warp owns is written. The
+// sender coordinator turns progress into ring tails.
 template <int kUnroll>
 __device__ void combine_sender_coordinated(const CombineParams& p, int channel, int32_t* s_progress) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
-  const SenderGroups::Place place = SenderGroups::of(R).place(warp, R, me);
+  const SenderGroups::Place place = SenderGroups::combine(R).place(warp, R, me);
+  if (place.index >= place.warps) return;  // idle (the coordinator reads group warps' words only)
   const int dest = place.dest, gwarp = place.index, gwarps = place.warps;
   const int row_begin = p.recv_channel_prefix_matrix[dest * p.num_channels + channel];
   const int n = row_end_of(p, dest, channel) - row_begin;
@@ -112,7 +119,7 @@ __device__ void combine_sender_coordinated(const CombineParams& p, int channel, 
 __device__ void combine_sender_coordinator(const CombineParams& p, int channel, const int32_t* s_progress) {
   const int lane = threadIdx.x % 32, me = p.peers.rank;
   uint64_t* tail_j = lane < p.num_ranks ? &nvl_control(p.peers, lane)->combine_tail[channel][me] : nullptr;
-  coordinate_sender_tails(tail_j, s_progress, SenderGroups::of(p.num_ranks), p.num_ranks, me, p.fail,
+  coordinate_sender_tails(tail_j, s_progress, SenderGroups::combine(p.num_ranks), p.num_ranks, me, p.fail,
                           kRoleCombineSenderCoordinator, channel);
 }
 
@@ -149,31 +156,45 @@ __device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const 
   }
 }
 
+// Lane j < R of a reducer or of the coordinator serves ring (c, j); with kOwnInPlace none serves this rank.
+template <bool kInPlace>
+__device__ __forceinline__ bool ring_lane(const CombineParams& p, int lane) {
+  return lane < p.num_ranks && !(kInPlace && lane == p.peers.rank);
+}
+
 template <int kRanks>
 __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks;
+  constexpr bool kInPlace = kOwnInPlace<kRanks>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
   NvlControl* self = nvl_self(p.peers);
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
-  const uint64_t base = lane < R ? read_idle(&self->combine_head[channel][lane]) : 0;
+  const bool ring = ring_lane<kInPlace>(p, lane);
+  const uint64_t base = ring ? read_idle(&self->combine_head[channel][lane]) : 0;
+  const int own_begin = kInPlace ? p.recv_channel_prefix_matrix[me * p.num_channels + channel] : 0;  // own pos 0's row
   volatile int* need_slot = s_need[warp];
 
   for (int t = range.begin + warp; t < range.end; t += kReducerWarps) {
     int pos = -1;
     if (lane < R) {
       pos = p.send_head[int64_t(t) * R + lane];
-      need_slot[lane] = pos >= 0 ? pos : -pos - 1;  // positions below this are no longer needed by this warp
-      if (pos >= 0)                                 // pairs with the sender's release of tail
-        wait_at_least(&self->combine_tail[channel][lane], base + pos + 1, p.fail,
-                      WaitSite{kRoleCombineReceiver, channel, lane, t});
+      if (!kInPlace || lane != me) {                  // ring_lane
+        need_slot[lane] = pos >= 0 ? pos : -pos - 1;  // positions below this are no longer needed by this warp
+        if (pos >= 0)                                 // pairs with the sender's release of tail
+          wait_at_least(&self->combine_tail[channel][lane], base + pos + 1, p.fail,
+                        WaitSite{kRoleCombineReceiver, channel, lane, t});
+      }
     }
     __syncwarp();
     const uint32_t valid = __ballot_sync(kFullMask, pos >= 0);
+    const int own_row = kInPlace ? own_begin + __shfl_sync(kFullMask, pos, me) : 0;  // x row of the own row, if valid
     const int4* rows[kRanks];
 #pragma unroll
     for (int j = 0; j < kRanks; ++j) {
       const int pj = __shfl_sync(kFullMask, pos, j);
       const uint64_t bj = __shfl_sync(kFullMask, base, j);
-      rows[j] = ((valid >> j) & 1u) ? reinterpret_cast<const int4*>(p.ring.slot(self, channel, j, bj + pj)) : nullptr;
+      rows[j] = !((valid >> j) & 1u)  ? nullptr
+                : kInPlace && j == me ? p.x + int64_t(own_row) * p.x_int4
+                                      : reinterpret_cast<const int4*>(p.ring.slot(self, channel, j, bj + pj));
     }
     reduce_row<kRanks, 8 / kRanks>(p, t, rows, valid, lane);
     if (p.combined_topk_weights != nullptr && lane < p.num_topk) {
@@ -182,14 +203,16 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
       for (int j = 0; j < kRanks; ++j)
         if ((valid >> j) & 1u) {
           const float* w =
-              reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[j]) + p.record.weight_offset);
+              kInPlace && j == me
+                  ? p.topk_weights + int64_t(own_row) * p.num_topk
+                  : reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(rows[j]) + p.record.weight_offset);
           acc += __int_as_float(ld_cg(reinterpret_cast<const int32_t*>(w) + lane));
         }
       p.combined_topk_weights[int64_t(t) * p.num_topk + lane] = acc;
     }
     __syncwarp();  // this token's records are consumed before the next need is published
   }
-  if (lane < R) need_slot[lane] = INT_MAX;
+  if (ring) need_slot[lane] = INT_MAX;
 }
 
 // The coordinator's budget ran out (it starts first, so it expires before the reducers' waits): the report names
@@ -197,10 +220,11 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
 // `published`, the head) has not arrived (tail - base <= published < total). A stream that is behind only
 // because its ring is full (tail - head == capacity) is not that: its records are there. With no such rank the
 // first unfinished one is named. Peer lanes read one ring tail each, once, at the timeout only. Does not return.
+template <bool kInPlace>
 __device__ __noinline__ void coordinator_timeout(const CombineParams& p, int channel, uint64_t base, int published,
                                                  int total) {
   const int lane = threadIdx.x % 32;
-  const bool active = lane < p.num_ranks;
+  const bool active = ring_lane<kInPlace>(p, lane);
   const int arrived = active ? int(ld_acquire_sys(&nvl_self(p.peers)->combine_tail[channel][lane]) - base) : 0;
   const uint32_t unfinished = __ballot_sync(kFullMask, active && published < total);
   const uint32_t starved = __ballot_sync(kFullMask, active && published < total && arrived <= published);
@@ -212,11 +236,12 @@ __device__ __noinline__ void coordinator_timeout(const CombineParams& p, int cha
   __trap();  // not reached: the culprit's lane traps
 }
 
-// Publishes, for every source rank j, head = base + min over reducers of the position they may still need.
+// Publishes, for every ring (c, j), head = base + min over reducers of the position they may still need.
+template <bool kInPlace>
 __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s_need)[kMaxNvlRanks]) {
-  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels;
+  const int lane = threadIdx.x % 32, C = p.num_channels;
   NvlControl* self = nvl_self(p.peers);
-  const bool active = lane < R;
+  const bool active = ring_lane<kInPlace>(p, lane);
   const uint64_t base = active ? read_idle(&self->combine_head[channel][lane]) : 0;
   const int total = active ? p.channel_prefix_matrix[lane * C + channel] -
                                  (channel > 0 ? p.channel_prefix_matrix[lane * C + channel - 1] : 0)
@@ -235,7 +260,7 @@ __device__ void combine_coordinator(const CombineParams& p, int channel, int (*s
     }
     if (__all_sync(kFullMask, !active || published == total)) break;
     if (budget.expired(p.fail, WaitSite{kRoleCombineCoordinator, channel, lane, total}))
-      coordinator_timeout(p, channel, base, published, total);
+      coordinator_timeout<kInPlace>(p, channel, base, published, total);
   }
 }
 
@@ -258,7 +283,7 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_kernel(const __grid_c
   if (warp < kReducerWarps)
     combine_reducer<kRanks>(p, channel, s_need);
   else
-    combine_coordinator(p, channel, s_need);
+    combine_coordinator<kOwnInPlace<kRanks>>(p, channel, s_need);
 }
 
 }  // namespace

@@ -1,10 +1,8 @@
 // Warp groups of a coordinated sender block (dispatch and combine at 2 ranks or fewer; kernels/intranode/):
-// its first kSenderWarps warps form one group per destination, in rank order; the last warp is the sender
-// coordinator. Combine (of): the group for this rank itself writes local memory, faster per warp than a peer
-// over NVLink, so it is the smaller one: every peer gets ceil(W / R) warps (at most (W - 1) / (R - 1), so that
-// it keeps one), the own rank the rest (the best split measured at 2 ranks; docs/bench-notes.md). Dispatch
-// (peers_only, or dispatch at 2 ranks): no own group here, the receiver block copies this rank's tokens, at 2 ranks
-// with the sender block's last warps. Host and device (unit-tested on the CPU).
+// its first kSenderWarps warps form one group per peer, in rank order; the last warp is the sender coordinator.
+// Neither op has a group for this rank itself: the dispatch's receiver block copies this rank's tokens (at 2 ranks
+// with the sender block's last warps), and the combine's reducers read this rank's rows in place. Host and device
+// (unit-tested on the CPU).
 #pragma once
 
 #include "layout/limits.hpp"
@@ -17,12 +15,10 @@ struct SenderGroups {
   int own;   // warps of the group for this rank
   int each;  // warps of every other group
 
-  EPX_HD static SenderGroups of(int num_ranks) {
-    if (num_ranks <= 1) return {kSenderWarps, 0};
-    int each = (kSenderWarps + num_ranks - 1) / num_ranks;
-    if (each > (kSenderWarps - 1) / (num_ranks - 1)) each = (kSenderWarps - 1) / (num_ranks - 1);
-    return {kSenderWarps - (num_ranks - 1) * each, each};
-  }
+  // The combine's groups (at most 2 ranks): the peer's kCombinePeerWarps, the other sender warps idle (the best
+  // of 8 / 10 / 12 on 2 x H200 at 16 and 24 SMs; more pushing warps are slower, docs/bench-notes.md).
+  static constexpr int kCombinePeerWarps = 10;
+  EPX_HD static SenderGroups combine(int num_ranks) { return {0, num_ranks == 2 ? kCombinePeerWarps : 0}; }
   // The dispatch's groups: no group for this rank itself (the receiver block copies its own tokens straight from
   // x to the outputs, kernels/intranode/dispatch.cu), every peer kSenderWarps / (R - 1) warps, the rest idle.
   EPX_HD static SenderGroups peers_only(int num_ranks) {
@@ -67,5 +63,6 @@ EPX_HD PeerSlot chunked_peer_slot(int warp, int num_ranks, int self) {
 }
 
 static_assert(kSenderWarps >= kMaxNvlRanks, "every sender group needs a warp");
+static_assert(SenderGroups::kCombinePeerWarps <= kSenderWarps, "the combine's peer group is made of sender warps");
 
 }  // namespace epx
