@@ -65,6 +65,11 @@ def inputs(tokens=T):
     return x, idx, w
 
 
+def step_inputs():
+    """One dispatch + combine step's inputs: x, top-k ids and weights, and the expert outputs y the combine takes."""
+    return (*inputs(), torch.zeros(L, ROWS, H, dtype=torch.bfloat16))
+
+
 def dispatch(buf, fp8=False, **kw):
     x, idx, _ = inputs()
     return buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8, **kw)
@@ -111,8 +116,7 @@ def warm(buf, fp8=False):
     """Three dispatches and combines of the test's shapes, dropped, so that the next call of each kind reuses a set:
     a key's first call is not kept, its second is, and a third set is made while the second's handle is still
     referenced by the combine (which remembers the last handle it checked, until the next combine)."""
-    x, idx, w = inputs()
-    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    x, idx, w, y = step_inputs()
     for _ in range(3):
         buf.low_latency_combine(y, idx, w, buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)[2])
 
@@ -132,8 +136,7 @@ def test_a_decoding_loop_allocates_nothing_after_warm_up(env, fp8, weights):
     call allocates."""
     _, new_buffer, _ = env
     buf = new_buffer()
-    x, idx, w = inputs()
-    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    x, idx, w, y = step_inputs()
     kw = dict(topk_weights=w) if weights else {}
     recv = count = handle = combined = None
 
@@ -299,8 +302,7 @@ def test_events_and_hooks_hold_their_sets(env, mode, which):
     either is alive, also when the caller dropped the outputs themselves."""
     _, new_buffer, _ = env
     buf = new_buffer()
-    x, idx, w = inputs()
-    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    x, idx, w, y = step_inputs()
     kw = dict(async_finish=True) if mode == "async" else dict(return_recv_hook=True)
 
     def call(**extra):
@@ -328,8 +330,7 @@ def test_events_and_hooks_hold_their_sets(env, mode, which):
 def test_combine_sets_follow_the_same_rules(env):
     _, new_buffer, _ = env
     buf = new_buffer()
-    x, idx, w = inputs()
-    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    x, idx, w, y = step_inputs()
     _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     buf.low_latency_combine(y, idx, w, handle)
     buf.low_latency_combine(y, idx, w, handle)
@@ -477,8 +478,7 @@ def test_no_reuse_on_another_stream(env):
 def test_no_reuse_and_nothing_kept_during_capture(env):
     cuda, new_buffer, _ = env
     buf = new_buffer()
-    x, idx, w = inputs()
-    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    x, idx, w, y = step_inputs()
     warm(buf)
     r = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     c = buf.low_latency_combine(y, idx, w, r[2])
@@ -513,8 +513,7 @@ def test_no_reuse_and_nothing_kept_during_capture(env):
 def test_destroy_drops_the_sets(env):
     _, new_buffer, _ = env
     buf = new_buffer()
-    x, idx, w = inputs()
-    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    x, idx, w, y = step_inputs()
     warm(buf)
     recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
@@ -554,8 +553,7 @@ def _run(new_buffer, launches, reuse):
     "kernel" wrote a pattern of the call's number into exactly the memory it was given."""
     buf = new_buffer()
     buf.set_low_latency_output_reuse(reuse)
-    x, idx, w = inputs()
-    y = torch.zeros(L, ROWS, H, dtype=torch.bfloat16)
+    x, idx, w, y = step_inputs()
     seen, held = [], collections.deque(maxlen=2)
     plan = [dict(), dict(), dict(), dict(), dict(use_fp8=True), dict(use_fp8=True), dict(use_fp8=True),
             dict(use_fp8=True), dict(), dict(topk_weights=w), dict(topk_weights=w), dict(topk_weights=w),
