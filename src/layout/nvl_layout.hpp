@@ -92,19 +92,24 @@ struct CombineRecord {
   }
 };
 
-// Ring data region: [channel][peer][slot] records of `record_bytes`, each slot starting on a kAlign (128-byte)
+// Ring data region: [channel][ring][slot] records of `record_bytes`, each slot starting on a kAlign (128-byte)
 // line: a 14416-byte BF16 record (14336 row + 80 meta) at a 16-byte stride put every warp's 512-byte store
-// across five lines instead of four.
+// across five lines instead of four. A receiver has one ring per source rank, except at 2 ranks or fewer: there no
+// ring carries a rank's own rows (the dispatch copies them from x, the combine reads them from x in place), so a
+// channel has one ring, the peer's, at 2 ranks and none at 1.
 struct RingLayout {
-  int num_peers;
-  int capacity;  // slots per (channel, peer)
+  int num_ranks;
+  int capacity;  // slots per ring
   int64_t record_bytes;
 
   EPX_HD static constexpr int64_t data_offset() { return align_up(int64_t(sizeof(NvlControl)), kAlign); }
+  EPX_HD int rings() const { return num_ranks <= 2 ? num_ranks - 1 : num_ranks; }  // per channel
   EPX_HD int64_t stride() const { return align_up(record_bytes, kAlign); }
-  EPX_HD int64_t bytes(int num_channels) const { return int64_t(num_channels) * num_peers * capacity * stride(); }
-  EPX_HD uint8_t* slot(void* buffer_base, int channel, int peer, uint64_t position) const {
-    const int64_t index = (int64_t(channel) * num_peers + peer) * capacity + int64_t(position % uint64_t(capacity));
+  EPX_HD int64_t bytes(int num_channels) const { return int64_t(num_channels) * rings() * capacity * stride(); }
+  // Slot `position` of the ring of (channel, source rank `src`) in the buffer at buffer_base.
+  EPX_HD uint8_t* slot(void* buffer_base, int channel, int src, uint64_t position) const {
+    const int ring = num_ranks <= 2 ? 0 : src;
+    const int64_t index = (int64_t(channel) * rings() + ring) * capacity + int64_t(position % uint64_t(capacity));
     return static_cast<uint8_t*>(buffer_base) + data_offset() + index * stride();
   }
 };

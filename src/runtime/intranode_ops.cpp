@@ -16,7 +16,7 @@ RingLayout ring_for(const Buffer::Impl& b, const Config& c, int64_t record_bytes
   const int64_t need = ring.bytes(num_channels(c));
   if (need > b.ring_bytes_available())
     raise(Status::kBufferTooSmall, op, ": num_nvl_bytes is ", b.ring_bytes_available(), " but this call needs ", need,
-          " (", num_channels(c), " channels x ", b.num_nvl_ranks, " ranks x ", c.num_max_recv_tokens, " tokens x ",
+          " (", num_channels(c), " channels x ", ring.rings(), " rings x ", c.num_max_recv_tokens, " tokens x ",
           ring.stride(), " bytes per token); create the Buffer with at least that, e.g. from nvl_size_hint");
   return ring;
 }

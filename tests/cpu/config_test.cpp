@@ -88,14 +88,16 @@ TEST(Config, RejectsRankCountsOutsideOneDomain) {
 
 // The ring of one (channel, peer) holds num_max_recv_tokens records; the biggest record any call can need with
 // rows of hidden_bytes (bf16 row, or an FP8 row of the same hidden with per-128 scales, at the largest top-k;
-// combine rows with weights) must fit for every channel and peer.
+// combine rows with weights) must fit for every channel and every ring: one ring per source rank, but at 2 ranks
+// only the peer's (own rows never pass through a ring there) and none at 1 rank.
 int64_t largest_ring_bytes(const epx::Config& c, int64_t hidden_bytes, int num_ranks) {
   const int hidden = int(hidden_bytes / 2);
   const int fp8_scales = (hidden + epx::kFp8GroupSize - 1) / epx::kFp8GroupSize;
   const int64_t record = std::max({epx::DispatchRecord::make(hidden_bytes, 0, epx::kMaxTopk).bytes,
                                    epx::DispatchRecord::make(hidden, fp8_scales, epx::kMaxTopk).bytes,
                                    epx::CombineRecord::make(hidden, epx::kMaxTopk).bytes});
-  return int64_t(c.num_sms / 2) * num_ranks * c.num_max_recv_tokens * epx::align_up(record, epx::kAlign);
+  const int rings = num_ranks <= 2 ? num_ranks - 1 : num_ranks;
+  return int64_t(c.num_sms / 2) * rings * c.num_max_recv_tokens * epx::align_up(record, epx::kAlign);
 }
 
 TEST(Config, NvlSizeHintCoversTheLargestRecords) {
@@ -107,6 +109,31 @@ TEST(Config, NvlSizeHintCoversTheLargestRecords) {
       EXPECT_EQ(hint % epx::kAlign, 0) << "hidden " << hidden << ", " << r << " ranks";
     }
   }
+}
+
+// Every (channel, source) a kernel may name maps to a slot inside the ring region, distinct sources to distinct
+// rings above 2 ranks; at 2 ranks both ranks' buffers hold only the ring their peer writes, so the sources of one
+// channel share the channel's ring (each buffer is written by one of them).
+TEST(Config, RingSlotsStayInsideTheRingRegion) {
+  for (int r : {2, 3, 4, 8}) {
+    const epx::RingLayout ring{r, 3, 1000};
+    const int channels = 5;
+    const uintptr_t base = uintptr_t(1) << 32;  // a buffer address; slot() only computes addresses
+    const int64_t begin = epx::RingLayout::data_offset(), end = begin + ring.bytes(channels);
+    for (int c = 0; c < channels; ++c)
+      for (int src = 0; src < r; ++src)
+        for (uint64_t pos : {uint64_t(0), uint64_t(2), uint64_t(3), uint64_t(1) << 40}) {
+          const int64_t at =
+              int64_t(reinterpret_cast<uintptr_t>(ring.slot(reinterpret_cast<void*>(base), c, src, pos)) - base);
+          EXPECT_GE(at, begin) << r << " ranks";
+          EXPECT_LE(at + ring.stride(), end) << r << " ranks";
+          EXPECT_EQ((at - begin) % ring.stride(), 0);
+          const int64_t ring_index = (at - begin) / ring.stride() / ring.capacity;
+          EXPECT_EQ(ring_index, r == 2 ? c : int64_t(c) * r + src) << r << " ranks, channel " << c << ", src " << src;
+        }
+  }
+  EXPECT_EQ((epx::RingLayout{1, 3, 1000}.bytes(5)), 0);
+  EXPECT_EQ((epx::RingLayout{2, 3, 1000}.bytes(5)), 5 * 3 * epx::align_up(1000, epx::kAlign));
 }
 
 TEST(Config, NvlSizeHintGrowsWithRanksAndHidden) {
