@@ -127,6 +127,23 @@ __device__ __forceinline__ void copy_own_token(const DispatchParams& p, int t, i
   store_row_fields(p, row, f, p.x_scales.token(t), lane, LoadNc{});
 }
 
+// One 32-token window of the token scan that the own-token copy and the coordinated senders share: returns the
+// mask of the window's tokens routed to rank `dest`. Every warp of a group scans every window (so all know every
+// stream position); the window's owner (window % gwarps == gwarp) records send_head[t][dest] for its tokens: the
+// token's stream position, or -position - 1 where it is not routed there.
+__device__ __forceinline__ uint32_t scan_window(const DispatchParams& p, int cursor, int end, int window, int dest,
+                                                int routed, int gwarp, int gwarps) {
+  const int lane = threadIdx.x % 32, R = p.num_ranks;
+  const int t = cursor + lane;
+  const bool in = t < end && p.is_token_in_rank[int64_t(t) * R + dest];
+  const uint32_t mask = __ballot_sync(kFullMask, in);
+  if (window % gwarps == gwarp && t < end) {
+    const int pos = routed + __popc(mask & lanemask_lt());
+    p.send_head[int64_t(t) * R + dest] = in ? pos : -pos - 1;
+  }
+  return mask;
+}
+
 // A warp (gwarp of gwarps) of the own-token group: scans the channel's tokens 32 at a time as the senders do
 // (every warp scans them all and so knows every stream position), copies the routed tokens whose position is
 // its own (position % group warps == its index) from x to their output rows, and records send_head[t][me]
@@ -141,13 +158,7 @@ __device__ void dispatch_self_copy(const DispatchParams& p, int channel, int gwa
       channel + 1 < C ? p.recv_channel_prefix_matrix[me * C + channel + 1] : p.rank_prefix_matrix[me * R + me];
   int routed = 0;  // stream position of the window's first routed token
   for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
-    const int t = cursor + lane;
-    const bool in = t < range.end && p.is_token_in_rank[int64_t(t) * R + me];
-    const uint32_t mask = __ballot_sync(kFullMask, in);
-    if (window % gwarps == gwarp && t < range.end) {
-      const int pos = routed + __popc(mask & lanemask_lt());
-      p.send_head[int64_t(t) * R + me] = in ? pos : -pos - 1;
-    }
+    const uint32_t mask = scan_window(p, cursor, range.end, window, me, routed, gwarp, gwarps);
     int i = routed;
     for (uint32_t m = mask; m != 0; m &= m - 1, ++i)
       if (i % gwarps == gwarp && row_begin + i < row_end)
@@ -237,13 +248,7 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
 
   int routed = 0;  // stream position of the window's first routed token
   for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
-    const int t = cursor + lane;
-    const bool in = t < range.end && p.is_token_in_rank[int64_t(t) * R + dest];
-    const uint32_t mask = __ballot_sync(kFullMask, in);
-    if (window % gwarps == gwarp && t < range.end) {
-      const int pos = routed + __popc(mask & lanemask_lt());
-      p.send_head[int64_t(t) * R + dest] = in ? pos : -pos - 1;
-    }
+    const uint32_t mask = scan_window(p, cursor, range.end, window, dest, routed, gwarp, gwarps);
     int i = routed;
     for (uint32_t m = mask; m != 0; m &= m - 1, ++i) {
       if (i % gwarps != gwarp) continue;
