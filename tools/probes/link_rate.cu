@@ -308,7 +308,7 @@ int main(int argc, char** argv) {
   const bool rows_mode = argc > 3 && std::string(argv[2]) == "rows";
   if (rows_mode) rows_list = {std::max(1, std::atoi(argv[3]))};
   // `./link_rate 14336 sms`: few SMs (the high-throughput kernels' senders: 6-24 blocks), 1024 rows per peer:
-  // the rate one SM can push to the peers, plain stores against bulk copies.
+  // the rate one SM can push to the peers, plain stores against bulk copies, pulls, and pushes with pulls at once.
   const bool few_sms = argc > 2 && std::string(argv[2]) == "sms";
   if (few_sms) rows_list = {1024};
   // `./link_rate 14336 fence`: fence_kernel's modes at 12 and 24 blocks, 1024 rows per peer.
@@ -519,7 +519,7 @@ int main(int argc, char** argv) {
     const double bytes = double(ngpus - 1) * rows * row_bytes;
     const Kernel kernels[] = {move_kernel<4>, move_kernel<8>};
     const int us_[] = {4, 8};
-    for (int blocks : {6, 12, 16, 24, 33})
+    for (int blocks : {6, 8, 12, 16, 24, 33})
       for (int threads : {512, 768, 1024})
         for (int k = 0; k < 2; ++k) {
           clear_dst();
@@ -533,6 +533,43 @@ int main(int argc, char** argv) {
         }
     for (int blocks : {6, 12, 16, 24, 33})
       for (int threads : {128, 256, 384}) run_bulk(rows, blocks, threads);
+    // Pulls (load from the peer, store here) by few SMs; then pushes and pulls at once: `blocks` blocks push half
+    // of the rows while as many more pull the other half on a second stream (the high-throughput kernels'
+    // receiver blocks on the links too, not only their sender blocks).
+    for (int blocks : {6, 8, 12, 16, 24})
+      for (int threads : {512, 768, 1024})
+        for (int k = 0; k < 2; ++k) {
+          clear_dst();
+          const double us = time_all([&](int g, cudaStream_t s) {
+            kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, 1, rows);
+            CHECK(cudaGetLastError());
+          });
+          check_dst(rows, "pull");
+          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "pull", rows, blocks, threads, us_[k], us,
+                      bytes / us * 1e-3);
+        }
+    for (int blocks : {4, 6, 8, 12})
+      for (int threads : {512, 768, 1024})
+        for (int k = 0; k < 2; ++k) {
+          clear_dst();
+          const int half = rows / 2;
+          const double us = time_all([&](int g, cudaStream_t s) {
+            cudaStream_t t = streams[g * kMaxGpus + 1];
+            CHECK(cudaStreamWaitEvent(t, ev0[g], 0));
+            kernels[k]<<<blocks, threads, 0, t>>>(p, g, ngpus, half, row_int4, 1, half);
+            CHECK(cudaGetLastError());
+            cudaEvent_t done;
+            CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+            CHECK(cudaEventRecord(done, t));
+            kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, half, row_int4, 0, half);
+            CHECK(cudaGetLastError());
+            CHECK(cudaStreamWaitEvent(s, done, 0));
+            CHECK(cudaEventDestroy(done));
+          });
+          check_dst(half, "push+pull");
+          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "mix", rows, 2 * blocks, threads, us_[k], us,
+                      bytes / us * 1e-3);
+        }
     return 0;
   }
   for (int rows : rows_list) {
