@@ -99,8 +99,8 @@ typedef struct epx_config {
   int num_sms;             /* even, >= 2 */
   int num_max_send_tokens; /* tokens a sender publishes per tail update (chunk); unused by the senders at 2 ranks or
                               fewer, which publish progress continuously (still validated) */
-  int num_max_recv_tokens; /* ring capacity per (channel, peer), in tokens; >= num_max_send_tokens. Internode: the
-                              NVLink ring per (channel, forwarder), split into one sub-ring per source domain */
+  int num_max_recv_tokens; /* ring capacity per (channel, source rank), in tokens; >= num_max_send_tokens. Internode:
+                              the NVLink ring per (channel, forwarder), split into one sub-ring per source domain */
   int num_max_rdma_send_tokens; /* internode: records per network chunk (one put and one signal) */
   int num_max_rdma_recv_tokens; /* internode: network ring capacity per (channel, domain), >= 2 chunks */
 } epx_config;
@@ -308,7 +308,8 @@ epx_status epx_default_combine_config(int num_ranks, epx_config* out);
 /* Channels of the high-throughput kernels under a config (the per-channel handle arrays are [R, channels]). */
 epx_status epx_config_num_channels(const epx_config* config, int* out);
 /* Bytes of num_nvl_bytes that a config needs for rows of hidden_bytes (worst case of scales and top-k), inside one
- * NVLink domain of num_ranks ranks. */
+ * NVLink domain of num_ranks ranks: channels x rings x num_max_recv_tokens records, a ring per source rank per
+ * channel (at 2 ranks only the peer's, at 1 rank none: own rows never pass through a ring there). */
 epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_bytes, int num_ranks, int64_t* bytes);
 /* The internode mode over num_ranks = D x num_nvl_ranks ranks: num_nvl_bytes (the NVLink sub-rings) and
  * num_rdma_bytes (the network rings) a config needs for rows of hidden_bytes. num_nvl_ranks 0: as many as one
