@@ -73,6 +73,11 @@ __device__ __forceinline__ void red_add_relaxed_sys(int32_t* p, int32_t v) {
 __device__ __forceinline__ void wait_prior_grids() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_next_grid() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 // ---- data --------------------------------------------------------------------------------------------------
+// Starts moving `bytes` (a multiple of 16) from global address p (16-byte aligned) into L2; no completion to wait
+// for, no register held.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
 // Inputs that no one writes while the kernel runs: skip L1, prefetch a 256-byte L2 sector.
 __device__ __forceinline__ int4 ld_nc(const int4* p) {
   int4 v;

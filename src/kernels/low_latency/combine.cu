@@ -76,6 +76,9 @@ __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p,
   const int2 entry = lane < K ? p.recv_topk_slots[(int64_t(s) * p.max_tokens + t) * K + lane] : make_int2(-1, 0);
   const uint32_t here = __ballot_sync(kFullMask, entry.x >= 0);
   if (here == 0 || __shfl_sync(kFullMask, entry.x, __ffs(here) - 1) != int(row)) return;  // not the first row
+  // Every row's part on its way to L2 at once (a lane per slot): the sum below loads the rows one after another,
+  // and waits on L2 for all but the first instead of on memory (docs/bench-notes.md).
+  if (entry.x >= 0) prefetch_l2(p.x + int64_t(entry.x) * row_int4 + first, uint32_t(last - first) * 16);
   float acc[kPer][8] = {};
   for (uint32_t m = here; m != 0; m &= m - 1) {
     const int k = __ffs(m) - 1;  // ascending
