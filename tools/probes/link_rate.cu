@@ -519,35 +519,25 @@ int main(int argc, char** argv) {
     const double bytes = double(ngpus - 1) * rows * row_bytes;
     const Kernel kernels[] = {move_kernel<4>, move_kernel<8>};
     const int us_[] = {4, 8};
-    for (int blocks : {6, 8, 12, 16, 24, 33})
-      for (int threads : {512, 768, 1024})
-        for (int k = 0; k < 2; ++k) {
-          clear_dst();
-          const double us = time_all([&](int g, cudaStream_t s) {
-            kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, 0, rows);
-            CHECK(cudaGetLastError());
-          });
-          check_dst(rows, "push");
-          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "push", rows, blocks, threads, us_[k], us,
-                      bytes / us * 1e-3);
-        }
+    // Pushes, then pulls (load from the peer, store here).
+    for (int pull : {0, 1})
+      for (int blocks : {6, 8, 12, 16, 24, 33})
+        for (int threads : {512, 768, 1024})
+          for (int k = 0; k < 2; ++k) {
+            clear_dst();
+            const double us = time_all([&](int g, cudaStream_t s) {
+              kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, pull, rows);
+              CHECK(cudaGetLastError());
+            });
+            const char* mode = pull ? "pull" : "push";
+            check_dst(rows, mode);
+            std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", mode, rows, blocks, threads, us_[k], us,
+                        bytes / us * 1e-3);
+          }
     for (int blocks : {6, 12, 16, 24, 33})
       for (int threads : {128, 256, 384}) run_bulk(rows, blocks, threads);
-    // Pulls (load from the peer, store here) by few SMs; then pushes and pulls at once: `blocks` blocks push half
-    // of the rows while as many more pull the other half on a second stream (the high-throughput kernels'
-    // receiver blocks on the links too, not only their sender blocks).
-    for (int blocks : {6, 8, 12, 16, 24})
-      for (int threads : {512, 768, 1024})
-        for (int k = 0; k < 2; ++k) {
-          clear_dst();
-          const double us = time_all([&](int g, cudaStream_t s) {
-            kernels[k]<<<blocks, threads, 0, s>>>(p, g, ngpus, rows, row_int4, 1, rows);
-            CHECK(cudaGetLastError());
-          });
-          check_dst(rows, "pull");
-          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "pull", rows, blocks, threads, us_[k], us,
-                      bytes / us * 1e-3);
-        }
+    // Pushes and pulls at once: `blocks` blocks push half of the rows while as many more pull the other half on a
+    // second stream (the high-throughput kernels' receiver blocks on the links too, not only their sender blocks).
     for (int blocks : {4, 6, 8, 12})
       for (int threads : {512, 768, 1024})
         for (int k = 0; k < 2; ++k) {
