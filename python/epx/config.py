@@ -39,8 +39,9 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_nvl_ranks: Optional[int] = None) -> int:
         """num_nvl_bytes this config needs for rows of hidden_bytes (pass hidden * 2, the BF16 row; that
         also covers FP8 rows of the same hidden with their scales): what the rings inside one NVLink domain need
-        (min(num_ranks, 8) ranks) or, where the internode mode applies (see get_rdma_buffer_size_hint, which takes
-        num_nvl_ranks alike), the larger of that and what its NVLink sub-rings need."""
+        (min(num_ranks, 8) ranks: a ring per channel and source rank, at 2 ranks only the peer's, at 1 rank none,
+        so 0) or, where the internode mode applies (see get_rdma_buffer_size_hint, which takes num_nvl_ranks
+        alike), the larger of that and what its NVLink sub-rings need."""
         num_ranks = _int("num_ranks", num_ranks)
         c = self.to_c()
         intranode = _lib.nvl_size_hint(c, hidden_bytes, min(num_ranks, _lib.limits().max_nvl_ranks))

@@ -95,7 +95,8 @@ def test_default_configs_and_size_hints():
         d = epx.Config.from_c(_lib.default_config("dispatch", r))
         assert d.num_sms >= 2 and d.num_sms % 2 == 0
         assert d.num_max_nvl_chunked_recv_tokens >= d.num_max_nvl_chunked_send_tokens
-        assert d.get_nvl_buffer_size_hint(7168 * 2, r) > 0
+        # one ring per (channel, source rank); at 2 ranks only the peer's, at 1 rank none (own rows take no ring)
+        assert (d.get_nvl_buffer_size_hint(7168 * 2, r) > 0) == (r > 1)
         assert d.get_rdma_buffer_size_hint(7168 * 2, r) == 0
     c = epx.Config(24, 6, 256)
     assert c.get_nvl_buffer_size_hint(4096, 8) > c.get_nvl_buffer_size_hint(2048, 8)
