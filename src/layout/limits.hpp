@@ -35,6 +35,16 @@ constexpr int64_t kAlign = 128;
 // Threads of a high-throughput data block: 24 warps, enough loads in flight per SM to saturate NVLink.
 constexpr int kDataThreads = 768;
 constexpr int kDataWarps = kDataThreads / 32;
+// The 2-rank dispatch's blocks when its rows are a whole number of its copy rounds (wide_dispatch): 20 warps, so up
+// to 96 registers each, every lane with 7 x 16 bytes in flight per round (7 divides a 7168-hidden row in BF16, 28
+// vectors per lane, and in FP8, 14). Measured against 24 warps with 4 in flight on 2 x H200 (docs/bench-notes.md,
+// eighth session, call 5).
+constexpr int kWideDispatchWarps = 20;
+constexpr int kWideDispatchUnroll = 7;
+// Whether a dispatch at num_ranks ranks of rows of x_int4 16-byte vectors runs in the wide blocks.
+EPX_HD constexpr bool wide_dispatch(int num_ranks, int64_t x_int4) {
+  return num_ranks == 2 && x_int4 % (32 * kWideDispatchUnroll) == 0;
+}
 // Default wait budget (semantics.md section 7).
 constexpr double kDefaultTimeoutSeconds = 100.0;
 // Budget of a low-latency wait for one rank under rank masking (enable_shrink) before the rank is masked.

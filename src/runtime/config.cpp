@@ -156,9 +156,11 @@ InternodeSizes internode_size_hints(const Config& config, int64_t hidden_bytes, 
   return s;
 }
 
-DispatchSplit default_dispatch_split(bool fp8) {
-  // 24 SMs, 4096 tokens x 7168, top-8 of 256: BF16 rows best at 6 sender warps, FP8 rows (half the bytes per token
-  // against the same per-token work) at 5; 16 ring readers for both.
+DispatchSplit default_dispatch_split(bool fp8, int warps) {
+  // 24 SMs, 4096 tokens x 7168, top-8 of 256. 24-warp blocks: BF16 rows best at 6 sender warps, FP8 rows (half the
+  // bytes per token against the same per-token work) at 5; 16 ring readers for both. 20-warp blocks (one run per
+  // split, eighth session): BF16 5, FP8 4, 13 ring readers.
+  if (warps == kWideDispatchWarps) return DispatchSplit{fp8 ? 4 : 5, 13};
   return DispatchSplit{fp8 ? 5 : 6, 16};
 }
 

@@ -17,8 +17,9 @@ struct DispatchSplit {
   }
 };
 
-// The default for rows of BF16 (fp8 false) or FP8 tokens: the best of a sweep on 2 x H200.
-DispatchSplit default_dispatch_split(bool fp8);
+// The default for rows of BF16 (fp8 false) or FP8 tokens in blocks of `warps` warps (kDataWarps, or
+// kWideDispatchWarps: wide_dispatch in layout/limits.hpp): the best of a sweep on 2 x H200.
+DispatchSplit default_dispatch_split(bool fp8, int warps = kDataWarps);
 
 // $EPX_HT_DISPATCH_SPLIT: "S,W" sets both counts for every dispatch of the Buffer (tuning for another GPU); null
 // or empty: *out untouched, false. Anything else throws kInvalidArgument naming the variable and the ranges.

@@ -134,7 +134,12 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
   p.send_head = h.send_head;
   p.recv_src_idx = h.recv_src_idx;
-  const DispatchSplit split = b.has_dispatch_split ? b.dispatch_split : default_dispatch_split(a.dtype == EPX_FP8_E4M3);
+  const int warps = wide_dispatch(p.num_ranks, p.x_int4) ? kWideDispatchWarps : kDataWarps;
+  const DispatchSplit split =
+      b.has_dispatch_split ? b.dispatch_split : default_dispatch_split(a.dtype == EPX_FP8_E4M3, warps);
+  EPX_REQUIRE(split.self_sender_warps <= warps - 2 && split.ring_receiver_warps <= warps - 1, op,
+              ": EPX_HT_DISPATCH_SPLIT ", split.self_sender_warps, ",", split.ring_receiver_warps, " does not fit the ",
+              warps, "-warp blocks of this dispatch (S <= ", warps - 2, ", W <= ", warps - 1, ")");
   p.self_sender_warps = split.self_sender_warps;
   p.ring_receiver_warps = split.ring_receiver_warps;
   launch_dispatch(p, stream);

@@ -215,15 +215,25 @@ TEST(SenderGroups, PeersOnlySkipsSelf) {
 // (the coordinator publishes its tails only), the rest of the sender warps are outside every group (they copy own
 // tokens); other rank counts keep peers_only.
 TEST(SenderGroups, DispatchSplitAtTwoRanks) {
-  for (int s = 0; s <= epx::kDataWarps - 2; ++s) {
-    const epx::SenderGroups g = epx::SenderGroups::dispatch(2, s);
-    EXPECT_EQ(g.own, 0);
-    EXPECT_EQ(g.each, epx::kSenderWarps - s);
-    for (int self = 0; self < 2; ++self) {
-      EXPECT_EQ(g.first_warp(1 - self, self), 0) << "S " << s << ", self " << self;
-      EXPECT_EQ(g.used(2), epx::kSenderWarps - s);
+  for (const int warps : {epx::kDataWarps, epx::kWideDispatchWarps}) {  // blocks of either geometry
+    const int senders = warps - 1;
+    for (int s = 0; s <= warps - 2; ++s) {
+      const epx::SenderGroups g = epx::SenderGroups::dispatch(2, s, senders);
+      EXPECT_EQ(g.own, 0);
+      EXPECT_EQ(g.each, senders - s);
+      for (int self = 0; self < 2; ++self) {
+        EXPECT_EQ(g.first_warp(1 - self, self), 0) << "S " << s << ", self " << self;
+        EXPECT_EQ(g.used(2), senders - s);
+        for (int w = 0; w < senders - s; ++w) {  // the peer's group: every warp below the own-token ones
+          const epx::SenderGroups::Place at = g.place(w, 2, self);
+          EXPECT_EQ(at.dest, 1 - self);
+          EXPECT_EQ(at.index, w);
+          EXPECT_EQ(at.warps, senders - s);
+        }
+      }
     }
   }
+  EXPECT_EQ(epx::SenderGroups::dispatch(2, 6).each, epx::kSenderWarps - 6);  // 24-warp blocks by default
   for (int r = 1; r <= epx::kMaxNvlRanks; ++r) {
     if (r == 2) continue;
     EXPECT_EQ(epx::SenderGroups::dispatch(r, 5).each, epx::SenderGroups::peers_only(r).each) << r << " ranks";
@@ -231,13 +241,25 @@ TEST(SenderGroups, DispatchSplitAtTwoRanks) {
 }
 
 TEST(DispatchSplit, DefaultsAreInRange) {
-  for (const bool fp8 : {false, true}) {
-    const epx::DispatchSplit d = epx::default_dispatch_split(fp8);
-    EXPECT_GE(d.self_sender_warps, 0);
-    EXPECT_LE(d.self_sender_warps, epx::kDataWarps - 2);
-    EXPECT_GE(d.ring_receiver_warps, 1);
-    EXPECT_LE(d.ring_receiver_warps, epx::kDataWarps - 1);
-  }
+  for (const int warps : {epx::kDataWarps, epx::kWideDispatchWarps})
+    for (const bool fp8 : {false, true}) {
+      const epx::DispatchSplit d = epx::default_dispatch_split(fp8, warps);
+      EXPECT_GE(d.self_sender_warps, 0);
+      EXPECT_LE(d.self_sender_warps, warps - 2);
+      EXPECT_GE(d.ring_receiver_warps, 1);
+      EXPECT_LE(d.ring_receiver_warps, warps - 1);
+    }
+  EXPECT_EQ(epx::default_dispatch_split(false), epx::default_dispatch_split(false, epx::kDataWarps));
+}
+
+// The wide 2-rank blocks take rows that are whole copy rounds (32 lanes x 7 vectors): BF16 and FP8 rows of hidden
+// 7168 (896 and 448 vectors); not other rank counts, and not rows with a remainder.
+TEST(DispatchSplit, WideBlocksOnlyAtTwoRanksForWholeRounds) {
+  EXPECT_TRUE(epx::wide_dispatch(2, 7168 * 2 / 16));
+  EXPECT_TRUE(epx::wide_dispatch(2, 7168 / 16));
+  EXPECT_FALSE(epx::wide_dispatch(2, 4096 * 2 / 16));
+  EXPECT_FALSE(epx::wide_dispatch(2, 128 * 2 / 16));
+  for (int r : {1, 3, 4, 8}) EXPECT_FALSE(epx::wide_dispatch(r, 7168 * 2 / 16)) << r;
 }
 
 TEST(DispatchSplit, ParsesTheVariableOrNamesIt) {

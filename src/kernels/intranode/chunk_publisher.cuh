@@ -69,16 +69,16 @@ __device__ __forceinline__ void publish_chunk(ChunkGrants& s, const PeerGroup& g
   __syncwarp();
 }
 
-// A sender block (dispatch and combine): at 2 ranks or fewer (kCoordinated) the first kSenderWarps warps run
-// coordinated(progress words) and the last warp coordinator(progress words) (kernels/sender_coordinator.cuh);
-// otherwise every warp runs chunked(grants), the chunked senders of this header.
-template <bool kCoordinated, typename Coordinated, typename Coordinator, typename Chunked>
+// A sender block (dispatch and combine) of kWarps warps: at 2 ranks or fewer (kCoordinated) the first kWarps - 1
+// warps run coordinated(progress words) and the last warp coordinator(progress words)
+// (kernels/sender_coordinator.cuh); otherwise every warp runs chunked(grants), the chunked senders of this header.
+template <bool kCoordinated, int kWarps = kDataWarps, typename Coordinated, typename Coordinator, typename Chunked>
 __device__ __forceinline__ void run_sender_block(Coordinated coordinated, Coordinator coordinator, Chunked chunked) {
   if constexpr (kCoordinated) {
-    __shared__ int32_t s_progress[kSenderWarps];  // per sender warp
-    if (threadIdx.x < kSenderWarps) s_progress[threadIdx.x] = 0;
+    __shared__ int32_t s_progress[kWarps - 1];  // per sender warp
+    if (threadIdx.x < kWarps - 1) s_progress[threadIdx.x] = 0;
     __syncthreads();
-    if (threadIdx.x / 32 < kSenderWarps)
+    if (threadIdx.x / 32 < kWarps - 1)
       coordinated(s_progress);
     else
       coordinator(s_progress);

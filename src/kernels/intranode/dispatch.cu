@@ -226,12 +226,12 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
 // each window publishes its progress word in shared memory: every position below it that this warp owns is written. No
 // barrier and no system fence here: the coordinator turns progress into ring tails. Also records send_head[t][dest] as
 // the chunked sender does (windows dealt round-robin over the group).
-template <int kUnroll>
+template <int kUnroll, int kWarps>
 __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
-  const SenderGroups groups = SenderGroups::dispatch(R, p.self_sender_warps);
+  const SenderGroups groups = SenderGroups::dispatch(R, p.self_sender_warps, kWarps - 1);
   if (R == 2 && warp >= groups.each) {  // a warp of the own-token group (its receiver-block part comes first)
-    const int own = kDataWarps - p.ring_receiver_warps;
+    const int own = kWarps - p.ring_receiver_warps;
     dispatch_self_copy<kUnroll>(p, channel, own + warp - groups.each, own + p.self_sender_warps);
     return;
   }
@@ -265,24 +265,25 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
 }
 
 // Sender coordinator (the sender block's last warp): see coordinate_sender_tails.
+template <int kWarps>
 __device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel, const int32_t* s_progress) {
   const int lane = threadIdx.x % 32, me = p.peers.rank;
   uint64_t* tail_j = lane < p.num_ranks ? &nvl_control(p.peers, lane)->dispatch_tail[channel][me] : nullptr;
-  coordinate_sender_tails(tail_j, s_progress, SenderGroups::dispatch(p.num_ranks, p.self_sender_warps), p.num_ranks, me,
-                          p.fail, kRoleDispatchCoordinator, channel);
+  coordinate_sender_tails(tail_j, s_progress, SenderGroups::dispatch(p.num_ranks, p.self_sender_warps, kWarps - 1),
+                          p.num_ranks, me, p.fail, kRoleDispatchCoordinator, channel);
 }
 
 // Receiver group for one source: waits for the source's tail, copies what arrived, publishes the head. The
 // group for this rank itself copies from x instead (dispatch_self_copy); at 2 ranks the groups are the first
 // ring_receiver_warps warps (the peer) and the rest (own tokens, numbered before the sender block's own-token
 // warps).
-template <int kUnroll>
+template <int kUnroll, int kWarps>
 __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t* s_tail) {
   PeerGroup g;
   if (p.num_ranks == 2) {  // the peer's ring: the first ring_receiver_warps warps; own tokens: the rest (DispatchSplit)
     const int warp = threadIdx.x / 32, ring = p.ring_receiver_warps;
     if (warp >= ring) {
-      dispatch_self_copy<kUnroll>(p, channel, warp - ring, kDataWarps - ring + p.self_sender_warps);
+      dispatch_self_copy<kUnroll>(p, channel, warp - ring, kWarps - ring + p.self_sender_warps);
       return;
     }
     g.peer = 1 - p.peers.rank;
@@ -322,11 +323,12 @@ __device__ void dispatch_receiver(const DispatchParams& p, int channel, uint64_t
   }
 }
 
-// Worst-case mode: rows past the received ones get src index -1 and no experts.
+// Worst-case mode: rows past the received ones get src index -1 and no experts (blocks of kWarps warps).
+template <int kWarps>
 __device__ void pad_rows(const DispatchParams& p, int channel) {
   const int first = p.rank_prefix_matrix[(p.num_ranks - 1) * p.num_ranks + p.peers.rank];  // rows received
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int row = first + channel * kDataWarps + warp; row < p.num_worst_tokens; row += p.num_channels * kDataWarps) {
+  for (int row = first + channel * kWarps + warp; row < p.num_worst_tokens; row += p.num_channels * kWarps) {
     if (lane == 0) p.recv_src_idx[row] = -1;
     if (lane < p.num_topk) {
       if (p.recv_topk_idx != nullptr) p.recv_topk_idx[int64_t(row) * p.num_topk + lane] = -1;
@@ -335,19 +337,20 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
   }
 }
 
-template <int kUnroll, bool kCoordinated>
-__global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
+// kWarps warps per block: kDataWarps, or kWideDispatchWarps for the wide 2-rank blocks (wide_dispatch).
+template <int kUnroll, bool kCoordinated, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
   if (!start_operation(p.fail, p.peers, p.num_ranks, p.barrier != 0, p.signature)) return;  // every rank skips
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    run_sender_block<kCoordinated>(
-        [&](int32_t* progress) { dispatch_sender_coordinated<kUnroll>(p, channel, progress); },
-        [&](const int32_t* progress) { dispatch_sender_coordinator(p, channel, progress); },
+    run_sender_block<kCoordinated, kWarps>(
+        [&](int32_t* progress) { dispatch_sender_coordinated<kUnroll, kWarps>(p, channel, progress); },
+        [&](const int32_t* progress) { dispatch_sender_coordinator<kWarps>(p, channel, progress); },
         [&](ChunkGrants& grants) { dispatch_sender<kUnroll>(p, channel, grants); });
   } else {
-    if (p.num_worst_tokens > 0) pad_rows(p, channel);
-    dispatch_receiver<kUnroll>(p, channel, s_tail);
+    if (p.num_worst_tokens > 0) pad_rows<kWarps>(p, channel);
+    dispatch_receiver<kUnroll, kWarps>(p, channel, s_tail);
   }
 }
 
@@ -355,12 +358,16 @@ __global__ void __launch_bounds__(kDataThreads, 1) dispatch_kernel(const __grid_
 
 // Senders: at most 2 ranks the coordinated sender (no per-chunk barrier and fence in its data warps); at more
 // ranks the chunked one, which is faster there: the coordinator's fences each wait for every store in flight
-// from its SM (docs/bench-notes.md).
+// from its SM (docs/bench-notes.md). At 2 ranks, rows that are a whole number of wide copy rounds go in the wide
+// blocks (fewer warps, more in flight each; layout/limits.hpp).
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  if (p.num_ranks <= 2)
-    dispatch_kernel<kCopyUnroll, true><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  const int blocks = p.num_channels * 2;
+  if (wide_dispatch(p.num_ranks, p.x_int4))
+    dispatch_kernel<kWideDispatchUnroll, true, kWideDispatchWarps><<<blocks, kWideDispatchWarps * 32, 0, stream>>>(p);
+  else if (p.num_ranks <= 2)
+    dispatch_kernel<kCopyUnroll, true, kDataWarps><<<blocks, kDataThreads, 0, stream>>>(p);
   else
-    dispatch_kernel<kCopyUnroll, false><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+    dispatch_kernel<kCopyUnroll, false, kDataWarps><<<blocks, kDataThreads, 0, stream>>>(p);
 }
 
 }  // namespace epx

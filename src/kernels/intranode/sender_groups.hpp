@@ -24,10 +24,10 @@ struct SenderGroups {
   EPX_HD static SenderGroups peers_only(int num_ranks) {
     return {0, num_ranks > 1 ? kSenderWarps / (num_ranks - 1) : 0};
   }
-  // The dispatch's groups at 2 ranks when self_warps sender warps copy this rank's own tokens instead: the peer's
-  // group is the first kSenderWarps - self_warps warps. Other rank counts: peers_only.
-  EPX_HD static SenderGroups dispatch(int num_ranks, int self_warps) {
-    return num_ranks == 2 ? SenderGroups{0, kSenderWarps - self_warps} : peers_only(num_ranks);
+  // The dispatch's groups at 2 ranks when self_warps of the block's sender_warps copy this rank's own tokens
+  // instead: the peer's group is the first sender_warps - self_warps warps. Other rank counts: peers_only.
+  EPX_HD static SenderGroups dispatch(int num_ranks, int self_warps, int sender_warps = kSenderWarps) {
+    return num_ranks == 2 ? SenderGroups{0, sender_warps - self_warps} : peers_only(num_ranks);
   }
   // Warps in groups (the rest are idle).
   EPX_HD int used(int num_ranks) const { return own + (num_ranks - 1) * each; }
