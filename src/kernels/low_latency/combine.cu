@@ -461,9 +461,16 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
 // kChunk-int4 items, two per warp. Few rows in small items put more warps on them (in the rank-reduced order each
 // sending item loads all of a token's rows here); with many rows the larger items cost less per byte
 // (docs/bench-notes.md). Every block decides alike (same parameters, same grid).
+__device__ __forceinline__ int64_t send_items(const LowLatencyCombineParams& p, int item_int4) {
+  return int64_t(p.num_tokens) * p.num_topk * ((p.hidden / 8 + item_int4 - 1) / item_int4);
+}
 __device__ __forceinline__ bool small_items(const LowLatencyCombineParams& p, int warps) {
-  const int64_t items = int64_t(p.num_tokens) * p.num_topk * ((p.hidden / 8 + 31) / 32);
-  return items <= warps;
+  return send_items(p, 32) <= warps;
+}
+// Rank-reduced, between the two: kChunk-int4 items one per warp while they fit the grid's warps. A sending item
+// sums a chain of rows, so two of them on one warp take twice as long, and with items to spare no warp needs two.
+__device__ __forceinline__ bool one_chunk_per_warp(const LowLatencyCombineParams& p, int warps) {
+  return send_items(p, kChunk) <= warps;
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -482,6 +489,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool small = small_items(p, gridDim.x * kWarps);
     if (p.rank_reduced && small)
       send_phase<false, true, false, 32, 1>(p, s_first, s_range, s_items);
+    else if (p.rank_reduced && one_chunk_per_warp(p, gridDim.x * kWarps))
+      send_phase<false, true, false, kChunk, 1>(p, s_first, s_range, s_items);
     else if (p.rank_reduced)
       send_phase<false, true, false>(p, s_first, s_range, s_items);
     else if ((p.logfmt & 1) && shrink)
