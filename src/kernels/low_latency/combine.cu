@@ -19,10 +19,12 @@
 // writes that instead (NVSHMEM peers: staged at the item's own place in the combine-send area, which the block never
 // outgrows), every row including this rank's own (no rows read in place); the receive phase decodes each slot's row
 // to float32 before the same weighted sum. A separate instantiation of each phase, so the BF16 path is unchanged.
-// Rank-reduced (EPX_REDUCE_RANK): the same items, targets and counters; the item of a token's first row on this rank
-// sums that part of all the token's rows here (weights and slots from the dispatch, recv_topk_slots) and sends the
-// bf16 partial; the other rows' items send nothing. The source sums one partial per rank (receive_rank_phase). Own
-// rows are never read in place. A separate instantiation of each phase too.
+// Rank-reduced (EPX_REDUCE_RANK): the same targets and counters; a token's partial (that part of all its rows here,
+// summed with the weights and slots from the dispatch, recv_topk_slots) goes into the slot of its first row here
+// (lowest slot k). While every source token fits a block's list (send_rank_phase), each block lists the first rows
+// and the grid's warps take items of those rows only, each item counting as sent for every row of its token; past
+// that, items go over all rows and only a first row's items sum and send (send_partial_item). The source sums one
+// partial per rank (receive_rank_phase). Own rows are never read in place. A separate instantiation of each phase too.
 // Rank masking (enable_shrink, kernels/low_latency/shrink.cuh): no targets, rows or arrival adds go to a rank left
 // out (its pairs' running totals stay as they are), and a slot whose expert is on a rank left out, or on a rank
 // masked while this call waited for it, counts as -1.
@@ -109,31 +111,18 @@ __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p,
                         lane, stage + row * row_int4 + first);
 }
 
-// Rows this rank sends back, in items of kItem int4 spread over the whole grid's warps, kBatch adjacent ones per warp
-// at a time. Row g of the concatenation of every local expert's packed rows belongs to expert i (s_first[i] <= g <
-// s_first[i + 1]) and source rank s (from the layout range). s_items counts the block's items per (local expert,
-// source) pair.
-// kLogfmt: each item goes as its LogFMT block (an item of kChunk int4 is 8 groups: one block).
-// kRank: the rank-reduced order (send_partial_item).
-template <bool kLogfmt, bool kRank, bool kShrink, int kItem = kChunk, int kBatch = 2>
-__device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
-  static_assert(kChunk == kLogfmtGroupsPerBlock * kLogfmtGroupInt4, "a work item encodes into one LogFMT block");
-  static_assert(kItem == kChunk || !kLogfmt, "a LogFMT item is one block of kChunk int4");
+// The start of every send phase: the rows per (local expert, source) into shared memory (s_range: (begin, count) of
+// each pair's rows among its expert's, by source ascending), s_items zeroed, and the back-pressure wait. -> the ranks
+// this op leaves out (rank masking; 0 without).
+template <bool kShrink>
+__device__ __forceinline__ uint32_t begin_send(const LowLatencyCombineParams& p, int2* s_range, int* s_items) {
   const RankMask mask = shrink_mask<kShrink>(p.mask);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int R = p.num_ranks, M = p.max_tokens, me = p.peers.rank;
+  const int R = p.num_ranks, me = p.peers.rank;
   const int L = p.num_experts / R;
-  const int row_int4 = p.hidden / 8;
-  const int64_t rows_per_expert = int64_t(R) * M;
-  int32_t* sent = p.layout.combine_sent(p.peers.ll.local, p.set);        // running totals per (local expert, source)
-  int32_t* arrived = p.layout.combine_arrived(p.peers.ll.local, p.set);  // addresses here = offsets at every peer
-  uint64_t* targets = p.layout.combine_target(p.peers.ll.local, p.set);
   const uint64_t* recv_seen = p.layout.recv_seen(p.peers.ll.local, p.set);
   const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // earlier ops on this set, of either kind
-  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set));
-  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.ll.local, p.set));
-  // Rows per (local expert, source) and their begins, from the layout ranges: one load per pair, all threads
-  // at once, into shared memory; then warp 0 turns the per-expert totals into the exclusive prefix s_first.
+  // Rows per (local expert, source) and their begins, from the layout ranges: one load per pair, all threads at once.
   for (int pair = threadIdx.x; pair < L * R; pair += kThreads) {
     const int64_t range = p.recv_layout_range[pair];
     s_range[pair] = int2{int(range >> 32), int(range & 0xffffffff)};
@@ -156,8 +145,15 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     }
   }
   __syncthreads();
-  const uint32_t skip = kShrink ? s_skip : 0u;
-  if (warp == 0) {
+  return kShrink ? s_skip : 0u;
+}
+
+// s_first from s_range: row g of the concatenation of every local expert's packed rows belongs to expert i when
+// s_first[i] <= g < s_first[i + 1] (warp 0's scan; s_first[L] is the total).
+__device__ __forceinline__ void prefix_rows(const LowLatencyCombineParams& p, const int2* s_range, int* s_first) {
+  const int R = p.num_ranks, L = p.num_experts / R;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
     int carry = 0;
     for (int base = 0; base < L; base += 32) {
       const int i = base + lane;
@@ -171,17 +167,40 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     if (lane == 0) s_first[L] = carry;
   }
   __syncthreads();
-  const int total = s_first[L];
-  const int warps = gridDim.x * kWarps;
-  // Work items of kItem int4 (one round of loads per lane each): ceil(row_int4 / kItem) per row. With an
-  // NVSHMEM peer each item is a put and a quiet (put_warp).
-  const int parts = (row_int4 + kItem - 1) / kItem;
-  // Targets first, one warp per (local expert, source) pair, also for pairs without rows (the source may wait
-  // for them: it only knows which experts its tokens chose). The running total is this pair's own (only this
-  // rank adds to the source's counter for this expert, and only the warp of the pair's index writes it: the
-  // grid is the same in every call); the slot at the source is free to overwrite since the back-pressure wait
-  // above (its receivers of the last combine on the set are done).
-  for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += warps) {
+}
+
+// Row g (< s_first[L]) of the concatenation -> its local expert i, its index n among i's rows, its source s.
+__device__ __forceinline__ void row_of(const int* s_first, const int2* s_range, int L, int R, int g, int* i, int* n,
+                                       int* s) {
+  int lo = 0, hi = L;  // largest i with s_first[i] <= g
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (s_first[mid] <= g)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  *i = lo;
+  *n = g - s_first[lo];
+  int src = 0;
+  while (src < R - 1 && *n >= s_range[lo * R + src].x + s_range[lo * R + src].y) ++src;  // by source, ascending
+  *s = src;
+}
+
+// Every (local expert, source) pair's target at the source, one warp per pair, also for pairs without rows (the
+// source may wait for them: it only knows which experts its tokens chose): this op's items of the pair, `parts` per
+// row, on top of the pair's running total. Only this rank adds to the source's counter for this expert, and only
+// the warp of the pair's index writes the total (the grid is the same in every call); the slot at the source is
+// free to overwrite since the back-pressure wait (its receivers of the last combine on the set are done).
+__device__ __forceinline__ void post_targets(const LowLatencyCombineParams& p, const int2* s_range, int parts,
+                                             uint32_t skip) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.num_ranks, me = p.peers.rank;
+  const int L = p.num_experts / R;
+  int32_t* sent = p.layout.combine_sent(p.peers.ll.local, p.set);  // running totals per (local expert, source)
+  uint64_t* targets = p.layout.combine_target(p.peers.ll.local, p.set);
+  const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);
+  for (int pair = blockIdx.x * kWarps + warp; pair < L * R; pair += gridDim.x * kWarps) {
     if (lane != 0) continue;
     const int i = pair / R, s = pair % R;
     if (skip >> s & 1) continue;  // left out: its running total stays
@@ -189,6 +208,54 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     sent[pair] = target;
     post64(p.peers.ll, s, targets + arrival_slot(me, i, R), uint64_t(k_ops + 1u) << 32 | uint32_t(target));
   }
+}
+
+// The end of every send phase: the block's items are issued; one fence (it waits for every store the block issued,
+// the barrier putting them before it), then one add per pair the block wrote to, at the pair's source. Every lane of
+// warp 0 runs the one fence, so that each of its adds is a write of the same thread after it (a release pattern; one
+// fence however many pairs the block's items touched). Pairs with the receiver's acquire of arrived[e] (receive_phase).
+// The waits of the receive phase start only after this (its threads k < K are warp 0's; the other warps block at its
+// barrier): waits or row loads while the SM's stores still drain made the combine slower (docs/bench-notes.md).
+__device__ __forceinline__ void end_send(const LowLatencyCombineParams& p, const int* s_items) {
+  const int R = p.num_ranks, me = p.peers.rank;
+  const int L = p.num_experts / R;
+  int32_t* arrived = p.layout.combine_arrived(p.peers.ll.local, p.set);  // addresses here = offsets at every peer
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    bool any = false;
+    for (int pair = threadIdx.x; pair < L * R; pair += 32) any |= s_items[pair] != 0;
+    if (!__any_sync(kFullMask, any)) return;  // the block wrote nothing
+    fence_acq_rel_sys();
+    for (int pair = threadIdx.x; pair < L * R; pair += 32) {
+      const int n = s_items[pair];
+      if (n != 0) add_after_fence(p.peers.ll, pair % R, arrived + arrival_slot(me, pair / R, R), n);
+    }
+  }
+}
+
+// Rows this rank sends back, in items of kItem int4 spread over the whole grid's warps, kBatch adjacent ones per warp
+// at a time. s_items counts the block's items per (local expert, source) pair.
+// kLogfmt: each item goes as its LogFMT block (an item of kChunk int4 is 8 groups: one block).
+// kRank: the rank-reduced order (send_partial_item), past the first-row list's capacity (send_rank_phase).
+template <bool kLogfmt, bool kRank, bool kShrink, int kItem = kChunk, int kBatch = 2>
+__device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s_first, int2* s_range, int* s_items) {
+  static_assert(kChunk == kLogfmtGroupsPerBlock * kLogfmtGroupInt4, "a work item encodes into one LogFMT block");
+  static_assert(kItem == kChunk || !kLogfmt, "a LogFMT item is one block of kChunk int4");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.num_ranks, M = p.max_tokens, me = p.peers.rank;
+  const int L = p.num_experts / R;
+  const int row_int4 = p.hidden / 8;
+  const int64_t rows_per_expert = int64_t(R) * M;
+  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set));
+  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.ll.local, p.set));
+  const uint32_t skip = begin_send<kShrink>(p, s_range, s_items);
+  prefix_rows(p, s_range, s_first);
+  const int total = s_first[L];
+  const int warps = gridDim.x * kWarps;
+  // Work items of kItem int4 (one round of loads per lane each): ceil(row_int4 / kItem) per row. With an
+  // NVSHMEM peer each item is a put and a quiet (put_warp).
+  const int parts = (row_int4 + kItem - 1) / kItem;
+  post_targets(p, s_range, parts, skip);
   // With both phases in this launch, this rank's own rows are not copied: the receive phase reads them from x
   // in place, through the row index each one leaves in its receive slot (local_row_of). A send-only launch
   // (hook) copies them, since x may change before the hook runs.
@@ -205,17 +272,8 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
       b_pair[j] = -1;                    // every slot is set, also those past the end: lane 0 reads them all
       if (w >= total * parts) continue;  // (a break here left slots j + 1.. unset once kBatch > 2)
       const int g = w / parts, part = w % parts;
-      int lo = 0, hi = L;  // largest i with s_first[i] <= g
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (s_first[mid] <= g)
-          lo = mid;
-        else
-          hi = mid;
-      }
-      const int i = lo, n = g - s_first[i];
-      int s = 0;
-      while (s < R - 1 && n >= s_range[i * R + s].x + s_range[i * R + s].y) ++s;  // rows are by source, ascending
+      int i, n, s;
+      row_of(s_first, s_range, L, R, g, &i, &n, &s);
       if (skip >> s & 1) continue;  // a source left out: nothing is written there (b_pair[j] stays -1)
       const int e = me * L + i;
       const int64_t row = int64_t(i) * rows_per_expert + n;
@@ -255,22 +313,154 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
     for (int j = 0; j < kBatch; ++j)
       if (lane == 0 && b_pair[j] >= 0) atomicAdd_block(&s_items[b_pair[j]], 1);
   }
-  // The block's items are issued: one fence (it waits for every store the block issued, the barrier putting
-  // them before it), then one add per pair the block wrote to, at the pair's source. Each lane that adds runs
-  // the fence itself (a release pattern is a fence and a write of the same thread; the warp's lanes share one
-  // fence instruction). Pairs with the receiver's acquire of arrived[e] (receive_phase). The waits of the receive
-  // phase start only after this (its threads k < K are warp 0's; the other warps block at its barrier): waits or
-  // row loads while the SM's stores still drain made the combine slower (docs/bench-notes.md).
-  __syncthreads();
-  if (warp == 0) {
-    for (int base = 0; base < L * R; base += 32) {
-      const int pair = base + lane;
-      const int n = pair < L * R ? s_items[pair] : 0;
-      if (n == 0) continue;
-      fence_acq_rel_sys();
-      add_after_fence(p.peers.ll, pair % R, arrived + arrival_slot(me, pair / R, R), n);
+  end_send(p, s_items);
+}
+
+// Rank-reduced send with the first-row list (send_rank_phase): the item [first, first + 32 * kPer) of the partial of
+// source s's token t, whose first row here (its lowest slot k on this rank) is `row`. Loads the token's slots
+// (recv_topk_slots), counts a sent item for the pair of every row of the token here (so that each pair's target
+// stays rows x parts, as in the flat order), sums that part of those rows, k ascending, kRows rows' loads in flight at
+// a time, float32 multiply then add from 0, one rounding, and sends the bf16 partial into the source's slot of the
+// first row's expert.
+template <int kPer>
+__device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& p, int64_t row, int s, int t, int first,
+                                                 int lane, int* s_items, int4* receive, int4* stage) {
+  constexpr int kRows = 4;
+  const int K = p.num_topk, R = p.num_ranks, M = p.max_tokens, row_int4 = p.hidden / 8;
+  const int rows_per_expert = R * M;  // packed rows < L * R * M fit an int (layout/ll_layout.hpp)
+  const int last = min(first + 32 * kPer, row_int4);
+  const int2 entry = lane < K ? p.recv_topk_slots[(int64_t(s) * M + t) * K + lane] : make_int2(-1, 0);
+  if (entry.x >= 0) atomicAdd_block(&s_items[entry.x / rows_per_expert * R + s], 1);
+  uint32_t m = __ballot_sync(kFullMask, entry.x >= 0);
+  // Rows past the first kRows: on their way to L2 while the first ones are summed.
+  if (entry.x >= 0 && __popc(m & lanemask_lt()) >= kRows)
+    prefetch_l2(p.x + int64_t(entry.x) * row_int4 + first, uint32_t(last - first) * 16);
+  float acc[kPer][8] = {};
+  while (m != 0) {
+    int4 v[kRows][kPer];
+    float w[kRows];
+    const int loaded = min(__popc(m), kRows);  // slots in this group (warp-uniform: m is a ballot)
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {  // the next `loaded` slots here, k ascending
+      w[q] = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) v[q][j] = make_int4(0, 0, 0, 0);  // nothing carried between groups
+      if (q >= loaded) continue;
+      const int k = __ffs(m) - 1;
+      m &= m - 1;
+      const int rk = __shfl_sync(kFullMask, entry.x, k);
+      w[q] = __int_as_float(__shfl_sync(kFullMask, entry.y, k));
+      const int4* src = p.x + int64_t(rk) * row_int4 + first;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j)
+        if (first + j * 32 + lane < last) v[q][j] = ld_nc(src + j * 32 + lane);
+    }
+#pragma unroll
+    for (int q = 0; q < kRows; ++q) {
+      if (q >= loaded) continue;  // no slot: nothing added (0 * a stale register could be a NaN)
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        if (first + j * 32 + lane >= last) continue;
+        const uint32_t words[4] = {uint32_t(v[q][j].x), uint32_t(v[q][j].y), uint32_t(v[q][j].z), uint32_t(v[q][j].w)};
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {  // no fused multiply-add: the reference multiplies, then adds
+          acc[j][2 * h] = __fadd_rn(acc[j][2 * h], __fmul_rn(w[q], __uint_as_float(words[h] << 16)));
+          acc[j][2 * h + 1] = __fadd_rn(acc[j][2 * h + 1], __fmul_rn(w[q], __uint_as_float(words[h] & 0xffff0000u)));
+        }
+      }
     }
   }
+  int4 out[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) out[j] = pack_bf16x8(acc[j]);
+  const int e = p.peers.rank * (p.num_experts / R) + int(row) / rows_per_expert;
+  // NVSHMEM peers: staged at the row's own place in the combine-send area (with zero-copy that is x itself: this
+  // item's part of the row, which only this item reads, and its loads are done).
+  put_warp_values<kPer>(p.peers.ll, s, receive + (int64_t(e) * M + t) * row_int4 + first, out, last - first, lane,
+                        stage + row * row_int4 + first);
+}
+
+// The rank-reduced send while every source token fits the first-row list (R * M <= kFirstRowsMax): each block lists
+// the source tokens that reached this rank with their first row here (lowest slot k), by source and token, and the
+// grid's warps take the list's items of 32 * kPer int4. Every warp then sums a partial (send_first_row_item); no warp
+// takes an item of a row that sends nothing, as the items over all rows do (send_phase<..., kRank>: three in four at
+// top-8 of 2 ranks). Every block builds the same list, so the blocks agree on whose item is whose. Nothing here needs
+// the rows' prefix (s_first).
+constexpr int kFirstRowsMax = 2048;
+
+__device__ __forceinline__ bool first_rows_fit(const LowLatencyCombineParams& p) {
+  return p.num_ranks * p.max_tokens <= kFirstRowsMax;
+}
+
+__device__ __noinline__ void send_rank_phase(const LowLatencyCombineParams& p, int2* s_range, int* s_items) {
+  __shared__ int2 s_list[kFirstRowsMax];  // (first row, s * M + t) of each source token here, by s * M + t
+  __shared__ int s_warp_count[kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk;
+  const int L = p.num_experts / R;
+  const int row_int4 = p.hidden / 8;
+  const int rows_per_expert = R * M;  // packed rows < L * R * M fit an int (layout/ll_layout.hpp)
+  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set));
+  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.ll.local, p.set));
+  begin_send<false>(p, s_range, s_items);
+  // The list, a thread per source token (s, t) = (st / M, st % M): its slots here name its rows here, the lowest k's
+  // first (the dispatch wrote all K entries of every token that reached this rank, note_topk_slot). The entries of a
+  // token that did not reach this rank are an earlier call's or never written: the row they name counts only if it is
+  // one of this dispatch's rows from s (within the pair's range) whose source token is t, and then (s, t) did reach
+  // this rank.
+  int listed = 0;  // the same in every thread
+  for (int base = 0; base < R * M; base += kThreads) {
+    const int st = base + threadIdx.x;
+    bool first = false;
+    int r = -1;
+    if (st < R * M) {
+      const int s = st / M, t = st % M;
+      const int2* slots = p.recv_topk_slots + int64_t(st) * K;
+      for (int k0 = 0; k0 < K && r < 0; k0 += 8) {
+        int2 e[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (k0 + j < K) e[j] = slots[k0 + j];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (r < 0 && k0 + j < K && e[j].x >= 0) r = e[j].x;
+      }
+      if (r >= 0 && r < L * rows_per_expert) {
+        const int2 range = s_range[r / rows_per_expert * R + s];
+        const int n = r % rows_per_expert;
+        first = n >= range.x && n < range.x + range.y && p.recv_src_info[r] == t;
+      }
+    }
+    const uint32_t ballot = __ballot_sync(kFullMask, first);
+    if (lane == 0) s_warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    int at = listed, all = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = s_warp_count[w];
+      at += w < warp ? c : 0;
+      all += c;
+    }
+    at += __popc(ballot & lanemask_lt());
+    if (first) s_list[at] = int2{r, st};  // at < R * M <= kFirstRowsMax
+    listed += all;
+    __syncthreads();  // s_warp_count is rewritten next round; s_list is complete after the last
+  }
+  // Items of 32 int4 (one load per lane and row) while they fit the grid's warps one each, else of 64.
+  const int warps = gridDim.x * kWarps;
+  const int per = (listed * ((row_int4 + 31) / 32) <= warps) ? 1 : 2;
+  const int parts = (row_int4 + 32 * per - 1) / (32 * per);
+  post_targets(p, s_range, parts, 0u);
+  // Item w on block w % G: the items spread over every SM (each SM's loads and link stores are limited), parts of a
+  // row on adjacent blocks.
+  for (int w = warp * gridDim.x + blockIdx.x; w < listed * parts; w += warps) {
+    const int2 item = s_list[w / parts];
+    const int first = (w % parts) * 32 * per;
+    if (per == 1)
+      send_first_row_item<1>(p, item.x, item.y / M, item.y % M, first, lane, s_items, receive, stage);
+    else
+      send_first_row_item<2>(p, item.x, item.y / M, item.y % M, first, lane, s_items, receive, stage);
+  }
+  end_send(p, s_items);
 }
 
 // out[t] from token t's LogFMT rows, once they have arrived (s_row / s_weight: its slots' rows, null where skipped):
@@ -456,21 +646,12 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
-// BF16 send (flat without rank masking, or rank-reduced): items of 32 int4, one per warp, when the rows here (about
-// num_tokens * num_topk when the ranks hold about as many tokens each) fit the grid's warps that way; otherwise
-// kChunk-int4 items, two per warp. Few rows in small items put more warps on them (in the rank-reduced order each
-// sending item loads all of a token's rows here); with many rows the larger items cost less per byte
+// Flat BF16 send without rank masking: items of 32 int4, one per warp, when the rows here (about num_tokens *
+// num_topk when the ranks hold about as many tokens each) fit the grid's warps that way; otherwise kChunk-int4 items,
+// two per warp. Few rows in small items put more warps on them; with many rows the larger items cost less per byte
 // (docs/bench-notes.md). Every block decides alike (same parameters, same grid).
-__device__ __forceinline__ int64_t send_items(const LowLatencyCombineParams& p, int item_int4) {
-  return int64_t(p.num_tokens) * p.num_topk * ((p.hidden / 8 + item_int4 - 1) / item_int4);
-}
 __device__ __forceinline__ bool small_items(const LowLatencyCombineParams& p, int warps) {
-  return send_items(p, 32) <= warps;
-}
-// Rank-reduced, between the two: kChunk-int4 items one per warp while they fit the grid's warps. A sending item
-// sums a chain of rows, so two of them on one warp take twice as long, and with items to spare no warp needs two.
-__device__ __forceinline__ bool one_chunk_per_warp(const LowLatencyCombineParams& p, int warps) {
-  return send_items(p, kChunk) <= warps;
+  return int64_t(p.num_tokens) * p.num_topk * ((p.hidden / 8 + 31) / 32) <= warps;
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -486,20 +667,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the rank-reduced order is refused with rank masking.
   const bool shrink = p.mask.words != nullptr;
   if (p.phases & kLowLatencySend) {
-    const bool small = small_items(p, gridDim.x * kWarps);
-    if (p.rank_reduced && small)
-      send_phase<false, true, false, 32, 1>(p, s_first, s_range, s_items);
-    else if (p.rank_reduced && one_chunk_per_warp(p, gridDim.x * kWarps))
-      send_phase<false, true, false, kChunk, 1>(p, s_first, s_range, s_items);
+    // Rank-reduced past the first-row list: items over all rows, one per warp at a time, a grid apart (a warp's
+    // items seldom both sum; adjacent ones would be parts of one row, docs/bench-notes.md).
+    if (p.rank_reduced && first_rows_fit(p))
+      send_rank_phase(p, s_range, s_items);
     else if (p.rank_reduced)
-      send_phase<false, true, false>(p, s_first, s_range, s_items);
+      send_phase<false, true, false, kChunk, 1>(p, s_first, s_range, s_items);
     else if ((p.logfmt & 1) && shrink)
       send_phase<true, false, true>(p, s_first, s_range, s_items);
     else if (p.logfmt & 1)
       send_phase<true, false, false>(p, s_first, s_range, s_items);
     else if (shrink)
       send_phase<false, false, true>(p, s_first, s_range, s_items);
-    else if (small)
+    else if (small_items(p, gridDim.x * kWarps))
       send_phase<false, false, false, 32, 1>(p, s_first, s_range, s_items);
     else
       send_phase<false, false, false>(p, s_first, s_range, s_items);
