@@ -292,13 +292,15 @@ std::vector<Case> low_latency_cases() {
         // Few rows: the send cuts them into 32-int4 items (small_items), staged in x itself with zero-copy.
         own.push_back(step_case("ll: rank-reduced, zero-copy combine, 8 tokens (small send items)",
                                 with_zero_copy(rank_case(8, 7168, true, 259))));
-        // More source tokens than the first-row list holds (R * M > 2048): the send's items go over all rows, one
-        // per warp at a time (200 tokens: fewer items than warps; 1100: more), and 40 and 3 tokens (4 ranks).
+        // More source tokens than the first-row list holds (R * M > 2048; at 3 or more ranks every case): the send's
+        // items go over all rows, in the size its tokens pick (hidden 2048, 132 SMs): 40 and 3 tokens 32-int4 items,
+        // 200 one kChunk item per warp, 1100 two.
         auto past_list = rank_case(40, 2048, false, 260);
         past_list.max_tokens = 1100;
         past_list.num_experts = 16;
         past_list.tokens = {200, 1100, 40, 3, 200, 1100, 40, 3};
         own.push_back(step_case("ll: rank-reduced, M=1100 (past the first-row list), uneven tokens", past_list));
+        past_list.tokens = {40, 200, 1100, 3, 40, 200, 1100, 3};
         own.push_back(step_case("ll: rank-reduced, M=1100, receive hook", past_list, true));
       });
   // The order is chosen per call: flat and rank-reduced combines alternate on one buffer (on handles whose

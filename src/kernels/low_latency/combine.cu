@@ -21,9 +21,9 @@
 // to float32 before the same weighted sum. A separate instantiation of each phase, so the BF16 path is unchanged.
 // Rank-reduced (EPX_REDUCE_RANK): the same targets and counters; a token's partial (that part of all its rows here,
 // summed with the weights and slots from the dispatch, recv_topk_slots) goes into the slot of its first row here
-// (lowest slot k). While every source token fits a block's list (send_rank_phase), each block lists the first rows
-// and the grid's warps take items of those rows only, each item counting as sent for every row of its token; past
-// that, items go over all rows and only a first row's items sum and send (send_partial_item). The source sums one
+// (lowest slot k). At 2 ranks, while every source token fits a block's list (send_rank_phase), each block lists the
+// first rows and the grid's warps take items of those rows only, each item counting as sent for every row of its token;
+// past that, items go over all rows and only a first row's items sum and send (send_partial_item). The source sums one
 // partial per rank (receive_rank_phase). Own rows are never read in place. A separate instantiation of each phase too.
 // Rank masking (enable_shrink, kernels/low_latency/shrink.cuh): no targets, rows or arrival adds go to a rank left
 // out (its pairs' running totals stay as they are), and a slot whose expert is on a rank left out, or on a rank
@@ -380,16 +380,16 @@ __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& 
                         stage + row * row_int4 + first);
 }
 
-// The rank-reduced send while every source token fits the first-row list (R * M <= kFirstRowsMax): each block lists
-// the source tokens that reached this rank with their first row here (lowest slot k), by source and token, and the
-// grid's warps take the list's items of 32 * kPer int4. Every warp then sums a partial (send_first_row_item); no warp
-// takes an item of a row that sends nothing, as the items over all rows do (send_phase<..., kRank>: three in four at
-// top-8 of 2 ranks). Every block builds the same list, so the blocks agree on whose item is whose. Nothing here needs
-// the rows' prefix (s_first).
+// The rank-reduced send at 2 ranks (or 1) while every source token fits the first-row list (R * M <= kFirstRowsMax; 3
+// or more ranks keep the items over all rows until measured there): each block lists the source tokens that reached
+// this rank with their first row here (lowest slot k), by source and token, and the grid's warps take the list's items
+// of 32 * kPer int4. Every warp then sums a partial (send_first_row_item); no warp takes an item of a row that sends
+// nothing, as the items over all rows do (send_phase<..., kRank>: three in four at top-8 of 2 ranks). Every block
+// builds the same list, so the blocks agree on whose item is whose. Nothing here needs the rows' prefix (s_first).
 constexpr int kFirstRowsMax = 2048;
 
 __device__ __forceinline__ bool first_rows_fit(const LowLatencyCombineParams& p) {
-  return p.num_ranks * p.max_tokens <= kFirstRowsMax;
+  return p.num_ranks <= 2 && p.num_ranks * p.max_tokens <= kFirstRowsMax;
 }
 
 __device__ __noinline__ void send_rank_phase(const LowLatencyCombineParams& p, int2* s_range, int* s_items) {
@@ -646,12 +646,21 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
-// Flat BF16 send without rank masking: items of 32 int4, one per warp, when the rows here (about num_tokens *
-// num_topk when the ranks hold about as many tokens each) fit the grid's warps that way; otherwise kChunk-int4 items,
-// two per warp. Few rows in small items put more warps on them; with many rows the larger items cost less per byte
-// (docs/bench-notes.md). Every block decides alike (same parameters, same grid).
+// BF16 send (flat without rank masking, or rank-reduced past the first-row list): items of 32 int4, one per warp,
+// when the rows here (about num_tokens * num_topk when the ranks hold about as many tokens each) fit the grid's warps
+// that way; otherwise kChunk-int4 items, two per warp. Few rows in small items put more warps on them (in the
+// rank-reduced order each sending item loads all of a token's rows here); with many rows the larger items cost less
+// per byte (docs/bench-notes.md). Every block decides alike (same parameters, same grid).
+__device__ __forceinline__ int64_t send_items(const LowLatencyCombineParams& p, int item_int4) {
+  return int64_t(p.num_tokens) * p.num_topk * ((p.hidden / 8 + item_int4 - 1) / item_int4);
+}
 __device__ __forceinline__ bool small_items(const LowLatencyCombineParams& p, int warps) {
-  return int64_t(p.num_tokens) * p.num_topk * ((p.hidden / 8 + 31) / 32) <= warps;
+  return send_items(p, 32) <= warps;
+}
+// Rank-reduced, between the two: kChunk-int4 items one per warp while they fit the grid's warps. A sending item
+// sums a chain of rows, so two of them on one warp take twice as long, and with items to spare no warp needs two.
+__device__ __forceinline__ bool one_chunk_per_warp(const LowLatencyCombineParams& p, int warps) {
+  return send_items(p, kChunk) <= warps;
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -667,19 +676,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the rank-reduced order is refused with rank masking.
   const bool shrink = p.mask.words != nullptr;
   if (p.phases & kLowLatencySend) {
-    // Rank-reduced past the first-row list: items over all rows, one per warp at a time, a grid apart (a warp's
-    // items seldom both sum; adjacent ones would be parts of one row, docs/bench-notes.md).
+    const bool small = small_items(p, gridDim.x * kWarps);
     if (p.rank_reduced && first_rows_fit(p))
       send_rank_phase(p, s_range, s_items);
-    else if (p.rank_reduced)
+    else if (p.rank_reduced && small)
+      send_phase<false, true, false, 32, 1>(p, s_first, s_range, s_items);
+    else if (p.rank_reduced && one_chunk_per_warp(p, gridDim.x * kWarps))
       send_phase<false, true, false, kChunk, 1>(p, s_first, s_range, s_items);
+    else if (p.rank_reduced)
+      send_phase<false, true, false>(p, s_first, s_range, s_items);
     else if ((p.logfmt & 1) && shrink)
       send_phase<true, false, true>(p, s_first, s_range, s_items);
     else if (p.logfmt & 1)
       send_phase<true, false, false>(p, s_first, s_range, s_items);
     else if (shrink)
       send_phase<false, false, true>(p, s_first, s_range, s_items);
-    else if (small_items(p, gridDim.x * kWarps))
+    else if (small)
       send_phase<false, false, false, 32, 1>(p, s_first, s_range, s_items);
     else
       send_phase<false, false, false>(p, s_first, s_range, s_items);
