@@ -269,6 +269,13 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
   p.x =
       static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.peer_map.ll.local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
+  // The kernel reads x while it writes combined_x (and the rank-reduced order keeps partial sums there).
+  const auto out_begin = reinterpret_cast<uintptr_t>(combined_x), x_begin = reinterpret_cast<uintptr_t>(p.x);
+  const uintptr_t out_bytes = uintptr_t(h.num_tokens) * h.hidden * 2,
+                  x_bytes =
+                      uintptr_t(h.num_experts) * h.num_max_dispatch_tokens_per_rank * h.hidden * 2;  // [L, R*M, H]
+  EPX_REQUIRE(h.num_tokens == 0 || out_begin + out_bytes <= x_begin || x_begin + x_bytes <= out_begin, op,
+              ": combined_x must not overlap x", a.zero_copy ? " (the zero-copy combine area)" : "");
   p.logfmt = a.use_logfmt ? 1 : 0;
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;

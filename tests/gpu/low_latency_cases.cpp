@@ -330,6 +330,8 @@ std::vector<Case> low_latency_cases() {
                              [&] { flat.combine_with_reduction(kLowLatencyBothPhases, EPX_REDUCE_RANK); });
              expect_rejected(err, "reduction 2 (two-level)", "reduction must be",
                              [&] { flat.combine_with_reduction(kLowLatencyBothPhases, EPX_REDUCE_TWO_LEVEL); });
+             expect_rejected(err, "combined_x over x", "must not overlap",
+                             [&] { flat.combine_over_input(kLowLatencyBothPhases); });
              flat.combine(kLowLatencyBothPhases);
              err += flat.check_dispatch() + flat.check_combine();
              ctx.buffer.check(ctx.stream);

@@ -195,6 +195,11 @@ void LowLatencySession::combine_with_reduction(int phases, int reduction) {
   combine_set_ = buffer_.low_latency_combine(a, handle_, combined_.get(), phases, combine_set_, stream_);
 }
 
+void LowLatencySession::combine_over_input(int phases) {
+  const LowLatencyCombineArgs a = combine_args();
+  combine_set_ = buffer_.low_latency_combine(a, handle_, const_cast<void*>(a.x), phases, combine_set_, stream_);
+}
+
 std::string LowLatencySession::check_dispatch() const {
   const int R = num_ranks_, M = c_.max_tokens, H = c_.hidden, L = num_local_experts(),
             G = H / epx::limits().fp8_group_size;

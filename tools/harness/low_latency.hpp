@@ -59,6 +59,8 @@ class LowLatencySession {
   void combine_with_logfmt(int phases, bool logfmt);
   // combine(phases) with the reduction order replaced (EPX_REDUCE_*; for tests of the Buffer's checks).
   void combine_with_reduction(int phases, int reduction);
+  // combine(phases) with combined_x at x, the expert outputs (for tests of the Buffer's checks).
+  void combine_over_input(int phases);
   // The order of the next combines and checks: rank-reduced (needs a case with rank_reduced, whose dispatches
   // carry the weights) or flat. The case's rank_reduced at first.
   void set_combine_rank_reduced(bool rank_reduced);
