@@ -310,16 +310,24 @@ __device__ __noinline__ void note_topk_slot(const LowLatencyDispatchParams& p, c
     slots[lane] = make_int2(-1, 0);
 }
 
+// Local experts a block lays out and copies together, as one range of work items: with more local experts than
+// blocks (144 at 2 ranks and 288 experts, 132 SMs) the blocks holding two copied them one after the other, the
+// slowest blocks of the call (docs/bench-notes.md).
+constexpr int kGroupExperts = 4;
+
 // Receive warps: warps 0 .. recv_warps - 1 of the block (every warp without a send phase in this launch; with
-// one, all but the writers, which join at the end once their arrival adds are issued).
+// one, all but the writers, which join at the end once their arrival adds are issued). The block's local experts
+// i0, i0 + G, ... go in groups of up to kGroupExperts (fewer where a lane of warp 0 per (expert, source) would not
+// fit): the group's rows are numbered by (expert, source, slot) and cut into one range of work items.
 template <bool kShrink, bool kTopk>
 __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int recv_warps) {
   const RankMask mask = shrink_mask<kShrink>(p.mask);
-  __shared__ int s_begin[kMaxNvlRanks + 1];
-  __shared__ int s_expected[kMaxNvlRanks];  // per source: its count as sent (uncapped), the arrivals to await
+  __shared__ int s_begin[kGroupExperts][kMaxNvlRanks + 1];  // per expert of the group: where each source's rows begin
+  __shared__ int s_expected[kGroupExperts][kMaxNvlRanks];   // per source: its count as sent, the arrivals to await
+  __shared__ int s_first[kGroupExperts + 1];                // expert j's rows in the group: [s_first[j], s_first[j+1])
   const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);  // the send phase's too (same block, same op)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int R = p.num_ranks, M = p.max_tokens;
+  const int R = p.num_ranks, M = p.max_tokens, G = gridDim.x;
   const int L = p.num_experts / R;
   const LowLatencyRecord rec = record_of(p);
   const int64_t rows_per_expert = int64_t(R) * M;
@@ -330,65 +338,88 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
   const int row_int4 = int(rec.row_bytes / 16);
   const int chunks = (row_int4 + kChunk - 1) / kChunk, items = chunks + 1;
   const int threads = recv_warps * 32;
+  const int group = min(kGroupExperts, 32 / R);  // (expert, source) pairs of a group: one bit each below
 
-  for (int i = blockIdx.x; i < L && warp < recv_warps; i += gridDim.x) {
+  for (int i0 = blockIdx.x; i0 < L && warp < recv_warps; i0 += G * group) {
+    const int ng = min(group, (L - 1 - i0) / G + 1);  // the group's experts: i0 + j * G, j < ng
     if (warp == 0) {
+      const int j = lane / R, r = lane % R;  // lane: (expert j of the group, source r)
+      const bool active = j < ng;
+      const int i = i0 + j * G;
       int count = 0;
-      if (lane < R) {
+      if (active) {
         // The count carries no data (its rows are published by the arrival counter below), so it is sent
         // before them; rows past M (an expert listed twice in a token) were reported and not written.
         // A source left out by rank masking (or masked by this wait) sends no rows: 0.
         int32_t seen = 1;
         wait_for_rank(
-            counts + i * R + lane, [](int32_t v) { return v != 0; }, 1, mask, p.peers.rank, lane, p.fail,
-            WaitSite{kRoleLowLatencyRecv, -1, lane, i}, &seen);
+            counts + i * R + r, [](int32_t v) { return v != 0; }, 1, mask, p.peers.rank, r, p.fail,
+            WaitSite{kRoleLowLatencyRecv, -1, r, i}, &seen);
         const int expected = seen - 1;
-        s_expected[lane] = expected;
+        s_expected[j][r] = expected;
         count = min(expected, M);
       }
-      const int incl = warp_inclusive_scan(count);  // over source ranks
-      if (lane < R) {
-        s_begin[lane] = incl - count;
-        p.recv_layout_range[int64_t(i) * R + lane] = (int64_t(incl - count) << 32) | int64_t(count);
+      int before = 0, total = 0;  // over expert j's sources: those below r, and all
+      for (int q = 0; q < R; ++q) {
+        const int c = __shfl_sync(kFullMask, count, (j * R + q) & 31);
+        before += q < r ? c : 0;
+        total += c;
       }
-      const int total = __shfl_sync(kFullMask, incl, R - 1);
-      if (lane == 0) {
-        s_begin[R] = total;
+      int first = 0, all = 0;  // over the group's experts: the rows of those below j, and of all
+      for (int q = 0; q < ng; ++q) {
+        const int c = __shfl_sync(kFullMask, total, q * R);
+        first += q < j ? c : 0;
+        all += c;
+      }
+      if (active) {
+        s_begin[j][r] = before;
+        p.recv_layout_range[int64_t(i) * R + r] = (int64_t(before) << 32) | int64_t(count);
+      }
+      if (active && r == 0) {
+        s_begin[j][R] = total;
+        s_first[j] = first;
         p.packed_recv_count[i] = total;
         if (p.cumulative_stats != nullptr) p.cumulative_stats[i] += total;
       }
+      if (lane == 0) s_first[ng] = all;
     }
-    named_barrier(1, threads);  // s_begin and s_expected are written
-    const int total = s_begin[R];
-    // Rows of expert i are numbered by (source, slot); work items of kChunk int4 per row (one round of loads
-    // per lane each) plus one for the row's scales and source token. Each receive warp takes a contiguous range
-    // of items, so that it waits for one source (two where its range crosses a boundary) and loads each row's
-    // map entry once: with items dealt round-robin every warp would hold items of every source and wait for them
-    // in source order, so a late source would be polled only after the earlier ones' copies.
-    const int all_items = total * items, per_warp = (all_items + recv_warps - 1) / recv_warps;
+    named_barrier(1, threads);  // s_begin, s_expected and s_first are written
+    // The group's rows are numbered by (expert, source, slot); work items of kChunk int4 per row (one round of
+    // loads per lane each) plus one for the row's scales and source token. Each receive warp takes a contiguous
+    // range of items, so that it waits for one source (two where its range crosses a boundary) and loads each
+    // row's map entry once: with items dealt round-robin every warp would hold items of every source and wait for
+    // them in source order, so a late source would be polled only after the earlier ones' copies.
+    const int all_items = s_first[ng] * items, per_warp = (all_items + recv_warps - 1) / recv_warps;
     const int w_end = min(all_items, (warp + 1) * per_warp);
-    uint32_t complete = 0;  // lane 0's: sources whose rows of expert i have all arrived
-    uint32_t dropped = 0;   // lane 0's: sources masked (rank masking) before all their rows arrived: not copied
-    int s = 0;
+    uint32_t complete = 0;  // lane 0's: (expert, source) pairs (bit j * R + s) whose rows have all arrived
+    uint32_t dropped = 0;   // lane 0's: pairs of sources masked (rank masking) before all their rows arrived
+    int j = 0, s = 0;
     for (int w = warp * per_warp; w < w_end;) {
-      // The warp's items of row n: [c0, c1) (data chunks below `chunks`, then the row's scales and token).
-      const int n = w / items, c0 = w % items, c1 = min(w_end - n * items, items);
-      w = n * items + c1;
-      while (n >= s_begin[s + 1]) ++s;  // rows ascend, so s only moves forward
-      if (lane == 0 && !((complete | dropped) >> s & 1)) {
+      // The warp's items of group row g: [c0, c1) (data chunks below `chunks`, then the row's scales and token).
+      const int g = w / items, c0 = w % items, c1 = min(w_end - g * items, items);
+      w = g * items + c1;
+      while (g >= s_first[j + 1]) {  // rows ascend, so j and s only move forward
+        ++j;
+        s = 0;
+      }
+      const int n = g - s_first[j], i = i0 + j * G;  // row n of expert i
+      while (n >= s_begin[j][s + 1]) ++s;
+      const uint32_t pair_bit = 1u << (j * R + s);
+      if (lane == 0 && !((complete | dropped) & pair_bit)) {
         // Acquire; pairs with the writers' release adds (send_phase): the rows' records and map entries are here.
-        const int32_t target = s_expected[s];
+        const int32_t target = s_expected[j][s];
         int32_t seen = 0;
         const bool here = wait_for_rank(
             arrived + i * R + s, [target](int32_t v) { return v >= target; }, target, mask, p.peers.rank, s, p.fail,
             WaitSite{kRoleLowLatencyRecv, -1, s, i}, &seen);
-        (here ? complete : dropped) |= 1u << s;
+        (here ? complete : dropped) |= pair_bit;
       }
       __syncwarp();  // lane 0's acquire orders every lane's loads below
-      if (kShrink && (__shfl_sync(kFullMask, dropped, 0) >> s & 1)) continue;
+      if (kShrink && (__shfl_sync(kFullMask, dropped, 0) & pair_bit)) continue;
       // The entry is token + 1, below M + 1 unless a sender broke the protocol (or the receive call named
       // another shape); clamped, so that even then every read stays inside the records.
-      const int token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + (n - s_begin[s])) - 1, 0), M - 1);
+      const int slot = n - s_begin[j][s];
+      const int token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + slot) - 1, 0), M - 1);
       const uint8_t* src = records + (int64_t(s) * M + token) * rec.bytes;
       const int64_t row = int64_t(i) * rows_per_expert + n;
       // The data chunks in rounds of two (8 int4 per lane in flight): one load latency per 4 KB, not per 2 KB.
@@ -398,15 +429,15 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
                                         reinterpret_cast<const int4*>(src) + first, min(2 * kChunk, end4 - first), lane,
                                         LoadCg{}, StoreNa{});
       if (c1 > chunks) copy_row_meta(p, src, i, n, token, lane);
-      if (kTopk && c1 > chunks)
-        note_topk_slot(p, src, row_map + (int64_t(i) * R + s) * M, i, s, n, n - s_begin[s], token, lane);
+      if (kTopk && c1 > chunks) note_topk_slot(p, src, row_map + (int64_t(i) * R + s) * M, i, s, n, slot, token, lane);
     }
-    named_barrier(1, threads);  // every row of expert i is copied; no warp reads s_begin / s_expected any more
+    named_barrier(1, threads);  // every row of the group is copied; no warp reads s_begin / s_expected any more
     // The count and arrival slots are free for the next op on this set (published by the block's completion
     // below). Every arrival of a source with rows was awaited above; a source without rows sent none.
-    if (warp == 0 && lane < R) {
-      counts[i * R + lane] = 0;
-      arrived[i * R + lane] = 0;
+    if (warp == 0 && lane < ng * R) {
+      const int i = i0 + lane / R * G, r = lane % R;
+      counts[i * R + r] = 0;
+      arrived[i * R + r] = 0;
     }
   }
   finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
