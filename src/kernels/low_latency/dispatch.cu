@@ -15,12 +15,13 @@
 // ranks go through device/transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record
 // is also copied to symmetric memory, where puts can read it.
 // Receive phase (the block's warps other than the writers, so that it starts while the block's own stores
-// drain): the block owning a local expert waits for all ranks' counts, lays the rows out by source rank
-// ascending and copies them from the records into the packed outputs (FP8 scales token-minor) in work items
-// of one load round each, a contiguous range of them per warp; an item waits until every row of its (expert,
-// source) has arrived (the arrival counter), so the rows of early sources are copied while later ones are in
-// flight. Then it clears the counts and arrival counters; every block then adds its completion to every rank's
-// epoch counter (recv_seen), which (once all blocks have) lets the next op on this set write here.
+// drain): the block owning a local expert (a group of up to kGroupExperts of them, as one range of items) waits
+// for all ranks' counts, lays the rows out by source rank ascending and copies them from the records into the
+// packed outputs (FP8 scales token-minor) in work items of one load round each, a contiguous range of them per
+// warp; an item waits until every row of its (expert, source) has arrived (the arrival counter), so the rows of
+// early sources are copied while later ones are in flight. Then it clears the counts and arrival counters; every
+// block then adds its completion to every rank's epoch counter (recv_seen), which (once all blocks have) lets the
+// next op on this set write here.
 // Rank masking (enable_shrink, kernels/low_latency/shrink.cuh): nothing is sent to a rank left out (records, map
 // entries, counts, arrivals); a source left out counts 0 rows; a source masked after its count arrived keeps its
 // rows in the layout, not copied (their contents are unspecified). The receive
