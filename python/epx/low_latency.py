@@ -382,7 +382,8 @@ class LowLatencyMixin:
                 wait on the returned event. Not with return_recv_hook.
             return_recv_hook: bool, default False. True: the call only sends (on the current stream) and returns
                 a hook; calling the hook queues the receive phase (and the sum) on that same stream.
-            out: bf16 [T, H] or None (default): if given, the result is written into it and it is returned.
+            out: bf16 [T, H] or None (default): if given, the result is written into it and it is returned. It must
+                not overlap x (refused: the kernel reads x while it writes out).
             combine_wait_recv_cost_stats: accepted and ignored, default None (deep_ep's per-rank wait times).
             reduction: keyword-only epx extension (semantics.md section 5), None (default) or "flat": the sum above.
                 "rank": each rank holding experts of a token first sums their rows (k ascending, float32, with the

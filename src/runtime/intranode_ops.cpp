@@ -204,6 +204,9 @@ void check_dispatch_outputs(const DispatchArgs& a, const DispatchOutputs& o, int
     EPX_REQUIRE(o.recv_x != nullptr && aligned16(o.recv_x), op, ": recv_x must be a 16-byte aligned device pointer");
     EPX_REQUIRE(src_rows != nullptr, op, src_rows_missing);
     EPX_REQUIRE(a.dtype != EPX_FP8_E4M3 || o.recv_x_scales != nullptr, op, ": FP8 dispatch needs recv_x_scales");
+    const uint64_t row = uint64_t(row_bytes(a.dtype, a.hidden));
+    EPX_REQUIRE(!overlaps(a.x, a.num_tokens * row, o.recv_x, uint64_t(rows) * row), op,
+                ": recv_x must not overlap x (the dispatch reads x while it writes recv_x)");
   }
 }
 

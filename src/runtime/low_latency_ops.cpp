@@ -160,6 +160,9 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
       o.packed_recv_x && aligned16(o.packed_recv_x) && o.packed_recv_count && o.recv_src_info && o.recv_layout_range,
       op, ": packed_recv_x (16-byte aligned), packed_recv_count, recv_src_info and recv_layout_range are needed");
   EPX_REQUIRE(!a.use_fp8 || o.packed_recv_x_scales != nullptr, op, ": FP8 dispatch needs packed_recv_x_scales");
+  EPX_REQUIRE(!overlaps(a.x, uint64_t(a.num_tokens) * a.hidden * 2, o.packed_recv_x,
+                        uint64_t(a.num_experts) * a.num_max_dispatch_tokens_per_rank * a.hidden * (a.use_fp8 ? 1 : 2)),
+              op, ": packed_recv_x must not overlap x (the dispatch reads x while it writes packed_recv_x)");
   EPX_REQUIRE((a.topk_weights != nullptr) == (o.recv_topk_slots != nullptr), op,
               ": topk_weights and recv_topk_slots go together (both for a rank-reduced combine, or neither)");
   const int topk_carried = a.topk_weights != nullptr ? a.num_topk : 0;  // in every record (LowLatencyRecord)
@@ -269,13 +272,11 @@ int combine(Buffer::Impl& b, const LowLatencyCombineArgs& a, const LowLatencyHan
   p.x =
       static_cast<const int4*>(a.zero_copy ? static_cast<void*>(p.layout.combine_send(b.peer_map.ll.local, set)) : a.x);
   p.x_in_region = a.zero_copy ? 1 : 0;
-  // The kernel reads x while it writes combined_x (and the rank-reduced order keeps partial sums there).
-  const auto out_begin = reinterpret_cast<uintptr_t>(combined_x), x_begin = reinterpret_cast<uintptr_t>(p.x);
-  const uintptr_t out_bytes = uintptr_t(h.num_tokens) * h.hidden * 2,
-                  x_bytes =
-                      uintptr_t(h.num_experts) * h.num_max_dispatch_tokens_per_rank * h.hidden * 2;  // [L, R*M, H]
-  EPX_REQUIRE(h.num_tokens == 0 || out_begin + out_bytes <= x_begin || x_begin + x_bytes <= out_begin, op,
-              ": combined_x must not overlap x", a.zero_copy ? " (the zero-copy combine area)" : "");
+  // x: [L, R*M, H] bf16 (with zero_copy, in this set's combine-send area)
+  EPX_REQUIRE(!overlaps(combined_x, uint64_t(h.num_tokens) * h.hidden * 2, p.x,
+                        uint64_t(h.num_experts) * h.num_max_dispatch_tokens_per_rank * h.hidden * 2),
+              op, ": combined_x must not overlap x", a.zero_copy ? " (the zero-copy combine area)" : "",
+              " (the combine reads x while it writes combined_x)");
   p.logfmt = a.use_logfmt ? 1 : 0;
   p.topk_idx = a.topk_idx;
   p.topk_weights = a.topk_weights;

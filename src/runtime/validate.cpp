@@ -10,6 +10,12 @@ namespace epx {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+bool overlaps(const void* a, uint64_t a_bytes, const void* b, uint64_t b_bytes) {
+  if (a == nullptr || b == nullptr || a_bytes == 0 || b_bytes == 0) return false;
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x >= y ? x - y < b_bytes : y - x < a_bytes;  // no end address is formed: nothing wraps
+}
+
 int64_t row_bytes(epx_dtype dtype, int hidden) { return int64_t(hidden) * (dtype == EPX_FP8_E4M3 ? 1 : 2); }
 
 namespace {
@@ -110,6 +116,8 @@ void validate_combine_args(const CombineArgs& a, const CombineOutputs& o, int nu
   }
   EPX_REQUIRE(num_tokens == 0 || (o.combined_x != nullptr && aligned16(o.combined_x)), op,
               ": combined_x must be a 16-byte aligned device pointer");
+  EPX_REQUIRE(!overlaps(a.x, uint64_t(a.num_rows) * a.hidden * 2, o.combined_x, uint64_t(num_tokens) * a.hidden * 2),
+              op, ": combined_x must not overlap x (the combine reads x while it writes combined_x)");
   EPX_REQUIRE(aligned16(a.bias0) && aligned16(a.bias1), op, ": biases must be 16-byte aligned");
 }
 

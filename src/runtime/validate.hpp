@@ -9,6 +9,9 @@
 namespace epx {
 
 bool aligned16(const void* p);
+// Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte (null or empty ranges share none): an op that reads one
+// while it writes the other refuses that.
+bool overlaps(const void* a, uint64_t a_bytes, const void* b, uint64_t b_bytes);
 int64_t row_bytes(epx_dtype dtype, int hidden);
 // Throws kInvalidArgument naming the first bad field. `cached`: num_tokens_per_rank is not needed.
 void validate_dispatch_args(const DispatchArgs& a, int num_ranks, bool cached, const char* op);

@@ -1137,19 +1137,29 @@ class Fuzzer {
       a.topk_weights = as<const float>(a.num_rows > 0 || r.chance(50) ? aligned_ptr(r) : nullptr);
       o.combined_topk_weights = as<float>(num_tokens > 0 || r.chance(50) ? aligned_ptr(r) : nullptr);
     }
-    o.combined_x = as<void>(num_tokens > 0 || r.chance(50) ? aligned_ptr(r) : nullptr);
+    // combined_x past the end of x (the two may not share a byte), or anywhere when x is null.
+    const uint64_t x_bytes = uint64_t(a.num_rows) * a.hidden * 2;
+    const void* out =
+        a.x == nullptr ? aligned_ptr(r) : static_cast<const char*>(a.x) + x_bytes + 16 * uint64_t(r.range(0, 1 << 20));
+    o.combined_x = as<void>(num_tokens > 0 || r.chance(50) ? out : nullptr);
     a.bias0 = r.chance(50) ? aligned_ptr(r) : nullptr;
     a.bias1 = r.chance(50) ? aligned_ptr(r) : nullptr;
     a.reduction = edgy(r, 0, 2);  // checked by the operation of each mode, not here
 
     const int defects = r.chance(35) ? 0 : r.irange(1, 3);
-    bool used[6] = {};
+    bool used[7] = {};
     std::string what;
     for (int d = 0; d < defects; ++d) {
-      const int group = r.irange(0, 5);
+      const int group = r.irange(0, 6);
       if (used[group]) continue;
       used[group] = true;
       switch (group) {
+        case 6:  // combined_x starting inside x (both 16-byte aligned and not null)
+          if (a.x == nullptr || (reinterpret_cast<uintptr_t>(a.x) & 15u) != 0 || a.num_rows <= 0 || num_tokens <= 0)
+            break;
+          o.combined_x = as<void>(static_cast<const char*>(a.x) + 16 * uint64_t(r.range(0, x_bytes / 16 - 1)));
+          what += " combined_x over x";
+          break;
         case 0:
           a.hidden = r.chance(50) ? r.pick({0, -8, 4, 4100, 7001, rules_.l.max_hidden + 8, INT_MAX, INT_MIN})
                                   : 8 * r.irange(1, rules_.l.max_hidden / 8 - 1) + r.irange(1, 7);

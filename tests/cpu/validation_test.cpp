@@ -12,6 +12,7 @@
 #include "epx/epx.hpp"
 #include "layout/limits.hpp"
 #include "layout/scales.hpp"
+#include "runtime/ops.hpp"
 #include "runtime/validate.hpp"
 
 using ::testing::HasSubstr;
@@ -307,16 +308,17 @@ struct CombineCase {
   epx::CombineOutputs o{};
   int num_tokens = kTokens;
   int num_recv_tokens = kRecv;
+  static constexpr uintptr_t kX = 0x100000, kOut = 0x500000;  // 1 MiB apart: no two arrays share a byte
   CombineCase() {
-    a.x = fake(0x1000);
+    a.x = fake(kX);
     a.num_rows = kRecv;
     a.hidden = 4096;
-    a.topk_weights = fake<const float>(0x2000);
+    a.topk_weights = fake<const float>(0x200000);
     a.num_topk = 8;
-    a.bias0 = fake(0x3000);
-    a.bias1 = fake(0x4000);
-    o.combined_x = fake(0x5000);
-    o.combined_topk_weights = fake<float>(0x6000);
+    a.bias0 = fake(0x300000);
+    a.bias1 = fake(0x400000);
+    o.combined_x = fake(kOut);
+    o.combined_topk_weights = fake<float>(0x600000);
   }
   void validate() const { epx::validate_combine_args(a, o, num_tokens, num_recv_tokens, kOp); }
   std::string error() const {
@@ -387,6 +389,50 @@ TEST(CombineValidation, MisalignedOrMissingPointers) {
   c = CombineCase();
   c.a.bias1 = fake(0x400c);
   EXPECT_THAT(c.error(), HasSubstr("biases"));
+}
+
+// The combine reads x while it writes combined_x: the two may not share a byte (adjacent is fine).
+TEST(CombineValidation, OutputMustNotOverlapInput) {
+  constexpr uintptr_t x_bytes = uintptr_t(kRecv) * 4096 * 2, out_bytes = uintptr_t(kTokens) * 4096 * 2;
+  CombineCase c;
+  c.o.combined_x = fake(CombineCase::kX);
+  EXPECT_THAT(c.error(), HasSubstr("combined_x must not overlap x"));
+  c.o.combined_x = fake(CombineCase::kX + x_bytes - 16);  // its first row over x's last 16 bytes
+  EXPECT_THAT(c.error(), HasSubstr("must not overlap"));
+  c.o.combined_x = fake(CombineCase::kX - out_bytes + 16);  // its last 16 bytes over x's first
+  EXPECT_THAT(c.error(), HasSubstr("must not overlap"));
+  c.o.combined_x = fake(CombineCase::kX + x_bytes);  // right after x
+  EXPECT_NO_THROW(c.validate());
+  c.o.combined_x = fake(CombineCase::kX - out_bytes);  // right before x
+  EXPECT_NO_THROW(c.validate());
+}
+
+TEST(Overlap, Ranges) {
+  EXPECT_TRUE(epx::overlaps(fake(0x1000), 16, fake(0x1000), 16));
+  EXPECT_TRUE(epx::overlaps(fake(0x1000), 32, fake(0x1010), 16));
+  EXPECT_TRUE(epx::overlaps(fake(0x1010), 16, fake(0x1000), 32));
+  EXPECT_TRUE(epx::overlaps(fake(0x1000), 64, fake(0x1010), 16));   // one inside the other
+  EXPECT_FALSE(epx::overlaps(fake(0x1000), 16, fake(0x1010), 16));  // adjacent
+  EXPECT_FALSE(epx::overlaps(fake(0x1010), 16, fake(0x1000), 16));
+  EXPECT_FALSE(epx::overlaps(nullptr, 64, fake(0x10), 16));  // null and empty ranges hold no byte
+  EXPECT_FALSE(epx::overlaps(fake(0x1000), 0, fake(0x1000), 16));
+  // At the top of the address space: no end address is formed, so nothing wraps.
+  EXPECT_TRUE(epx::overlaps(fake(UINTPTR_MAX - 15), 16, fake(UINTPTR_MAX - 31), 32));
+  EXPECT_FALSE(epx::overlaps(fake(UINTPTR_MAX - 15), UINT64_MAX, fake(0x10), 16));
+  EXPECT_TRUE(epx::overlaps(fake(0x10), UINT64_MAX, fake(UINTPTR_MAX - 15), 16));
+}
+
+// The dispatch reads x while it writes recv_x.
+TEST(DispatchValidation, RecvXMustNotOverlapX) {
+  const epx::DispatchArgs a = bf16_args();  // 8 tokens x 4096 bf16 at 0x1000: 64 KiB
+  epx::DispatchOutputs o{};
+  o.num_rows = 12;
+  o.recv_x = fake(0x1000 + 8 * 4096 * 2 - 16);
+  const int src[1] = {0};
+  const auto check = [&] { epx::check_dispatch_outputs(a, o, 12, src, ": no source rows", kOp); };
+  EXPECT_THAT(invalid_argument_message(check), HasSubstr("recv_x must not overlap x"));
+  o.recv_x = fake(0x1000 + 8 * 4096 * 2);  // right after x
+  EXPECT_NO_THROW(check());
 }
 
 // num_topk > 0 (the same on every rank) says weights are combined: then both the input weights and the
