@@ -169,7 +169,9 @@ void dispatch(Buffer::Impl& b, const LowLatencyDispatchArgs& a, const LowLatency
   EPX_REQUIRE(a.num_tokens == 0 || topk_carried == 0 || aligned16(o.recv_topk_slots), op,
               ": recv_topk_slots must be 16-byte aligned");
   const LowLatencyRecord record = LowLatencyRecord::make(a.hidden, a.use_fp8 != 0, topk_carried);
-  constexpr int64_t kMaxSharedBytes = 227 * 1024;  // per block on Hopper: the staged token and topk as int16
+  // Per block on Hopper: the staged token and topk as int16. The kernel pads the latter to 16 bytes; the bound is the
+  // same, as the record's size and the limit are multiples of 16.
+  constexpr int64_t kMaxSharedBytes = 227 * 1024;
   EPX_REQUIRE(record.bytes + int64_t(a.num_tokens) * a.num_topk * 2 <= kMaxSharedBytes, op, ": num_tokens * num_topk (",
               int64_t(a.num_tokens) * a.num_topk, ") with hidden ", a.hidden, " does not fit the ", kMaxSharedBytes,
               " bytes of shared memory a block can have");

@@ -69,17 +69,33 @@ __device__ void load_topk(const LowLatencyDispatchParams& p, int16_t* s_topk) {
   }
 }
 
-// Selections of expert e before slot (t, k), in (token, slot) order: the row's position in its block.
-__device__ int position_of(const int16_t* s_topk, int t, int k, int num_topk, int e, int lane) {
-  int n = 0;
-  for (int i = lane; i < t * num_topk + k; i += 32) n += s_topk[i] == e ? 1 : 0;
-  return warp_sum(n);
+// Entries of s_topk below `limit` that name expert e (>= 0), over the warp: eight int16 entries per lane and load
+// (one int4, compared two at a time), so a scan of 1024 entries is 4 rounds of shared loads, not 32. Reads whole
+// int4 words up to the end of the padded array (dispatch_smem_bytes).
+__device__ int count_in_topk(const int16_t* s_topk, int limit, int e, int lane) {
+  const int4* words = reinterpret_cast<const int4*>(s_topk);
+  const uint32_t key = uint32_t(e & 0xffff) * 0x10001u;  // e in both halves
+  int bits = 0;                                          // 16 per match
+  for (int c = lane; c * 8 < limit; c += 32) {
+    const int4 q = words[c];
+    const int valid = min(limit - c * 8, 8);  // entries of this word below limit
+    const uint32_t w[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t below = (2 * j < valid ? 0xffffu : 0u) | (2 * j + 1 < valid ? 0xffff0000u : 0u);
+      bits += __popc(__vcmpeq2(w[j], key) & below);
+    }
+  }
+  return warp_sum(bits) >> 4;
 }
 
-__device__ int selections_of(const int16_t* s_topk, int num_entries, int e, int lane) {
-  int n = 0;
-  for (int i = lane; i < num_entries; i += 32) n += s_topk[i] == e ? 1 : 0;
-  return warp_sum(n);
+// Selections of expert e before slot (t, k), in (token, slot) order: the row's position in its block.
+__device__ __forceinline__ int position_of(const int16_t* s_topk, int t, int k, int num_topk, int e, int lane) {
+  return count_in_topk(s_topk, t * num_topk + k, e, lane);
+}
+
+__device__ __forceinline__ int selections_of(const int16_t* s_topk, int num_entries, int e, int lane) {
+  return count_in_topk(s_topk, num_entries, e, lane);
 }
 
 // Stages token t as a record in shared memory: BF16 row, or e4m3 row + per-128 scales.
@@ -444,9 +460,11 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
   finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
-// Dynamic shared memory of a launch: the staged record and topk as int16 (send).
+// Dynamic shared memory of a launch: the staged record and topk as int16 (send), the latter padded to whole int4
+// words (count_in_topk reads them whole).
 __host__ __device__ __forceinline__ size_t dispatch_smem_bytes(const LowLatencyDispatchParams& p) {
-  return size_t(record_of(p).bytes) + size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
+  const size_t topk_bytes = size_t(p.num_tokens) * p.num_topk * sizeof(int16_t);
+  return size_t(record_of(p).bytes) + (topk_bytes + 15) / 16 * 16;
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
