@@ -16,6 +16,17 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
   }
 }
 
+// acc[e] += w * element e of v, the product rounded to float32 before the add (no fused multiply-add: the reference
+// model multiplies, then adds).
+__device__ __forceinline__ void add_weighted_bf16x8(float (&acc)[8], const int4& v, float w) {
+  const uint32_t words[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
+    acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
+  }
+}
+
 // Round to nearest even, once.
 __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
   uint32_t w[4];

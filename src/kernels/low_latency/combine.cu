@@ -94,12 +94,7 @@ __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p,
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       if (first + j * 32 + lane >= last) continue;
-      const uint32_t words[4] = {uint32_t(v[j].x), uint32_t(v[j].y), uint32_t(v[j].z), uint32_t(v[j].w)};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
-        acc[j][2 * q] = __fadd_rn(acc[j][2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
-        acc[j][2 * q + 1] = __fadd_rn(acc[j][2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
-      }
+      add_weighted_bf16x8(acc[j], v[j], w);
     }
   }
   int4 out[kPer];
@@ -361,12 +356,7 @@ __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& 
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         if (first + j * 32 + lane >= last) continue;
-        const uint32_t words[4] = {uint32_t(v[q][j].x), uint32_t(v[q][j].y), uint32_t(v[q][j].z), uint32_t(v[q][j].w)};
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {  // no fused multiply-add: the reference multiplies, then adds
-          acc[j][2 * h] = __fadd_rn(acc[j][2 * h], __fmul_rn(w[q], __uint_as_float(words[h] << 16)));
-          acc[j][2 * h + 1] = __fadd_rn(acc[j][2 * h + 1], __fmul_rn(w[q], __uint_as_float(words[h] & 0xffff0000u)));
-        }
+        add_weighted_bf16x8(acc[j], v[q][j], w[q]);
       }
     }
   }
@@ -535,12 +525,7 @@ __device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p
 #pragma unroll
       for (int r = 0; r < kMaxNvlRanks; ++r) {
         if (r >= R || s_partial[r] == nullptr) continue;
-        const uint32_t words[4] = {uint32_t(v[r].x), uint32_t(v[r].y), uint32_t(v[r].z), uint32_t(v[r].w)};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          acc[2 * q] = __fadd_rn(acc[2 * q], __uint_as_float(words[q] << 16));
-          acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __uint_as_float(words[q] & 0xffff0000u));
-        }
+        add_bf16x8(acc, v[r]);
       }
       st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
     }
@@ -627,13 +612,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             if (k0 + j >= K || s_expert[k0 + j] < 0) continue;
-            const float w = s_weight[k0 + j];
-            const uint32_t words[4] = {uint32_t(v[j].x), uint32_t(v[j].y), uint32_t(v[j].z), uint32_t(v[j].w)};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {  // no fused multiply-add: the reference multiplies, then adds
-              acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(w, __uint_as_float(words[q] << 16)));
-              acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(w, __uint_as_float(words[q] & 0xffff0000u)));
-            }
+            add_weighted_bf16x8(acc, v[j], s_weight[k0 + j]);
           }
         }
         st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
