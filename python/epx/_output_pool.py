@@ -55,9 +55,10 @@ _FREE, _IN_USE, _CHANGED = 0, 1, 2
 
 
 class _Set:
-    """One set of outputs and what its checks compare against."""
+    """One set of outputs, what its checks compare against, and `native`: what the owner derives from the set alone
+    (the C struct naming its tensors), kept with it (None until the owner sets it; it must hold no tensor)."""
 
-    __slots__ = ("outputs", "counted", "laid_out", "counts")
+    __slots__ = ("outputs", "counted", "laid_out", "counts", "native")
 
     def __init__(self, outputs: tuple):
         # outputs as the call unpacks them (None for an output the key does not have). The call allocates straight
@@ -73,6 +74,7 @@ class _Set:
                 laid_out.append((t, t.data_ptr(), t.shape, t.stride(), t.dtype))
         self.counted, self.laid_out = tuple(counted), tuple(laid_out)
         self.counts = None
+        self.native = None
         counted = laid_out = t = st = None  # no reference of this frame may count in the baseline
         _check(self)  # measures the baseline: the counts with only the pool referencing the tensors
 
@@ -102,8 +104,9 @@ def _check(entry: _Set) -> int:
 
 class OutputPool:
     """The output sets of one kind of call (low-latency dispatch, or combine) for one key. One call of the owner:
-    take(key, stream) -> outputs or None; after allocating outputs, add(outputs). reused / allocated count the sets
-    handed out again and the sets allocated while the pool was on."""
+    take(key, stream) -> a kept set (its .outputs, .native) or None; after allocating outputs, add(outputs) -> the
+    set kept for them or None. reused / allocated count the sets handed out again and the sets allocated while the
+    pool was on."""
 
     __slots__ = ("_key", "_stream", "_inference", "_sets", "_keeping", "reused", "allocated")
 
@@ -118,9 +121,9 @@ class OutputPool:
         self._key = self._stream = self._inference = None
         self._sets = []
 
-    def take(self, key, stream: int) -> Optional[tuple]:
-        """-> the outputs of a free set of key (compared with ==; it fixes the shapes and dtypes), allocated on
-        stream (the raw current stream), or None."""
+    def take(self, key, stream: int) -> Optional[_Set]:
+        """-> a free set of key (compared with ==; it fixes the shapes and dtypes), allocated on stream (the raw
+        current stream), or None. Its data pointers are those it was made with (_check)."""
         self._keeping = False
         if _is_capturing() or (_deterministic() and _fills_new_memory()):
             return None
@@ -145,18 +148,22 @@ class OutputPool:
             if state == _FREE:
                 sets.append(entry)
                 self.reused += 1
-                return entry.outputs
+                return entry
             # _CHANGED: dropped (the caching allocator frees its memory with the tensor)
         return None
 
-    def add(self, outputs: tuple) -> None:
-        """Keeps outputs just allocated for the key of the last take() unless that take() ran during capture."""
+    def add(self, outputs: tuple) -> Optional[_Set]:
+        """Keeps outputs just allocated for the key of the last take() unless that take() ran during capture or
+        found another key. -> the set kept, or None."""
         self.allocated += 1
-        if self._keeping:
-            sets = self._sets
-            if len(sets) >= MAX_SETS:
-                del sets[0]  # the oldest; not free, or take() would have handed it out
-            sets.append(_Set(outputs))
+        if not self._keeping:
+            return None
+        sets = self._sets
+        if len(sets) >= MAX_SETS:
+            del sets[0]  # the oldest; not free, or take() would have handed it out
+        entry = _Set(outputs)
+        sets.append(entry)
+        return entry
 
     def counts(self) -> Tuple[int, int, int]:
         """-> (sets handed out again, sets allocated, sets kept now)."""

@@ -86,7 +86,6 @@ class _LLDispatchState:
             self.scale_proto = protos[_INT32 if use_ue8m0 else _FP32]
             self.scale_shape, self.scale_strides = (L, rows, groups), (groups * rows, 1, rows)
         self.args = _lib.LLDispatchArgs(None, 0, H, None, K, E, M, use_fp8, round_scale, use_ue8m0, None)
-        self.outs = _lib.LLDispatchOutputs()
         self.extras = False
 
     def allocate(self, with_slots: bool) -> tuple:
@@ -100,6 +99,22 @@ class _LLDispatchState:
                 self.scale_proto.new_empty_strided(self.scale_shape, self.scale_strides) if self.use_fp8 else None,
                 i32.new_empty(L), i32.new_empty(L, rows), self.i64_proto.new_empty(L, self.R),
                 i32.new_empty(self.R, self.M, self.K, 2) if with_slots else None)
+
+
+def _ll_dispatch_outputs_struct(outputs: tuple) -> _lib.LLDispatchOutputs:
+    """The C struct naming the tensors of a dispatch output set (as _LLDispatchState.allocate returns them). It
+    depends on the set alone: a set the output pool keeps carries its struct (OutputPool's `native`)."""
+    packed_recv_x, scales, packed_recv_count, recv_src_info, recv_layout_range, topk_slots = outputs
+    outs = _lib.LLDispatchOutputs()
+    outs.packed_recv_x = packed_recv_x.data_ptr()
+    if scales is not None:
+        outs.packed_recv_x_scales = scales.data_ptr()
+    outs.packed_recv_count = packed_recv_count.data_ptr()
+    outs.recv_src_info = recv_src_info.data_ptr()
+    outs.recv_layout_range = recv_layout_range.data_ptr()
+    if topk_slots is not None:
+        outs.recv_topk_slots = topk_slots.data_ptr()
+    return outs
 
 
 class LowLatencyMixin:
@@ -293,38 +308,40 @@ class LowLatencyMixin:
         H, K, M = s.H, s.K, s.M
         with_slots = topk_weights is not None
         pool = self._ll_dispatch_pool
+        kept = None  # the pool's entry of the output set, which carries the set's C struct
         if pool is not None:
             # Outputs are allocated on the current stream: the launch stream, or the one comm waited for.
-            outputs = pool.take((s, with_slots), stream if compute is None else self._streams.compute_raw)
-            if outputs is None:
+            kept = pool.take((s, with_slots), stream if compute is None else self._streams.compute_raw)
+            if kept is not None:
+                outputs = kept.outputs
+            else:
                 outputs = s.allocate(with_slots)
-                pool.add(outputs)
+                kept = pool.add(outputs)
         else:
             outputs = s.allocate(with_slots)
         packed_recv_x, scales, packed_recv_count, recv_src_info, recv_layout_range, topk_slots = outputs
+        # The pool hands a set out again only with every data pointer unchanged, so the struct made for the set
+        # still names its tensors.
+        outs = kept.native if kept is not None else None
+        if outs is None:
+            outs = _ll_dispatch_outputs_struct(outputs)
+            if kept is not None:
+                kept.native = outs
 
-        if return_recv_hook:  # the hook reads its structs again later: its own
+        if return_recv_hook:  # the hook reads its args again later: its own
             args = _lib.LLDispatchArgs(None, T, H, None, K, s.E, M, s.use_fp8, s.round_scale, s.use_ue8m0, None)
-            outs = _lib.LLDispatchOutputs()
             extras = True
         else:
-            args, outs = s.args, s.outs
+            args = s.args
             args.num_tokens = T
-            # The optional pointers are all None in the shared structs unless a call set them.
+            # The optional pointers are all None in the shared args unless a call set them.
             extras = stats is not None or topk_weights is not None or s.extras
             s.extras = stats is not None or topk_weights is not None
         args.x = x.data_ptr()
         args.topk_idx = topk_idx.data_ptr()
-        outs.packed_recv_x = packed_recv_x.data_ptr()
-        if scales is not None:
-            outs.packed_recv_x_scales = scales.data_ptr()
-        outs.packed_recv_count = packed_recv_count.data_ptr()
-        outs.recv_src_info = recv_src_info.data_ptr()
-        outs.recv_layout_range = recv_layout_range.data_ptr()
         if extras:
             args.cumulative_local_expert_recv_stats = stats.data_ptr() if stats is not None else None
             args.topk_weights = topk_weights.data_ptr() if topk_slots is not None else None
-            outs.recv_topk_slots = topk_slots.data_ptr() if topk_slots is not None else None
         h = _LLHandle()
         if topk_slots is not None:
             h.topk_slots = topk_slots  # alive as long as the handle: the combine reads it
@@ -436,14 +453,16 @@ class LowLatencyMixin:
             combined_x = out
         else:
             pool = self._ll_combine_pool
-            outputs = None
+            kept = None
             if pool is not None:
-                outputs = pool.take((T, H), stream if compute is None else self._streams.compute_raw)
-            if outputs is None:
+                kept = pool.take((T, H), stream if compute is None else self._streams.compute_raw)
+            if kept is not None:
+                combined_x, = kept.outputs
+            else:
                 outputs = (self._protos[_BF16].new_empty(T, H),)
                 if pool is not None:
                     pool.add(outputs)
-            combined_x, = outputs
+                combined_x, = outputs
         if return_recv_hook:  # the hook reads its structs again later: its own
             args, buffer_set = _lib.LLCombineArgs(), ctypes.c_int(-1)
         else:
