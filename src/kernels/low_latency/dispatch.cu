@@ -94,10 +94,6 @@ __device__ __forceinline__ int position_of(const int16_t* s_topk, int t, int k, 
   return count_in_topk(s_topk, t * num_topk + k, e, lane);
 }
 
-__device__ __forceinline__ int selections_of(const int16_t* s_topk, int num_entries, int e, int lane) {
-  return count_in_topk(s_topk, num_entries, e, lane);
-}
-
 // Stages token t as a record in shared memory: BF16 row, or e4m3 row + per-128 scales.
 __device__ void stage_token(const LowLatencyDispatchParams& p, const LowLatencyRecord& rec, int t, uint8_t* s_rec) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -146,7 +142,7 @@ __device__ void send_counts(const LowLatencyDispatchParams& p, const int16_t* s_
   const int R = p.num_ranks, me = p.peers.rank;
   const int L = p.num_experts / R;
   for (int e = blockIdx.x + gridDim.x * cw; e < p.num_experts; e += gridDim.x * ncw) {
-    const int expected = selections_of(s_topk, p.num_tokens * p.num_topk, e, lane);
+    const int expected = count_in_topk(s_topk, p.num_tokens * p.num_topk, e, lane);  // all selections of e
     const int dest = e / L;
     if (lane == 0 && !(skip >> dest & 1)) {
       post(p.peers.ll, dest, p.layout.dispatch_count(p.peers.ll.local, p.set) + (e % L) * R + me, expected + 1);
