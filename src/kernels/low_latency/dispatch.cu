@@ -332,6 +332,18 @@ constexpr int kGroupExperts = 4;
 // one, all but the writers, which join at the end once their arrival adds are issued). The block's local experts
 // i0, i0 + G, ... go in groups of up to kGroupExperts (fewer where a lane of warp 0 per (expert, source) would not
 // fit): the group's rows are numbered by (expert, source, slot) and cut into one range of work items.
+// What every receive warp's item loop reads, per block, in shared memory. Held in registers instead, these values
+// spill at the 64 registers a thread of a 1024-thread block gets, and the loop reloads them from local memory (L2 at
+// this stack size) inside every item's dependency chain.
+struct ReceiveConsts {
+  const uint8_t* records;
+  const int32_t* row_map;
+  int32_t* arrived;
+  int4* out;                // packed_recv_x
+  int64_t rows_per_expert;  // R * M
+  int rec_bytes, row_int4, chunks, items;
+};
+
 template <bool kShrink, bool kTopk>
 __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, int recv_warps) {
   const RankMask mask = shrink_mask<kShrink>(p.mask);
@@ -352,6 +364,10 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
   const int chunks = (row_int4 + kChunk - 1) / kChunk, items = chunks + 1;
   const int threads = recv_warps * 32;
   const int group = min(kGroupExperts, 32 / R);  // (expert, source) pairs of a group: one bit each below
+  __shared__ ReceiveConsts s_c;  // written here, read after the first group's layout barrier
+  if (threadIdx.x == 0)
+    s_c = ReceiveConsts{records, row_map, arrived, static_cast<int4*>(p.packed_recv_x), rows_per_expert,
+                        int(rec.bytes), row_int4, chunks, items};
 
   for (int i0 = blockIdx.x; i0 < L && warp < recv_warps; i0 += G * group) {
     const int ng = min(group, (L - 1 - i0) / G + 1);  // the group's experts: i0 + j * G, j < ng
@@ -409,8 +425,9 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
     int j = 0, s = 0;
     for (int w = warp * per_warp; w < w_end;) {
       // The warp's items of group row g: [c0, c1) (data chunks below `chunks`, then the row's scales and token).
-      const int g = w / items, c0 = w % items, c1 = min(w_end - g * items, items);
-      w = g * items + c1;
+      const int its = s_c.items;
+      const int g = w / its, c0 = w % its, c1 = min(w_end - g * its, its);
+      w = g * its + c1;
       while (g >= s_first[j + 1]) {  // rows ascend, so j and s only move forward
         ++j;
         s = 0;
@@ -423,7 +440,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
         const int32_t target = s_expected[j][s];
         int32_t seen = 0;
         const bool here = wait_for_rank(
-            arrived + i * R + s, [target](int32_t v) { return v >= target; }, target, mask, p.peers.rank, s, p.fail,
+            s_c.arrived + i * R + s, [target](int32_t v) { return v >= target; }, target, mask, p.peers.rank, s, p.fail,
             WaitSite{kRoleLowLatencyRecv, -1, s, i}, &seen);
         (here ? complete : dropped) |= pair_bit;
       }
@@ -432,17 +449,18 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       // The entry is token + 1, below M + 1 unless a sender broke the protocol (or the receive call named
       // another shape); clamped, so that even then every read stays inside the records.
       const int slot = n - s_begin[j][s];
-      const int token = min(max(ld_cg(row_map + (int64_t(i) * R + s) * M + slot) - 1, 0), M - 1);
-      const uint8_t* src = records + (int64_t(s) * M + token) * rec.bytes;
-      const int64_t row = int64_t(i) * rows_per_expert + n;
-      // The data chunks in rounds of two (8 int4 per lane in flight): one load latency per 4 KB, not per 2 KB.
-      const int end4 = min(min(c1, chunks) * kChunk, row_int4);
-      for (int first = c0 * kChunk; first < end4; first += 2 * kChunk)
-        warp_copy_once<2 * kChunk / 32>(static_cast<int4*>(p.packed_recv_x) + row * row_int4 + first,
-                                        reinterpret_cast<const int4*>(src) + first, min(2 * kChunk, end4 - first), lane,
-                                        LoadCg{}, StoreNa{});
-      if (c1 > chunks) copy_row_meta(p, src, i, n, token, lane);
-      if (kTopk && c1 > chunks) note_topk_slot(p, src, row_map + (int64_t(i) * R + s) * M, i, s, n, slot, token, lane);
+      const int32_t* pair_map = s_c.row_map + (int64_t(i) * R + s) * M;
+      const int token = min(max(ld_cg(pair_map + slot) - 1, 0), M - 1);
+      const uint8_t* src = s_c.records + (int64_t(s) * M + token) * s_c.rec_bytes;
+      const int64_t row = int64_t(i) * s_c.rows_per_expert + n;
+      const int chunks_ = s_c.chunks, row_int4_ = s_c.row_int4;
+      // The data chunks one at a time (4 int4 per lane in flight).
+      const int end4 = min(min(c1, chunks_) * kChunk, row_int4_);
+      for (int first = c0 * kChunk; first < end4; first += kChunk)
+        warp_copy_once<kChunk / 32>(s_c.out + row * row_int4_ + first, reinterpret_cast<const int4*>(src) + first,
+                                    min(kChunk, end4 - first), lane, LoadCg{}, StoreNa{});
+      if (c1 > chunks_) copy_row_meta(p, src, i, n, token, lane);
+      if (kTopk && c1 > chunks_) note_topk_slot(p, src, pair_map, i, s, n, slot, token, lane);
     }
     named_barrier(1, threads);  // every row of the group is copied; no warp reads s_begin / s_expected any more
     // The count and arrival slots are free for the next op on this set (published by the block's completion
