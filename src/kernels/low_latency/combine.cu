@@ -320,7 +320,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
 template <int kPer>
 __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& p, int64_t row, int s, int t, int first,
                                                  int lane, int* s_items, int4* receive, int4* stage) {
-  constexpr int kRows = 4;
+  constexpr int kRows = kPer == 1 ? 4 : 2;  // rows' loads in flight: 4 * kPer int4 per lane, within the registers
   const int K = p.num_topk, R = p.num_ranks, M = p.max_tokens, row_int4 = p.hidden / 8;
   const int rows_per_expert = R * M;  // packed rows < L * R * M fit an int (layout/ll_layout.hpp)
   const int last = min(first + 32 * kPer, row_int4);
@@ -517,15 +517,19 @@ __device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p
     }
     __syncthreads();
     for (int h = threadIdx.x; h < row_int4; h += kThreads) {
-      int4 v[kMaxNvlRanks];
-#pragma unroll
-      for (int r = 0; r < kMaxNvlRanks; ++r)  // every partial's load in flight, then r ascending
-        if (r < R && s_partial[r] != nullptr) v[r] = ld_cg(s_partial[r] + h);
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      // kRanksAtOnce partials' loads in flight, then added r ascending (one group up to 4 ranks; 8 int4 would spill).
+      constexpr int kRanksAtOnce = 4;
+      for (int r0 = 0; r0 < R; r0 += kRanksAtOnce) {
+        int4 v[kRanksAtOnce];
 #pragma unroll
-      for (int r = 0; r < kMaxNvlRanks; ++r) {
-        if (r >= R || s_partial[r] == nullptr) continue;
-        add_bf16x8(acc, v[r]);
+        for (int q = 0; q < kRanksAtOnce; ++q)
+          if (r0 + q < R && s_partial[r0 + q] != nullptr) v[q] = ld_cg(s_partial[r0 + q] + h);
+#pragma unroll
+        for (int q = 0; q < kRanksAtOnce; ++q) {
+          if (r0 + q >= R || s_partial[r0 + q] == nullptr) continue;
+          add_bf16x8(acc, v[q]);
+        }
       }
       st_na(p.out + int64_t(t) * row_int4 + h, pack_bf16x8(acc));
     }
