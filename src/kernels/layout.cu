@@ -11,7 +11,7 @@ namespace {
 
 constexpr int kLayoutThreads = 256;
 
-__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) {
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const __grid_constant__ LayoutParams p) {
   extern __shared__ int smem[];
   int* s_expert = smem;                    // [E]
   int* s_rank = s_expert + p.num_experts;  // [R]

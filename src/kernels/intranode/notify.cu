@@ -50,7 +50,7 @@ __device__ int message_field(const NotifyParams& p, int j, int field, const Epoc
   return s_counts[j][field - NotifyMsg::channel(0)];
 }
 
-__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyParams p) {
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_constant__ NotifyParams p) {
   __shared__ int s_counts[kMaxNvlRanks][kMaxChannels];
   __shared__ int s_error;
   __shared__ int s_error_rank;
