@@ -364,10 +364,11 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
   const int chunks = (row_int4 + kChunk - 1) / kChunk, items = chunks + 1;
   const int threads = recv_warps * 32;
   const int group = min(kGroupExperts, 32 / R);  // (expert, source) pairs of a group: one bit each below
-  __shared__ ReceiveConsts s_c;  // written here, read after the first group's layout barrier
+  __shared__ ReceiveConsts s_c;                  // written here, read after the first group's layout barrier
   if (threadIdx.x == 0)
-    s_c = ReceiveConsts{records, row_map, arrived, static_cast<int4*>(p.packed_recv_x), rows_per_expert,
-                        int(rec.bytes), row_int4, chunks, items};
+    s_c =
+        ReceiveConsts{records,  row_map, arrived, static_cast<int4*>(p.packed_recv_x), rows_per_expert, int(rec.bytes),
+                      row_int4, chunks,  items};
 
   for (int i0 = blockIdx.x; i0 < L && warp < recv_warps; i0 += G * group) {
     const int ng = min(group, (L - 1 - i0) / G + 1);  // the group's experts: i0 + j * G, j < ng
