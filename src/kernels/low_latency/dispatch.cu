@@ -454,14 +454,14 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       const int token = min(max(ld_cg(pair_map + slot) - 1, 0), M - 1);
       const uint8_t* src = s_c.records + (int64_t(s) * M + token) * s_c.rec_bytes;
       const int64_t row = int64_t(i) * s_c.rows_per_expert + n;
-      const int chunks_ = s_c.chunks, row_int4_ = s_c.row_int4;
+      const int row_chunks = s_c.chunks, row_len = s_c.row_int4;  // from s_c, as above
       // The data chunks one at a time (4 int4 per lane in flight).
-      const int end4 = min(min(c1, chunks_) * kChunk, row_int4_);
+      const int end4 = min(min(c1, row_chunks) * kChunk, row_len);
       for (int first = c0 * kChunk; first < end4; first += kChunk)
-        warp_copy_once<kChunk / 32>(s_c.out + row * row_int4_ + first, reinterpret_cast<const int4*>(src) + first,
+        warp_copy_once<kChunk / 32>(s_c.out + row * row_len + first, reinterpret_cast<const int4*>(src) + first,
                                     min(kChunk, end4 - first), lane, LoadCg{}, StoreNa{});
-      if (c1 > chunks_) copy_row_meta(p, src, i, n, token, lane);
-      if (kTopk && c1 > chunks_) note_topk_slot(p, src, pair_map, i, s, n, slot, token, lane);
+      if (c1 > row_chunks) copy_row_meta(p, src, i, n, token, lane);
+      if (kTopk && c1 > row_chunks) note_topk_slot(p, src, pair_map, i, s, n, slot, token, lane);
     }
     named_barrier(1, threads);  // every row of the group is copied; no warp reads s_begin / s_expected any more
     // The count and arrival slots are free for the next op on this set (published by the block's completion
