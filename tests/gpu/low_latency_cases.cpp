@@ -302,6 +302,15 @@ std::vector<Case> low_latency_cases() {
         own.push_back(step_case("ll: rank-reduced, M=1100 (past the first-row list), uneven tokens", past_list));
         past_list.tokens = {40, 200, 1100, 3, 40, 200, 1100, 3};
         own.push_back(step_case("ll: rank-reduced, M=1100, receive hook", past_list, true));
+        // More items than the grid has warps (2 x 512 tokens x 14 items at h7168; 4224 warps on 132 SMs) but R * M
+        // within the list: the send lists the first rows. With fewer items (on 132 SMs every other 2-rank case but
+        // M=1100) each item's warp finds its token's first row itself.
+        auto listed = rank_case(40, 7168, true, 261);
+        listed.max_tokens = 512;
+        listed.num_experts = 16;
+        listed.tokens = {512, 3, 300, 0, 41, 512, 1, 128};
+        own.push_back(step_case("ll: rank-reduced, M=512, h7168 (the first-row list), uneven tokens", listed));
+        own.push_back(step_case("ll: rank-reduced, M=512, h7168, receive hook", listed, true));
       });
   // The order is chosen per call: flat and rank-reduced combines alternate on one buffer (on handles whose
   // dispatch carried the weights), a receive that does not repeat its send's reduction is rejected, and so are

@@ -319,7 +319,7 @@ __device__ __noinline__ void send_phase(const LowLatencyCombineParams& p, int* s
 // first row's expert.
 template <int kPer>
 __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& p, int64_t row, int s, int t, int first,
-                                                 int lane, int* s_items, int4* receive, int4* stage) {
+                                                 int lane, int* s_items) {
   constexpr int kRows = kPer == 1 ? 4 : 2;  // rows' loads in flight: 4 * kPer int4 per lane, within the registers
   const int K = p.num_topk, R = p.num_ranks, M = p.max_tokens, row_int4 = p.hidden / 8;
   const int rows_per_expert = R * M;  // packed rows < L * R * M fit an int (layout/ll_layout.hpp)
@@ -366,6 +366,8 @@ __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& 
   const int e = p.peers.rank * (p.num_experts / R) + int(row) / rows_per_expert;
   // NVSHMEM peers: staged at the row's own place in the combine-send area (with zero-copy that is x itself: this
   // item's part of the row, which only this item reads, and its loads are done).
+  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set));
+  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.ll.local, p.set));
   put_warp_values<kPer>(p.peers.ll, s, receive + (int64_t(e) * M + t) * row_int4 + first, out, last - first, lane,
                         stage + row * row_int4 + first);
 }
@@ -376,10 +378,23 @@ __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& 
 // of 32 * kPer int4. Every warp then sums a partial (send_first_row_item); no warp takes an item of a row that sends
 // nothing, as the items over all rows do (send_phase<..., kRank>: three in four at top-8 of 2 ranks). Every block
 // builds the same list, so the blocks agree on whose item is whose. Nothing here needs the rows' prefix (s_first).
+// While every source token's items fit the grid's warps one each, there is no list (below).
 constexpr int kFirstRowsMax = 2048;
 
 __device__ __forceinline__ bool first_rows_fit(const LowLatencyCombineParams& p) {
   return p.num_ranks <= 2 && p.num_ranks * p.max_tokens <= kFirstRowsMax;
+}
+
+// Whether packed row r, named by a slot of source s's token t, is one of this dispatch's rows from s (within the
+// pair's range, s_range) whose source token is t: a slot of a token that did not reach this rank is an earlier call's
+// or never written, and names no such row.
+__device__ __forceinline__ bool row_of_token(const LowLatencyCombineParams& p, const int2* s_range, int r, int s,
+                                             int t) {
+  const int R = p.num_ranks, rows_per_expert = R * p.max_tokens, L = p.num_experts / R;
+  if (r < 0 || r >= L * rows_per_expert) return false;
+  const int2 range = s_range[r / rows_per_expert * R + s];
+  const int n = r % rows_per_expert;
+  return n >= range.x && n < range.x + range.y && p.recv_src_info[r] == t;
 }
 
 __device__ __noinline__ void send_rank_phase(const LowLatencyCombineParams& p, int2* s_range, int* s_items) {
@@ -387,12 +402,36 @@ __device__ __noinline__ void send_rank_phase(const LowLatencyCombineParams& p, i
   __shared__ int s_warp_count[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int R = p.num_ranks, M = p.max_tokens, K = p.num_topk;
-  const int L = p.num_experts / R;
   const int row_int4 = p.hidden / 8;
-  const int rows_per_expert = R * M;  // packed rows < L * R * M fit an int (layout/ll_layout.hpp)
-  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set));
-  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.ll.local, p.set));
   begin_send<false>(p, s_range, s_items);
+  const int warps = gridDim.x * kWarps;
+  // While the items of every source token, listed here or not, fit the grid's warps one each, no list: the warp of
+  // each item of (s, t) finds the token's first row here from its slots (the lowest k's, checked as below), and a
+  // warp whose token did not reach this rank sends nothing. This saves the list's block barriers and its loads in
+  // front of every item; with more items than warps a warp would walk unlisted tokens one after another.
+  {
+    const int per = (R * M * ((row_int4 + 31) / 32) <= warps) ? 1 : 2;
+    const int parts = (row_int4 + 32 * per - 1) / (32 * per);
+    if (R * M * parts <= warps) {
+      post_targets(p, s_range, parts, 0u);
+      const int w = warp * gridDim.x + blockIdx.x;  // as below: item w on block w % G
+      if (w < R * M * parts) {
+        const int st = w / parts, s = st / M, t = st % M;
+        const int2 entry = lane < K ? p.recv_topk_slots[int64_t(st) * K + lane] : make_int2(-1, 0);
+        const uint32_t here = __ballot_sync(kFullMask, entry.x >= 0);
+        const int r = here != 0 ? __shfl_sync(kFullMask, entry.x, __ffs(here) - 1) : -1;  // lowest k
+        if (row_of_token(p, s_range, r, s, t)) {                                          // warp-uniform: r is
+          const int first = (w % parts) * 32 * per;
+          if (per == 1)
+            send_first_row_item<1>(p, r, s, t, first, lane, s_items);
+          else
+            send_first_row_item<2>(p, r, s, t, first, lane, s_items);
+        }
+      }
+      end_send(p, s_items);
+      return;
+    }
+  }
   // The list, a thread per source token (s, t) = (st / M, st % M): its slots here name its rows here, the lowest k's
   // first (the dispatch wrote all K entries of every token that reached this rank, note_topk_slot). The entries of a
   // token that did not reach this rank are an earlier call's or never written: the row they name counts only if it is
@@ -415,11 +454,7 @@ __device__ __noinline__ void send_rank_phase(const LowLatencyCombineParams& p, i
         for (int j = 0; j < 8; ++j)
           if (r < 0 && k0 + j < K && e[j].x >= 0) r = e[j].x;
       }
-      if (r >= 0 && r < L * rows_per_expert) {
-        const int2 range = s_range[r / rows_per_expert * R + s];
-        const int n = r % rows_per_expert;
-        first = n >= range.x && n < range.x + range.y && p.recv_src_info[r] == t;
-      }
+      first = row_of_token(p, s_range, r, s, t);
     }
     const uint32_t ballot = __ballot_sync(kFullMask, first);
     if (lane == 0) s_warp_count[warp] = __popc(ballot);
@@ -436,7 +471,6 @@ __device__ __noinline__ void send_rank_phase(const LowLatencyCombineParams& p, i
     __syncthreads();  // s_warp_count is rewritten next round; s_list is complete after the last
   }
   // Items of 32 int4 (one load per lane and row) while they fit the grid's warps one each, else of 64.
-  const int warps = gridDim.x * kWarps;
   const int per = (listed * ((row_int4 + 31) / 32) <= warps) ? 1 : 2;
   const int parts = (row_int4 + 32 * per - 1) / (32 * per);
   post_targets(p, s_range, parts, 0u);
@@ -446,9 +480,9 @@ __device__ __noinline__ void send_rank_phase(const LowLatencyCombineParams& p, i
     const int2 item = s_list[w / parts];
     const int first = (w % parts) * 32 * per;
     if (per == 1)
-      send_first_row_item<1>(p, item.x, item.y / M, item.y % M, first, lane, s_items, receive, stage);
+      send_first_row_item<1>(p, item.x, item.y / M, item.y % M, first, lane, s_items);
     else
-      send_first_row_item<2>(p, item.x, item.y / M, item.y % M, first, lane, s_items, receive, stage);
+      send_first_row_item<2>(p, item.x, item.y / M, item.y % M, first, lane, s_items);
   }
   end_send(p, s_items);
 }
