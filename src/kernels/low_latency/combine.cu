@@ -81,25 +81,31 @@ __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p,
   // Every row's part on its way to L2 at once (a lane per slot): the sum below loads the rows one after another,
   // and waits on L2 for all but the first instead of on memory (docs/bench-notes.md).
   if (entry.x >= 0) prefetch_l2(p.x + int64_t(entry.x) * row_int4 + first, uint32_t(last - first) * 16);
-  float acc[kPer][8] = {};
-  for (uint32_t m = here; m != 0; m &= m - 1) {
-    const int k = __ffs(m) - 1;  // ascending
-    const int64_t rk = __shfl_sync(kFullMask, entry.x, k);
-    const float w = __int_as_float(__shfl_sync(kFullMask, entry.y, k));
-    const int4* src = p.x + rk * row_int4 + first;
-    int4 v[kPer];
-#pragma unroll
-    for (int j = 0; j < kPer; ++j)
-      if (first + j * 32 + lane < last) v[j] = ld_nc(src + j * 32 + lane);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      if (first + j * 32 + lane >= last) continue;
-      add_weighted_bf16x8(acc[j], v[j], w);
-    }
-  }
+  // kPart int4 a lane summed at a time, in passes over the token's rows: all kPer at once (4: 32 float sums and 16
+  // loaded registers) spills at the 64 registers a thread of a 1024-thread block has.
+  constexpr int kPart = kPer < 2 ? kPer : 2;
   int4 out[kPer];
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) out[j] = pack_bf16x8(acc[j]);
+  for (int j0 = 0; j0 < kPer; j0 += kPart) {
+    float acc[kPart][8] = {};
+    for (uint32_t m = here; m != 0; m &= m - 1) {
+      const int k = __ffs(m) - 1;  // ascending
+      const int64_t rk = __shfl_sync(kFullMask, entry.x, k);
+      const float w = __int_as_float(__shfl_sync(kFullMask, entry.y, k));
+      const int4* src = p.x + rk * row_int4 + first;
+      int4 v[kPart];
+#pragma unroll
+      for (int j = 0; j < kPart; ++j)
+        if (first + (j0 + j) * 32 + lane < last) v[j] = ld_nc(src + (j0 + j) * 32 + lane);
+#pragma unroll
+      for (int j = 0; j < kPart; ++j) {
+        if (first + (j0 + j) * 32 + lane >= last) continue;
+        add_weighted_bf16x8(acc[j], v[j], w);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPart; ++j) out[j0 + j] = pack_bf16x8(acc[j]);
+  }
   // NVSHMEM peers: staged at the row's own place in the combine-send area (with zero-copy that is x itself: this
   // item's part of the row, which only this item reads, and its loads are done).
   put_warp_values<kPer>(p.peers.ll, s, receive + (int64_t(e) * p.max_tokens + t) * row_int4 + first, out, last - first,
