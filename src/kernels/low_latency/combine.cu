@@ -634,7 +634,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
         if constexpr (kInPlace) {
           const int64_t slot = e * M + t;
           s_row[k] = recv + slot * row_int4;
-          if (e / L == me)  // written by this launch's send phase before its block's arrival add
+          if (int(e) / L == me)  // written by this launch's send phase before its block's arrival add
             s_row[k] = p.x + int64_t(ld_cg(local_row_of(recv, slot, row_int4))) * row_int4;
         }
         if constexpr (kLogfmt) s_row[k] = recv + (e * M + t) * (logfmt_row_bytes(p.hidden) / 16);
