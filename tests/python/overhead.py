@@ -30,6 +30,7 @@ device's local_cpulist in sysfs); the cores are printed.
 import argparse
 import json
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -45,6 +46,7 @@ except ImportError:  # a source checkout: the package is in python/
     import epx
 
 from epx import _output_pool  # noqa: E402
+from epx.bootstrap import all_gather_bytes  # noqa: E402
 
 sys.path.insert(0, HERE)
 from _raw_calls import best_host_us, intranode_calls, layout_call, low_latency_calls  # noqa: E402
@@ -334,12 +336,13 @@ def worker(rank, world, calls, reps, json_path, store_dir, pin):
     rows.update(layout(rank, world, calls, reps))
     rows.update(decode(rank, world, calls, reps, sets))
     rows.update(capture_query(calls, reps))
-    pins = [None] * world
-    dist.all_gather_object(pins, pinned)
+    # all_gather_bytes rather than all_gather_object, which lets go of its tensors while a gloo worker thread may
+    # still hold them: with every rank pinned to one core that thread then needed the GIL during the interpreter's
+    # exit and aborted the process (epx/bootstrap.py, _hold).
+    pins = [pickle.loads(b) for b in all_gather_bytes(None, None, pickle.dumps(pinned))]
     # Every rank's numbers: the table gives the slowest rank's (the calls are collective, so the slowest host
     # paces every GPU), the JSON each rank's too.
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, rows)
+    per_rank = [pickle.loads(b) for b in all_gather_bytes(None, None, pickle.dumps(rows))]
     rows = {name: [tuple(max(r[name][i][j] for r in per_rank) for j in range(2)) for i in range(2)] for name in rows}
     if rank == 0:
         for r, p in enumerate(pins):

@@ -231,7 +231,8 @@ def case_set_num_sms(ctx):
 
 
 def case_buffer_over_nccl_group(ctx):
-    """The bootstrap through all_gather_object on an NCCL group, and explicit destruction."""
+    """The bootstrap's all-gather of bytes (epx.bootstrap.all_gather_bytes) on an NCCL group, and explicit
+    destruction."""
     import epx
     group = dist.new_group(backend="nccl")
     buffer = epx.Buffer(group, num_nvl_bytes=ctx.extra["nvl_bytes"], explicitly_destroy=True)
