@@ -425,8 +425,9 @@ __device__ __noinline__ void send_rank_phase(const LowLatencyCombineParams& p, i
         const int st = w / parts, s = st / M, t = st % M;
         const int2 entry = lane < K ? p.recv_topk_slots[int64_t(st) * K + lane] : make_int2(-1, 0);
         const uint32_t here = __ballot_sync(kFullMask, entry.x >= 0);
-        const int r = here != 0 ? __shfl_sync(kFullMask, entry.x, __ffs(here) - 1) : -1;  // lowest k
-        if (row_of_token(p, s_range, r, s, t)) {                                          // warp-uniform: r is
+        // The lowest k's row; warp-uniform (a shuffle of a ballot's lane), so the whole warp takes the item or not.
+        const int r = here != 0 ? __shfl_sync(kFullMask, entry.x, __ffs(here) - 1) : -1;
+        if (row_of_token(p, s_range, r, s, t)) {
           const int first = (w % parts) * 32 * per;
           if (per == 1)
             send_first_row_item<1>(p, r, s, t, first, lane, s_items);
