@@ -17,7 +17,7 @@ from typing import Any, Callable, Deque, List, Optional
 from . import _lib
 
 # The tensors of the last all-gathers over torch.distributed (all_gather_bytes), held by Python until the group's
-# worker threads have surely dropped their references: see all_gather_bytes.
+# worker threads have surely dropped their references: see _hold.
 _HELD: Deque[list] = collections.deque(maxlen=16)
 _RELEASE_POLL_S = 0.02  # how long all_gather_bytes waits for a gloo worker thread to drop a CPU collective's work
 
@@ -80,11 +80,11 @@ def _hold(tensors: list) -> None:
     """Keeps the collectives' tensors referenced from Python until the group's worker thread has dropped its work.
 
     A gloo worker thread drops a collective's work, and with it the last C++ references to the tensors, some time
-    after wait() has returned (other backends keep the work on threads of their own too). If Python has let go of a tensor by then, that drop frees
-    its Python object and needs the GIL; when the interpreter is already exiting (a Buffer destroyed just before
-    the process ends, ranks pinned to one core each), Python ends the thread with pthread_exit inside C++ code and
-    the process aborts ("terminate called without an active exception"). torch.distributed.all_gather_object lets
-    go of its tensors when it returns, so it is not used here.
+    after wait() has returned (other backends keep the work on threads of their own too). If Python has let go of
+    a tensor by then, that drop frees its Python object and needs the GIL; when the interpreter is already exiting
+    (a Buffer destroyed just before the process ends, ranks pinned to one core each), Python ends the thread with
+    pthread_exit inside C++ code and the process aborts ("terminate called without an active exception").
+    torch.distributed.all_gather_object lets go of its tensors when it returns, so it is not used here.
     """
     if all(t.device.type == "cpu" for t in tensors) and hasattr(tensors[0], "_use_count"):
         deadline = time.monotonic() + _RELEASE_POLL_S
