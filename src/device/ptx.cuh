@@ -60,10 +60,12 @@ __device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ void red_add_release_sys(int32_t* p, int32_t v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-// A system-scope acq_rel fence: with a relaxed write after it in the same thread (red_add_relaxed_sys), a
-// release pattern; cumulative over what the thread has observed (with a barrier before it, the block's stores).
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-// A relaxed system-scope add (no return): a release only after fence_acq_rel_sys in the same thread.
+// A system-scope release fence: with a relaxed write after it in the same thread (red_add_relaxed_sys), a release
+// pattern; cumulative over what the thread has observed (with a barrier before it, the block's stores). Release only:
+// unlike fence.acq_rel it does not also invalidate the SM's L1 (no CCTL.IVALL in its SASS); a reader after it acquires
+// with its own loads.
+__device__ __forceinline__ void fence_release_sys() { asm volatile("fence.release.sys;" ::: "memory"); }
+// A relaxed system-scope add (no return): a release only after fence_release_sys in the same thread.
 __device__ __forceinline__ void red_add_relaxed_sys(int32_t* p, int32_t v) {
   asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

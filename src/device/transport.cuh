@@ -37,7 +37,7 @@
 //   post / post64   as post above; through NVSHMEM an atomic set (post64 also completes it).
 //   signal_add      a release add: the value lands after everything the thread observed to be complete, so a
 //                   receiver whose acquire sees it also sees the data announced before it.
-//   add_after_fence a relaxed add that fence_acq_rel_sys, earlier in the same thread, makes a release (one fence
+//   add_after_fence a relaxed add that fence_release_sys, earlier in the same thread, makes a release (one fence
 //                   may precede several adds).
 // The network hop of the internode mode (NetworkMap: a peer is a PE; `mine` and sources are addresses in this
 // rank's symmetric network region, which name the same offsets at the peer):
@@ -223,7 +223,7 @@ __device__ __forceinline__ void post64(const RegionMap& region, int peer, uint64
 #endif
 }
 
-// Adds value to the 32-bit counter `mine` in peer's copy after the caller's fence_acq_rel_sys in this same thread
+// Adds value to the 32-bit counter `mine` in peer's copy after the caller's fence_release_sys in this same thread
 // (peer pointer: a relaxed add, which that fence makes a release; NVSHMEM: an atomic add, ordered after the puts
 // this thread completed and saw completed by that fence, as in signal_add). Pairs with the peer's acquire loads.
 __device__ __forceinline__ void add_after_fence(const RegionMap& region, int peer, int32_t* mine, int32_t value) {
