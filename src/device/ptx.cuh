@@ -36,6 +36,14 @@ __device__ __forceinline__ int32_t ld_relaxed_sys(const int32_t* p) {
   asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// A system-scope acquire fence: after a relaxed read in the same thread (ld_relaxed_sys), an acquire pattern on the
+// value read. Its SASS is one CCTL.IVALL (the SM's L1 invalidated), which every ld.acquire.sys also carries.
+__device__ __forceinline__ void fence_acquire_sys() { asm volatile("fence.acquire.sys;" ::: "memory"); }
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

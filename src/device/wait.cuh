@@ -47,17 +47,46 @@ __device__ __forceinline__ void check_abort(const FailState& env, const WaitSite
   if (a != 0) fail_fatal(env, kErrAbortedByPeer, site, a - 1, 0);
 }
 
-// The loop every wait below shares: polls *p with acquire loads until reached(v), watching the budget and
-// the abort flag; on timeout the diagnostic records the value seen and `awaited`. Returns the value seen.
-template <typename T, typename Reached>
+// How a wait polls. Both end in an acquire on the value that ends the wait, so the caller's later reads see what
+// was published before it.
+//   kAcquire  every poll is an ld.acquire.sys (LDG.STRONG.SYS + CCTL.IVALL: the SM's L1 invalidated at each poll).
+//   kRelaxed  polls with ld.relaxed.sys and runs one fence_acquire_sys once the value is reached (the relaxed read
+//             and the fence are an acquire pattern): one L1 invalidation per wait. The low-latency kernels use it
+//             (their waits poll words in this rank's own memory); the intranode rings keep kAcquire (measured slower
+//             with kRelaxed at 2 ranks: docs/bench-notes.md, fifteenth session).
+enum class Poll { kAcquire, kRelaxed };
+
+template <Poll P, typename T>
+__device__ __forceinline__ T poll_load(const T* p) {
+  if constexpr (P == Poll::kAcquire)
+    return ld_acquire_sys(p);
+  else
+    return ld_relaxed_sys(p);
+}
+
+// After a poll_load<P> that saw the awaited value: makes it an acquire (kRelaxed), or nothing (kAcquire: it was one).
+template <Poll P>
+__device__ __forceinline__ void poll_reached() {
+  if constexpr (P == Poll::kRelaxed) fence_acquire_sys();
+}
+
+// The loop every wait below shares: polls *p (as P says) until reached(v), watching the budget and the abort flag;
+// on timeout the diagnostic records the value seen and `awaited`. Returns the value seen, acquired.
+template <Poll P = Poll::kAcquire, typename T, typename Reached>
 __device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awaited, const FailState& env,
                                         const WaitSite& site) {
-  T v = ld_acquire_sys(p);
-  if (reached(v)) return v;
+  T v = poll_load<P>(p);
+  if (reached(v)) {
+    poll_reached<P>();
+    return v;
+  }
   const uint64_t start = globaltimer_ns();
   while (true) {
-    v = ld_acquire_sys(p);
-    if (reached(v)) return v;
+    v = poll_load<P>(p);
+    if (reached(v)) {
+      poll_reached<P>();
+      return v;
+    }
     check_abort(env, site);
     if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, int64_t(v), awaited);
   }
@@ -69,14 +98,15 @@ __device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awa
 // that run out masks the rank, every later read of the word sees it) and the call goes on without the rank. The
 // abort flag and the hang budget (env.budget_ns, for a shrink budget set longer) still fail the call. Returns true
 // with *seen set once reached(v), false when the rank is left out.
-template <typename T, typename Reached>
+template <Poll P = Poll::kAcquire, typename T, typename Reached>
 __device__ __forceinline__ bool wait_until_or_mask(const T* p, Reached reached, int64_t awaited, const RankMask& mask,
                                                    int me, int rank, const FailState& env, const WaitSite& site,
                                                    T* seen) {
   const uint64_t start = globaltimer_ns();
   while (true) {
-    const T v = ld_acquire_sys(p);
+    const T v = poll_load<P>(p);
     if (reached(v)) {
+      poll_reached<P>();
       *seen = v;
       return true;
     }
@@ -108,9 +138,10 @@ __device__ __forceinline__ int32_t wait_at_least_i32(const int32_t* p, int32_t t
 
 // Waits until the monotonic 32-bit counter *p has reached target (acquire), comparing so that the counter may
 // wrap (the two are never 2^31 apart).
+template <Poll P = Poll::kAcquire>
 __device__ __forceinline__ int32_t wait_epoch(const int32_t* p, int32_t target, const FailState& env,
                                               const WaitSite& site) {
-  return wait_until(
+  return wait_until<P>(
       p, [target](int32_t v) { return int32_t(uint32_t(v) - uint32_t(target)) >= 0; }, target, env, site);
 }
 

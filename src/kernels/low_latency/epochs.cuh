@@ -26,7 +26,7 @@ __device__ __forceinline__ uint32_t ops_before(const LowLatencyLayout& layout, c
 // ahead here). Acquire.
 __device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, const FailState& env,
                                             const WaitSite& site) {
-  wait_until(
+  wait_until<Poll::kRelaxed>(
       p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, env, site);
 }
 

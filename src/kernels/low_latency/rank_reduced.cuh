@@ -278,9 +278,9 @@ __device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p
         const uint32_t tag = k_ops + 1u;
         const WaitSite site{kRoleLowLatencyCombineRecv, -1, r, int(e)};
         const int slot = arrival_slot(r, int(e) % L, R);
-        const uint64_t posted = wait_until(
+        const uint64_t posted = wait_until<Poll::kRelaxed>(
             targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.fail, site);
-        wait_epoch(arrived + slot, int32_t(uint32_t(posted)), p.fail, site);
+        wait_epoch<Poll::kRelaxed>(arrived + slot, int32_t(uint32_t(posted)), p.fail, site);
         s_partial[r] = recv + (e * M + t) * row_int4;
       }
     }

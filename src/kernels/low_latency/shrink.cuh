@@ -41,16 +41,17 @@ __device__ __forceinline__ uint32_t left_out_ranks(const RankMask& m, int me, in
 }
 
 // wait_until for a value that rank `rank` writes: true once reached (*seen set); false when the rank is left out,
-// before the wait or during it (enable_shrink only; without it the plain wait, which fails the call on timeout).
+// before the wait or during it (enable_shrink only; without it the plain wait, which fails the call on timeout). Polls
+// relaxed and acquires once the value is reached (Poll::kRelaxed, device/wait.cuh).
 template <typename T, typename Reached>
 __device__ __forceinline__ bool wait_for_rank(const T* p, Reached reached, int64_t awaited, const RankMask& m, int me,
                                               int rank, const FailState& env, const WaitSite& site, T* seen) {
   if (m.words == nullptr) {
-    *seen = wait_until(p, reached, awaited, env, site);
+    *seen = wait_until<Poll::kRelaxed>(p, reached, awaited, env, site);
     return true;
   }
   if (rank_left_out(m, me, rank)) return false;
-  return wait_until_or_mask(p, reached, awaited, m, me, rank, env, site, seen);
+  return wait_until_or_mask<Poll::kRelaxed>(p, reached, awaited, m, me, rank, env, site, seen);
 }
 
 }  // namespace epx::dev
