@@ -1,9 +1,10 @@
 // Memory-ordered loads and stores, fences and barriers: the few PTX helpers every kernel builds on.
 //
 // Protocol rule used everywhere: data is written with ordinary (weak) stores, then a flag or ring index is
-// published with st_release_sys; the reader polls that index with ld_acquire_sys and only then reads the
-// data. Data written by peers while a kernel runs is read with ld_cg (coherent at the owner's L2), never
-// through the non-coherent path; ld_nc is only for inputs nobody writes during the kernel.
+// published with st_release_sys; the reader polls that index with ld_acquire_sys (or with ld_relaxed_sys and, once
+// it sees the value, fence_acquire_sys: device/wait.cuh's Poll::kRelaxed) and only then reads the data. Data
+// written by peers while a kernel runs is read with ld_cg (coherent at the owner's L2), never through the
+// non-coherent path; ld_nc is only for inputs nobody writes during the kernel.
 #pragma once
 
 #include <cstdint>
