@@ -52,8 +52,8 @@ __device__ __forceinline__ void check_abort(const FailState& env, const WaitSite
 //   kAcquire  every poll is an ld.acquire.sys (LDG.STRONG.SYS + CCTL.IVALL: the SM's L1 invalidated at each poll).
 //   kRelaxed  polls with ld.relaxed.sys and runs one fence_acquire_sys once the value is reached (the relaxed read
 //             and the fence are an acquire pattern): one L1 invalidation per wait. The low-latency kernels use it
-//             (their waits poll words in this rank's own memory); the intranode rings keep kAcquire (measured slower
-//             with kRelaxed at 2 ranks: docs/bench-notes.md, fifteenth session).
+//             (their waits poll words in this rank's own memory); the intranode and internode kernels keep
+//             kAcquire (the intranode FP8 dispatch measured slower with kRelaxed at 2 ranks: docs/bench-notes.md).
 enum class Poll { kAcquire, kRelaxed };
 
 template <Poll P, typename T>
