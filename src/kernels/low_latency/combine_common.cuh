@@ -42,7 +42,7 @@ __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, in
 template <bool kShrink>
 __device__ __forceinline__ uint32_t begin_send(const LowLatencyCombineParams& p, int2* s_range, int* s_items) {
   const RankMask mask = shrink_mask<kShrink>(p.mask);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   const int R = p.num_ranks, me = p.peers.rank;
   const int L = p.num_experts / R;
   const uint64_t* recv_seen = p.layout.recv_seen(p.peers.ll.local, p.set);
@@ -53,22 +53,12 @@ __device__ __forceinline__ uint32_t begin_send(const LowLatencyCombineParams& p,
     s_range[pair] = int2{int(range >> 32), int(range & 0xffffffff)};
     s_items[pair] = 0;
   }
-  // Back-pressure, once per block instead of once per warp and destination (4224 warps polling the same R
-  // words): every rank has received every earlier op on this set, so nothing unread is overwritten. Thread r's
-  // acquire (alongside the range loads) pairs with the release at the end of r's receive phase
-  // (finish_receive); the barrier orders every thread's writes into r's set after it.
-  // With rank masking a rank left out is not waited for, one silent past the shrink budget is masked, and s_skip
-  // holds the ranks this op leaves out (as the mask says after the waits).
+  // Back-pressure (wait_back_pressure), once per block instead of once per warp and destination (4224 warps polling
+  // the same R words); the barrier orders every thread's writes into a rank's set after the wait for it, and s_skip
+  // holds the ranks this op leaves out (rank masking).
   __shared__ uint32_t s_skip;
-  if (warp == 0) {
-    if (lane < R)
-      wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, mask, me, lane, p.fail,
-                          WaitSite{kRoleLowLatencyCombineSend, -1, lane, -1});
-    if (kShrink) {
-      __syncwarp();  // the lanes' masking stores (atomicExch) come before lane 0's reads
-      if (lane == 0) s_skip = left_out_ranks(mask, me, R);
-    }
-  }
+  if (warp == 0)
+    wait_back_pressure<kShrink>(recv_seen, k_ops, mask, me, R, p.fail, kRoleLowLatencyCombineSend, &s_skip);
   __syncthreads();
   return kShrink ? s_skip : 0u;
 }

@@ -166,24 +166,13 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   const uint32_t k_ops = ops_before(p.layout, p.peers.ll, p.set);
   // Addresses in this rank's region name the same offsets in every peer's region (device/transport.cuh).
   load_topk(p, s_topk);  // made visible by the __syncthreads after staging (or before the counts below)
-  // Back-pressure, once per rank and block (not once per writer or count warp and destination): every rank has
-  // received every earlier op on this set (its blocks add their completions here after copying), so nothing
-  // is overwritten while a slow peer still reads it. Lane r of the last warp (the lightest stager: FP8 groups
-  // and BF16 int4 run out before it) polls rank r's epoch word, a local acquire that pairs with the release at
-  // the end of r's receive phase (finish_receive); the barrier after staging (or before the counts when the
-  // block has no token) orders every thread's writes into r's set after it.
-  // With rank masking a rank left out is not waited for, one that stays silent past the shrink budget is masked,
-  // and s_skip holds the ranks this op leaves out (as the mask says after the waits; read after the same barrier).
+  // Back-pressure (wait_back_pressure), once per rank and block (not once per writer or count warp and destination),
+  // by the last warp (the lightest stager: FP8 groups and BF16 int4 run out before it). The barrier after staging (or
+  // before the counts when the block has no token) orders every thread's writes into a rank's set after the wait for
+  // it, and s_skip (the ranks this op leaves out, rank masking) is read after that same barrier.
   __shared__ uint32_t s_skip;
-  if (warp == kWarps - 1) {
-    if (lane < R)
-      wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, mask, me, lane, p.fail,
-                          WaitSite{kRoleLowLatencySend, -1, lane, -1});
-    if (kShrink) {
-      __syncwarp();  // the lanes' masking stores (atomicExch) come before lane 0's reads
-      if (lane == 0) s_skip = left_out_ranks(mask, me, R);
-    }
-  }
+  if (warp == kWarps - 1)
+    wait_back_pressure<kShrink>(recv_seen, k_ops, mask, me, R, p.fail, kRoleLowLatencySend, &s_skip);
 
   int32_t* row_map = p.layout.dispatch_row_map(p.peers.ll.local, p.set, R, M, rec.bytes);
   const int writer0 = first_writer(R), d = warp - writer0;  // d: this warp's destination if it is a writer

@@ -39,6 +39,24 @@ __device__ __forceinline__ bool wait_blocks_of_rank(const uint64_t* p, uint32_t 
       p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, mask, me, rank, env, site, &seen);
 }
 
+// The back-pressure wait at the start of a send phase, run by one whole warp of the block: lane r < num_ranks polls
+// rank r's epoch word on this set until every block of r has received the k_ops earlier ops there, so nothing unread
+// is overwritten (a local acquire that pairs with the release at the end of r's receive phase, finish_receive). With
+// kShrink a rank left out is not waited for, one silent past the shrink budget is masked, and lane 0 writes the ranks
+// this op leaves out (the mask as it is after the waits) to *skip, which the block reads after a barrier.
+template <bool kShrink>
+__device__ __forceinline__ void wait_back_pressure(const uint64_t* recv_seen, uint32_t k_ops, const RankMask& mask,
+                                                   int me, int num_ranks, const FailState& env, int role,
+                                                   uint32_t* skip) {
+  const int lane = threadIdx.x % 32;
+  if (lane < num_ranks)
+    wait_blocks_of_rank(recv_seen + lane, k_ops * gridDim.x, mask, me, lane, env, WaitSite{role, -1, lane, -1});
+  if (kShrink) {
+    __syncwarp();  // the lanes' masking stores (atomicExch) come before lane 0's reads
+    if (lane == 0) *skip = left_out_ranks(mask, me, num_ranks);
+  }
+}
+
 // End of a receive phase, every thread of every block, after the block's last read of the receive area and its
 // clears of count slots: the block counts the op as received (its own block_ops) and adds one to every rank's
 // recv_seen[me], but not to ranks left out (rank masking: nothing is written into their regions). Release (the barrier
