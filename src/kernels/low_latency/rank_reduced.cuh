@@ -76,62 +76,59 @@ __device__ __noinline__ void send_partial_item(const LowLatencyCombineParams& p,
 // Rank-reduced send with the first-row list (send_rank_phase): the item [first, first + 32 * kPer) of the partial of
 // source s's token t, whose first row here (its lowest slot k on this rank) is `row`. Loads the token's slots
 // (recv_topk_slots), counts a sent item for the pair of every row of the token here (so that each pair's target
-// stays rows x parts, as in the flat order), sums that part of those rows, k ascending, kRows rows' loads in flight at
-// a time, float32 multiply then add from 0, one rounding, and sends the bf16 partial into the source's slot of the
-// first row's expert.
+// stays rows x parts, as in the flat order), and sends the bf16 partial into the source's slot of the first row's
+// expert in passes of 32 int4 (one per lane): each pass sums that part of the token's rows here, k ascending, kRows
+// rows' loads in flight at a time, float32 multiply then add from 0, one rounding, and stores it before the next
+// pass loads, so that one pass's stores cross the link while the next one's rows come from memory.
 template <int kPer>
 __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& p, int64_t row, int s, int t, int first,
                                                  int lane, int* s_items) {
-  constexpr int kRows = kPer == 1 ? 4 : 2;  // rows' loads in flight: 4 * kPer int4 per lane, within the registers
+  constexpr int kRows = 4;  // rows' loads in flight: 4 int4 per lane, within the registers
   const int K = p.num_topk, R = p.num_ranks, M = p.max_tokens, row_int4 = p.hidden / 8;
   const int rows_per_expert = R * M;  // packed rows < L * R * M fit an int (layout/ll_layout.hpp)
   const int last = min(first + 32 * kPer, row_int4);
   const int2 entry = lane < K ? p.recv_topk_slots[(int64_t(s) * M + t) * K + lane] : make_int2(-1, 0);
   if (entry.x >= 0) atomicAdd_block(&s_items[entry.x / rows_per_expert * R + s], 1);
-  uint32_t m = __ballot_sync(kFullMask, entry.x >= 0);
-  // Rows past the first kRows: on their way to L2 while the first ones are summed.
-  if (entry.x >= 0 && __popc(m & lanemask_lt()) >= kRows)
-    prefetch_l2(p.x + int64_t(entry.x) * row_int4 + first, uint32_t(last - first) * 16);
-  float acc[kPer][8] = {};
-  while (m != 0) {
-    int4 v[kRows][kPer];
-    float w[kRows];
-    const int loaded = min(__popc(m), kRows);  // slots in this group (warp-uniform: m is a ballot)
-#pragma unroll
-    for (int q = 0; q < kRows; ++q) {  // the next `loaded` slots here, k ascending
-      w[q] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) v[q][j] = make_int4(0, 0, 0, 0);  // nothing carried between groups
-      if (q >= loaded) continue;
-      const int k = __ffs(m) - 1;
-      m &= m - 1;
-      const int rk = __shfl_sync(kFullMask, entry.x, k);
-      w[q] = __int_as_float(__shfl_sync(kFullMask, entry.y, k));
-      const int4* src = p.x + int64_t(rk) * row_int4 + first;
-#pragma unroll
-      for (int j = 0; j < kPer; ++j)
-        if (first + j * 32 + lane < last) v[q][j] = ld_nc(src + j * 32 + lane);
-    }
-#pragma unroll
-    for (int q = 0; q < kRows; ++q) {
-      if (q >= loaded) continue;  // no slot: nothing added (0 * a stale register could be a NaN)
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        if (first + j * 32 + lane >= last) continue;
-        add_weighted_bf16x8(acc[j], v[q][j], w[q]);
-      }
-    }
+  const uint32_t here = __ballot_sync(kFullMask, entry.x >= 0);
+  // On their way to L2 while the first pass is summed: rows past the first kRows whole, the first kRows from the
+  // second pass on.
+  if (entry.x >= 0) {
+    const int from = __popc(here & lanemask_lt()) >= kRows ? first : first + 32;
+    if (from < last) prefetch_l2(p.x + int64_t(entry.x) * row_int4 + from, uint32_t(last - from) * 16);
   }
-  int4 out[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) out[j] = pack_bf16x8(acc[j]);
   const int e = p.peers.rank * (p.num_experts / R) + int(row) / rows_per_expert;
   // NVSHMEM peers: staged at the row's own place in the combine-send area (with zero-copy that is x itself: this
   // item's part of the row, which only this item reads, and its loads are done).
-  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set));
-  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.ll.local, p.set));
-  put_warp_values<kPer>(p.peers.ll, s, receive + (int64_t(e) * M + t) * row_int4 + first, out, last - first, lane,
-                        stage + row * row_int4 + first);
+  int4* receive = reinterpret_cast<int4*>(p.layout.receive(p.peers.ll.local, p.set)) + (int64_t(e) * M + t) * row_int4;
+  int4* stage = reinterpret_cast<int4*>(p.layout.combine_send(p.peers.ll.local, p.set)) + row * row_int4;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int part = first + j * 32;
+    if (part >= last) break;  // warp-uniform
+    const bool mine = part + lane < last;
+    float acc[8] = {};
+    for (uint32_t m = here; m != 0;) {
+      int4 v[kRows];
+      float w[kRows];
+      const int loaded = min(__popc(m), kRows);  // slots in this group (warp-uniform: m is a ballot)
+#pragma unroll
+      for (int q = 0; q < kRows; ++q) {  // the next `loaded` slots here, k ascending
+        w[q] = 0.f;
+        v[q] = make_int4(0, 0, 0, 0);  // nothing carried between groups
+        if (q >= loaded) continue;
+        const int k = __ffs(m) - 1;
+        m &= m - 1;
+        const int rk = __shfl_sync(kFullMask, entry.x, k);
+        w[q] = __int_as_float(__shfl_sync(kFullMask, entry.y, k));
+        if (mine) v[q] = ld_nc(p.x + int64_t(rk) * row_int4 + part + lane);
+      }
+#pragma unroll
+      for (int q = 0; q < kRows; ++q)
+        if (q < loaded && mine) add_weighted_bf16x8(acc, v[q], w[q]);  // no slot: nothing added (0 * NaN)
+    }
+    const int4 out[1] = {pack_bf16x8(acc)};
+    put_warp_values<1>(p.peers.ll, s, receive + part, out, last - part, lane, stage + part);
+  }
 }
 
 // The rank-reduced send at 2 ranks (or 1) while every source token fits the first-row list (R * M <= kFirstRowsMax; 3
