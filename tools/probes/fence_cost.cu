@@ -31,9 +31,8 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 
-__global__ void __launch_bounds__(1024)
-    fence_kernel(int mode, int4* dst, int bytes_per_block, int active_blocks, int* peer_word, uint64_t* out_ns,
-                 uint64_t* out_cycles) {
+__global__ void __launch_bounds__(1024) fence_kernel(int mode, int4* dst, int bytes_per_block, int active_blocks,
+                                                     int* peer_word, uint64_t* out_ns, uint64_t* out_cycles) {
   if (int(blockIdx.x) >= active_blocks) return;
   const int n = bytes_per_block / 16;
   int4* mine = dst + int64_t(blockIdx.x) * n;
@@ -115,8 +114,7 @@ int main() {
           std::vector<uint64_t> host(sms);
           for (int it = 0; it < 55; ++it) {
             CHECK(cudaEventRecord(start, stream));
-            fence_kernel<<<sms, 1024, 0, stream>>>(mode, where ? remote : local, bytes, blocks, peer_word, out,
-                                                   cycles);
+            fence_kernel<<<sms, 1024, 0, stream>>>(mode, where ? remote : local, bytes, blocks, peer_word, out, cycles);
             CHECK(cudaGetLastError());
             CHECK(cudaEventRecord(stop, stream));
             CHECK(cudaEventSynchronize(stop));
