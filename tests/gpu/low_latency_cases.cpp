@@ -271,10 +271,12 @@ std::vector<Case> low_latency_cases() {
 
   // The rank-reduced combine (EPX_REDUCE_RANK): the flat cases above in the rank-reduced order, every one bit for
   // bit against the reference model (the expert ranks' bf16 partials summed in ascending rank order). Hidden sizes
-  // with a partial last work item (1152, 2176, 640) as well as whole ones; an expert listed twice in a token (its
-  // two rows summed at its rank in slot order).
+  // with a partial last work item (1152, 2176, 640; 6400, whose last 64-int4 item at 2 ranks on 132 SMs holds 32
+  // int4, so that its second pass has nothing) as well as whole ones; an expert listed twice in a token (its two rows
+  // summed at its rank in slot order).
   add_combine_order_cases(
-      cases, "ll: rank-reduced", rank_case, 200, {128, 640, 1152, 2176, 4096, 6144}, 128, [](std::vector<Case>& own) {
+      cases, "ll: rank-reduced", rank_case, 200, {128, 640, 1152, 2176, 4096, 6144, 6400}, 128,
+      [](std::vector<Case>& own) {
         auto c = rank_case(16, 2048, false, 255);
         c.max_tokens = 64;  // 2 rows per token of expert 0: 32 of the 64 a source may send it
         c.routing = harness::Routing::kZeroTwice;
