@@ -127,7 +127,9 @@ __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& 
         if (q < loaded && mine) add_weighted_bf16x8(acc, v[q], w[q]);  // no slot: nothing added (0 * NaN)
     }
     const int4 out[1] = {pack_bf16x8(acc)};
-    put_warp_values<1>(p.peers.ll, s, receive + part, out, last - part, lane, stage + part);
+    // This pass's 32 int4 (fewer at the row's end): an NVSHMEM put of last - part would also send the next
+    // pass's part of the staging area before that pass has written it.
+    put_warp_values<1>(p.peers.ll, s, receive + part, out, min(last - part, 32), lane, stage + part);
   }
 }
 
