@@ -229,14 +229,22 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
   }
   if (d >= 0 && !(skip >> d & 1)) {
     // Publication, one add per slot at d (also for slots past M, which the receiver's count includes but that
-    // were not written: it waits for the arrivals its count names). A release: every lane's record stores and
-    // lane 0's map entries (ordered by the __syncwarp) land before the add. Pairs with the receiver's
+    // were not written: it waits for the arrivals its count names). One fence per lane that adds, however many of
+    // the block's tokens it adds for (a system-scope release costs ~1.5 us even with nothing to wait for:
+    // tools/probes/fence_cost.cu), then relaxed adds, each a release through that fence: every lane's record
+    // stores and lane 0's map entries (ordered by the __syncwarp) land before them. Pairs with the receiver's
     // wait_at_least on dispatch_arrived.
     __syncwarp();
     int32_t* arrived = p.layout.dispatch_arrived(p.peers.ll.local, p.set);
+    bool adds = false;
+    for (int t = blockIdx.x; t < p.num_tokens && !adds; t += gridDim.x) {
+      const int e = lane < K ? int(s_topk[t * K + lane]) : -1;
+      adds = e >= d * L && e < (d + 1) * L;
+    }
+    if (adds) fence_release_sys();
     for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
       const int e = lane < K ? int(s_topk[t * K + lane]) : -1;
-      if (e >= d * L && e < (d + 1) * L) signal_add(p.peers.ll, d, arrived + (e % L) * R + me, 1);
+      if (e >= d * L && e < (d + 1) * L) add_after_fence(p.peers.ll, d, arrived + (e % L) * R + me, 1);
     }
   }
 }
