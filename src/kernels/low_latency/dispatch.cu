@@ -8,9 +8,10 @@
 // R warps): the record at [this rank][token], then for each slot (t, k) at that rank the token index (+ 1)
 // into its row map at (local expert, this rank, position of (t, k) among this rank's selections of that
 // expert in (t, k) order): rows keep token order with no atomics. After its last token the writer adds one per
-// slot to the destination's arrival counter of (local expert, this rank), a release that publishes the
-// records and map entries before it (deferred to the end so that no token waits for an earlier one's stores
-// to land). Before any write into a rank's set, the block waits (a local poll) until that rank has received
+// slot to the destination's arrival counter of (local expert, this rank): one fence, then relaxed adds,
+// a release that publishes the records and map entries before it (deferred to the end so that no token
+// waits for an earlier one's stores to land).
+// Before any write into a rank's set, the block waits (a local poll) until that rank has received
 // every earlier op on the set (the set's epochs, layout/ll_layout.hpp; once per rank and block). Writes into other
 // ranks go through device/transport.cuh (peer pointer or NVSHMEM); with NVSHMEM peers the staged record
 // is also copied to symmetric memory, where puts can read it.
