@@ -197,6 +197,19 @@ std::vector<Case> low_latency_cases() {
   }
   cases.push_back(step_case("ll: M=256, uneven tokens (one rank with 0, one with M)",
                             with_uneven_tokens_m256(ll_case(100, 4096, true, 48))));
+  {
+    // More tokens than blocks (132 on an H200): blocks of up to three tokens here, of two or one on other ranks, whose
+    // writers publish all of a block's tokens after one fence. 16 experts keep the receive area within the suite's
+    // buffer.
+    auto c = ll_case(300, 7168, false, 55);
+    c.max_tokens = 300;
+    c.num_experts = 16;
+    c.tokens = {300, 140, 133, 300, 0, 1, 299, 200};
+    cases.push_back(step_case("ll: bf16, M=300, blocks of up to three tokens, receive hook", c, true));
+    c.fp8 = true;
+    c.seed = 56;
+    cases.push_back(step_case("ll: fp8, M=300, blocks of up to three tokens", c));
+  }
   cases.push_back(step_case("ll: 40% empty slots", with_40_percent_empty_slots(ll_case(128, 2048, true, 49))));
   cases.push_back(
       step_case("ll: every token to expert 0", with_every_token_to_expert_0(ll_case(128, 2048, false, 50))));
