@@ -234,7 +234,8 @@ __device__ void send_phase(const LowLatencyDispatchParams& p, uint8_t* s_rec, in
     // the block's tokens it adds for (a system-scope release costs ~1.5 us even with nothing to wait for:
     // tools/probes/fence_cost.cu), then relaxed adds, each a release through that fence: every lane's record
     // stores and lane 0's map entries (ordered by the __syncwarp) land before them. Pairs with the receiver's
-    // wait_at_least on dispatch_arrived.
+    // wait_at_least on dispatch_arrived. The lanes find first whether they add at all, so that those that do fence
+    // together, one fence for the warp (a fence before each lane's first add would run once per distinct token).
     __syncwarp();
     int32_t* arrived = p.layout.dispatch_arrived(p.peers.ll.local, p.set);
     bool adds = false;
