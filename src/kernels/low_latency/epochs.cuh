@@ -21,13 +21,17 @@ __device__ __forceinline__ uint32_t ops_before(const LowLatencyLayout& layout, c
   return layout.block_ops(region.local, set)[blockIdx.x];
 }
 
-// Waits until the block counter *p has reached target, compared in its low 32 bits, wrap-safe (the counter
-// is a sum of ones, so that is exact modulo 2^32 while it is less than 2^31 ahead: it can be at most one op's G
-// ahead here). Acquire.
+// Whether a block counter read as v has reached target, compared in its low 32 bits, wrap-safe (the counter is a sum
+// of ones, so that is exact modulo 2^32 while it is less than 2^31 ahead: it can be at most one op's G ahead here).
+__device__ __forceinline__ bool epoch_reached(uint64_t v, uint32_t target) {
+  return int32_t(uint32_t(v) - target) >= 0;
+}
+
+// Waits until the block counter *p has reached target (epoch_reached). Acquire.
 __device__ __forceinline__ void wait_blocks(const uint64_t* p, uint32_t target, const FailState& env,
                                             const WaitSite& site) {
   wait_until<Poll::kRelaxed>(
-      p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, env, site);
+      p, [target](uint64_t v) { return epoch_reached(v, target); }, target, env, site);
 }
 
 // wait_blocks for rank `rank`'s epoch word under rank masking (kernels/low_latency/shrink.cuh): false when the rank
@@ -36,7 +40,7 @@ __device__ __forceinline__ bool wait_blocks_of_rank(const uint64_t* p, uint32_t 
                                                     int rank, const FailState& env, const WaitSite& site) {
   uint64_t seen = 0;
   return wait_for_rank(
-      p, [target](uint64_t v) { return int32_t(uint32_t(v) - target) >= 0; }, target, mask, me, rank, env, site, &seen);
+      p, [target](uint64_t v) { return epoch_reached(v, target); }, target, mask, me, rank, env, site, &seen);
 }
 
 // The back-pressure wait at the start of a send phase, run by one whole warp of the block: lane r < num_ranks polls
