@@ -10,6 +10,11 @@ namespace epx::bench {
 // Launches one thread that spins on %globaltimer for `us` microseconds (bounded: it ends by the clock).
 cudaError_t launch_gate(cudaStream_t stream, int us);
 
+// Launches an empty kernel the way the Buffer launches its low-latency kernels by default: cooperative, one block of
+// 1024 threads per SM. Timed as a single call it is the floor of every single-call row: the host's launch and an
+// idle GPU's start, with no work.
+cudaError_t launch_empty_like_low_latency(cudaStream_t stream);
+
 // A start line that every rank's GPU leaves at the same moment: one word in a host page shared by the ranks'
 // processes (mapped before the launcher forks them) and mapped into each rank's GPU. Each rank holds its stream
 // with a release gate that polls the word; rank 0's host writes it once every rank has had the time to queue

@@ -47,6 +47,9 @@ const char* kUsage =
     "rank) as baseline, and of the combine's own rows (one per selected expert: twice those bytes at the\n"
     "defaults).\n"
     "Rows '..., 10 in a row' time 10 calls back to back and give the time per call (steady state).\n"
+    "Row 'launch floor' times an empty kernel launched as the low-latency kernels are (cooperative, a block\n"
+    "of 1024 threads per SM) as a single call: what every single-call row carries before any work. Row\n"
+    "'..., host part of a single call' is the host's time from the start event's record to the stop's.\n"
     "Rows marked queued issue the call while a gate kernel holds the stream, and every rank's gate lets go\n"
     "at the same moment (rank 0 releases them 200 us after the ranks' shared start): the GPU's time only,\n"
     "without the host's launch latency (which the single-call rows include) or the ranks' launch skew.\n"
@@ -235,9 +238,19 @@ int rank_main(Bootstrap& bs, const LowLatencyOptions& o, void* release_page) {
   const std::string combine_name = o.logfmt ? "combine logfmt" : "combine bf16";
   std::vector<Row> rows;
   // Each timed op is balanced by its partner (untimed) so that buffer sets keep alternating on every rank.
-  rows.push_back(measure(
-      bs, stream, std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16"), plan, [&](int) {},
-      [&] { s.dispatch(kLowLatencyBothPhases); }));
+  rows.push_back(measure(bs, stream, "launch floor (empty kernel, single call)", plan, none,
+                         [&] { harness::cuda_check(launch_empty_like_low_latency(stream), "empty kernel"); }));
+  {
+    std::vector<double> host_us;
+    TimingPlan with_host = plan;
+    with_host.host_us = &host_us;
+    const std::string name = std::string("dispatch ") + (o.fp8 ? "fp8" : "bf16");
+    rows.push_back(measure(bs, stream, name, with_host, none, [&] { s.dispatch(kLowLatencyBothPhases); }));
+    const double mine = summarize(host_us).median_us;
+    Row host{name + ", host part of a single call", std::vector<double>(bs.size())};
+    bs.all_gather(&mine, host.median_us.data(), sizeof(double));
+    rows.push_back(host);
+  }
   rows.push_back(measure(bs, stream, combine_name, plan, none, [&] { s.combine(kLowLatencyBothPhases); }));
   // --rank-reduced: the same row in that order, beside the flat one.
   const auto rank_reduced_row = [&](auto&& measure_row) {

@@ -68,9 +68,12 @@ std::vector<double> time_iterations(Bootstrap& bs, cudaStream_t stream, const Ti
       cuda_check(launch_release_gate(stream, *line, seq, kReleaseGateBoundUs), "release gate kernel");
     else if (plan.gate_us > 0)
       cuda_check(launch_gate(stream, plan.gate_us), "gate kernel");
+    const Clock::time_point host_from = Clock::now();
     cuda_check(cudaEventRecord(start.get(), stream), "cudaEventRecord(start)");
     op();
     cuda_check(cudaEventRecord(stop.get(), stream), "cudaEventRecord(stop)");
+    if (plan.host_us && timed >= 0)
+      plan.host_us->push_back(std::chrono::duration<double, std::micro>(Clock::now() - host_from).count());
     if (plan.gate_us > 0 && plan.gate_overruns && timed >= 0 &&
         Clock::now() - queued_from > std::chrono::microseconds(plan.gate_us / 2))
       ++*plan.gate_overruns;

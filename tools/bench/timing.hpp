@@ -25,6 +25,9 @@ struct TimingPlan {
   // With gate_us > 0 and a line: the gate waits for the line's release instead of its own clock, and rank 0
   // releases it gate_us after the shared start, so every rank's call starts at the same moment (gate.hpp).
   ReleaseLine* release_line = nullptr;
+  // When set: the host's time of every timed iteration (us) from just before the start event's record to just after
+  // the stop event's record, op()'s host part with the two records.
+  std::vector<double>* host_us = nullptr;
 };
 
 // Per-rank statistics of one measurement, in microseconds.
