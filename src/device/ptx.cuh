@@ -78,7 +78,7 @@ __device__ __forceinline__ void fence_release_sys() { asm volatile("fence.releas
 __device__ __forceinline__ void red_add_relaxed_sys(int32_t* p, int32_t v) {
   asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-// Programmatic dependent launch (sm_90; kernels/low_latency/launch.cuh). wait_prior_grids returns once every grid this
+// Programmatic dependent launch (sm_90; runtime/low_latency_launch.cpp). wait_prior_grids returns once every grid this
 // one depends on in its stream has completed and its memory operations are visible (at once when the launch
 // did not ask for an early start); allow_next_grid lets the next such grid launch before this one ends.
 __device__ __forceinline__ void wait_prior_grids() { asm volatile("griddepcontrol.wait;" ::: "memory"); }

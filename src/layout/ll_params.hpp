@@ -3,13 +3,12 @@
 
 #include <vector_types.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "layout/fail_state.hpp"
 #include "layout/ll_layout.hpp"
 #include "layout/peer_map.hpp"
-
-typedef struct CUstream_st* cudaStream_t;
 
 namespace epx {
 
@@ -61,26 +60,33 @@ struct LowLatencyCombineParams {
 // the epochs count G blocks per op (kernels/low_latency/epochs.cuh) and so need the same G on every rank and launch.
 inline int low_latency_grid(int num_device_sms) { return num_device_sms; }
 
-// How a Buffer launches its low-latency kernels (kernels/low_latency/launch.cuh).
+// How a Buffer launches its low-latency kernels (runtime/low_latency_launch.cpp).
 struct LowLatencyLaunch {
   int grid;    // blocks, the same on every rank
   bool early;  // programmatic dependent launch instead of a cooperative one (EPX_LL_EARLY_LAUNCH=1)
+};
+
+// A low-latency kernel as its launcher takes it: the __global__ function (one parameter struct), its block size and
+// the dynamic shared memory of this call.
+struct LowLatencyKernel {
+  const void* func;
+  int threads;
+  size_t smem;
 };
 
 // The low-latency kernels come in two builds of the same sources (CMakeLists.txt). ll_peer_pointers: ordinary CUDA
 // code, for buffers that reach every rank through a peer pointer (every build). ll_nvshmem: relocatable code
 // device-linked with NVSHMEM, for buffers with ranks that only NVSHMEM puts reach (builds with NVSHMEM only). The
 // same kernels run markedly slower as relocatable code (docs/bench-notes.md, "NVSHMEM builds and the low-latency
-// kernels"), so a Buffer launches the NVSHMEM build only where a peer needs it.
+// kernels"), so a Buffer launches the NVSHMEM build only where a peer needs it. dispatch_kernel also raises the
+// kernel's shared-memory limit where p needs more than the default.
 namespace ll_peer_pointers {
-void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLatencyLaunch& launch,
-                                 cudaStream_t stream);
-void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream);
+LowLatencyKernel dispatch_kernel(const LowLatencyDispatchParams& p);
+LowLatencyKernel combine_kernel();
 }  // namespace ll_peer_pointers
 namespace ll_nvshmem {
-void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLatencyLaunch& launch,
-                                 cudaStream_t stream);
-void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream);
+LowLatencyKernel dispatch_kernel(const LowLatencyDispatchParams& p);
+LowLatencyKernel combine_kernel();
 }  // namespace ll_nvshmem
 
 }  // namespace epx

@@ -198,6 +198,9 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   ll_transport = transport.transport;
   ll_force_nvshmem = transport.force_nvshmem;
   ll_launch.early = parse_env_switch("EPX_LL_EARLY_LAUNCH", std::getenv("EPX_LL_EARLY_LAUNCH"));
+  if (const char* graphs = std::getenv("EPX_LL_GRAPH_LAUNCH");
+      graphs != nullptr && !parse_env_switch("EPX_LL_GRAPH_LAUNCH", graphs))
+    ll_graphs.turn_off();
   has_dispatch_split = parse_dispatch_split(std::getenv("EPX_HT_DISPATCH_SPLIT"), &dispatch_split);
   // With NVSHMEM the low-latency region is a symmetric allocation of its own (attach_low_latency_region).
   alloc_bytes = ll_offset + (ll_transport == LowLatencyTransport::kCudaIpc ? 2 * ll_set_bytes : 0);
@@ -265,6 +268,7 @@ void Buffer::Impl::destroy() {
   const char context_ok = cudaDeviceSynchronize() == cudaSuccess ? 1 : 0;
   std::string ok(size_t(num_ranks), '\0');
   bootstrap->all_gather(&context_ok, ok.data(), 1);  // every rank's kernels are done with every buffer
+  ll_graphs.clear();                                 // their launches are complete (the synchronize above)
   unmap_peers(ok.find('\0') == std::string::npos);
   release_ipc_buffer();
 }

@@ -16,6 +16,7 @@
 #include "layout/peer_map.hpp"
 #include "runtime/dispatch_split.hpp"
 #include "runtime/domains.hpp"
+#include "runtime/low_latency_launch.hpp"
 #include "runtime/transport.hpp"
 
 namespace epx {
@@ -67,6 +68,8 @@ struct Buffer::Impl {
   int64_t ll_set_bytes = 0;
   int ll_next_set = 0;           // alternates on every low-latency call (dispatch or combine)
   LowLatencyLaunch ll_launch{};  // the same grid on every rank (create)
+  // Graphs of repeated low-latency launches (runtime/launch_graphs.hpp); off with EPX_LL_GRAPH_LAUNCH=0.
+  LaunchGraphs ll_graphs{destroy_launch_graph};
   // $EPX_HT_DISPATCH_SPLIT at creation (has_dispatch_split), else the defaults per row format (dispatch_split.hpp)
   bool has_dispatch_split = false;
   DispatchSplit dispatch_split{};

@@ -6,6 +6,7 @@
 #include "layout/logfmt.hpp"
 #include "runtime/buffer_impl.hpp"
 #include "runtime/cuda_check.hpp"
+#include "runtime/low_latency_launch.hpp"
 #include "runtime/ops.hpp"
 #include "runtime/validate.hpp"
 
@@ -107,18 +108,24 @@ Params low_latency_params(const Buffer::Impl& b, const LowLatencyHandle& h, int 
 }
 
 // The NVSHMEM build of the kernels only where a rank is reached through NVSHMEM puts (layout/ll_params.hpp).
-void launch_dispatch(const Buffer::Impl& b, const LowLatencyDispatchParams& p, cudaStream_t stream) {
+void launch_dispatch(Buffer::Impl& b, const LowLatencyDispatchParams& p, cudaStream_t stream) {
 #if EPX_HAVE_NVSHMEM
-  if (b.peer_map.ll.num_nvshmem > 0) return ll_nvshmem::launch_low_latency_dispatch(p, b.ll_launch, stream);
+  const LowLatencyKernel k =
+      b.peer_map.ll.num_nvshmem > 0 ? ll_nvshmem::dispatch_kernel(p) : ll_peer_pointers::dispatch_kernel(p);
+#else
+  const LowLatencyKernel k = ll_peer_pointers::dispatch_kernel(p);
 #endif
-  ll_peer_pointers::launch_low_latency_dispatch(p, b.ll_launch, stream);
+  launch_low_latency(k, &p, sizeof(p), b.ll_launch, b.ll_graphs, stream);
 }
 
-void launch_combine(const Buffer::Impl& b, const LowLatencyCombineParams& p, cudaStream_t stream) {
+void launch_combine(Buffer::Impl& b, const LowLatencyCombineParams& p, cudaStream_t stream) {
 #if EPX_HAVE_NVSHMEM
-  if (b.peer_map.ll.num_nvshmem > 0) return ll_nvshmem::launch_low_latency_combine(p, b.ll_launch, stream);
+  const LowLatencyKernel k =
+      b.peer_map.ll.num_nvshmem > 0 ? ll_nvshmem::combine_kernel() : ll_peer_pointers::combine_kernel();
+#else
+  const LowLatencyKernel k = ll_peer_pointers::combine_kernel();
 #endif
-  ll_peer_pointers::launch_low_latency_combine(p, b.ll_launch, stream);
+  launch_low_latency(k, &p, sizeof(p), b.ll_launch, b.ll_graphs, stream);
 }
 
 }  // namespace

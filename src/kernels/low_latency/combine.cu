@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int s_first[kLowLatencyMaxExperts + 1];
   __shared__ int2 s_range[kLowLatencyMaxExperts];  // [L * R] (begin, count) of every (local expert, source)
   __shared__ int s_items[kLowLatencyMaxExperts];   // [L * R] this block's work items per pair
-  wait_prior_grids();                              // before any memory access (kernels/low_latency/launch.cuh)
+  wait_prior_grids();                              // before any memory access (runtime/low_latency_launch.cpp)
   allow_next_grid();
   // The order is chosen before the row format: the runtime's format word carries the reduction in bit 1 (2 for
   // rank-reduced), and the runtime refuses LogFMT with the rank-reduced order; only bit 0 means LogFMT rows.
@@ -321,8 +321,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 namespace EPX_LL_BUILD {
 
-void launch_low_latency_combine(const LowLatencyCombineParams& p, const LowLatencyLaunch& launch, cudaStream_t stream) {
-  launch_low_latency_kernel(low_latency_combine_kernel, p, launch, kThreads, 0, stream);
+LowLatencyKernel combine_kernel() {
+  return LowLatencyKernel{reinterpret_cast<const void*>(low_latency_combine_kernel), kThreads, 0};
 }
 
 }  // namespace EPX_LL_BUILD

@@ -485,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     low_latency_dispatch_kernel(const __grid_constant__ LowLatencyDispatchParams p) {
   extern __shared__ __align__(16) uint8_t s_rec[];  // [staged record][topk as int16]
   int16_t* s_topk = reinterpret_cast<int16_t*>(s_rec + record_of(p).bytes);
-  wait_prior_grids();  // before any memory access (kernels/low_latency/launch.cuh)
+  wait_prior_grids();  // before any memory access (runtime/low_latency_launch.cpp)
   allow_next_grid();
   const bool shrink = p.mask.words != nullptr, topk = p.recv_topk_slots != nullptr;
   if (p.phases & kLowLatencySend) {
@@ -532,11 +532,10 @@ void allow_dispatch_smem(size_t smem) {
 
 namespace EPX_LL_BUILD {
 
-void launch_low_latency_dispatch(const LowLatencyDispatchParams& p, const LowLatencyLaunch& launch,
-                                 cudaStream_t stream) {
+LowLatencyKernel dispatch_kernel(const LowLatencyDispatchParams& p) {
   const size_t smem = dispatch_smem_bytes(p);
   allow_dispatch_smem(smem);
-  launch_low_latency_kernel(low_latency_dispatch_kernel, p, launch, kThreads, smem, stream);
+  return LowLatencyKernel{reinterpret_cast<const void*>(low_latency_dispatch_kernel), kThreads, smem};
 }
 
 }  // namespace EPX_LL_BUILD
