@@ -362,6 +362,31 @@ std::vector<Case> low_latency_cases() {
              return err;
            }});
 
+  // The same calls on the same tensors, step after step (a decoding loop): from the second step on every launch repeats
+  // an earlier one exactly, and from the third it runs through its launch graph (runtime/launch_graphs.hpp). Each step
+  // has new routing, x and expert outputs in the same device arrays, so a graph that ran with stale inputs, or did not
+  // run, fails the checks.
+  for (const CombineVariant v : kCombineVariants)
+    cases.push_back(Case{std::string(v.prefix) + "8 steps on the same tensors (launch graphs), 128 tokens, h7168",
+                         [v](Context& ctx) {
+                           auto c = ll_case(128, 7168, true, 90);
+                           v.apply(c);
+                           c.num_experts = c.num_experts / ctx.num_ranks * ctx.num_ranks;
+                           LowLatencySession s(ctx.buffer, c, ctx.stream);
+                           std::string err;
+                           for (int i = 0; i < 8 && err.empty(); ++i) {
+                             s.set_step(300 + i);
+                             s.dispatch(kLowLatencyBothPhases);
+                             err += s.check_dispatch();
+                             s.set_combine_inputs(3000 + i);
+                             s.combine(kLowLatencyBothPhases);
+                             err += s.check_combine();
+                             if (!err.empty()) err = "step " + std::to_string(i) + ":\n" + err;
+                           }
+                           ctx.buffer.check(ctx.stream);
+                           return err;
+                         }});
+
   for (const CombineVariant v : kCombineVariants)
     cases.push_back(Case{
         std::string(v.prefix) + "1000 steps, double-buffered (dispatch of step i+1 sent before combine i received)",
