@@ -1,9 +1,9 @@
 // Launch graphs of the low-latency kernels. A call whose launch repeats an earlier one exactly (the same kernel,
 // grid, block, shared memory and parameter bytes: a decoding loop's calls on the same tensors, the buffer sets
 // alternating) is launched as a one-node CUDA graph instantiated for that launch. On an idle GPU such a launch
-// reaches the kernel several microseconds sooner than the kernel's own launch (docs/bench-notes.md, eighteenth
-// session). This class is the bookkeeping only (which launches were seen, which have a graph); the CUDA calls that
-// build and launch the graphs are in runtime/low_latency_launch.cpp.
+// reaches the kernel several microseconds sooner than the kernel's own launch (docs/bench-notes.md, "Where a
+// single call's time goes"). This class is the bookkeeping only (which launches were seen, which have a graph); the
+// CUDA calls that build and launch the graphs are in runtime/low_latency_launch.cpp.
 #pragma once
 
 #include <cuda_runtime.h>
