@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -55,6 +56,20 @@ def _write(path: str, results: Dict[str, str]) -> None:
     os.replace(tmp, path)
 
 
+def _library_diagnosis(ctx) -> str:
+    """After a failed case: what epx recorded about it, if the case's context has a Buffer. A kernel that trapped
+    (a wait that ran out, or an abort from a peer) leaves a diagnostic that only epx's own calls report; when the
+    failure surfaced first in a torch call (a synchronize), this is where the role, rank and wait come from."""
+    buffer = getattr(ctx, "buffer", None)
+    if buffer is None or not hasattr(buffer, "check"):
+        return ""
+    try:
+        buffer.check()
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the case has failed already
+        return f"\nepx after the failure: {type(e).__name__}: {e}\n"
+    return ""
+
+
 def _worker(rank: int, world_size: int, module_file: str, cases: List[str], workdir: str, backend: str) -> None:
     os.environ.update(ENV)
     import torch
@@ -73,14 +88,18 @@ def _worker(rank: int, world_size: int, module_file: str, cases: List[str], work
         text = "setup failed:\n" + traceback.format_exc()
         _write(out, {name: text for name in cases})
         raise
+    times = os.environ.get("EPX_CASE_TIMES") == "1"
     for name in cases:
+        start = time.monotonic()
         try:
             getattr(module, name)(ctx)
             results[name] = ""
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException:  # noqa: BLE001 - pytest's failures are BaseExceptions; the run goes on
-            results[name] = traceback.format_exc()
+            results[name] = traceback.format_exc() + _library_diagnosis(ctx)
+        if times:
+            print(f"[rank {rank}] {name}: {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
         _write(out, results)
         dist.barrier()
     module.teardown(ctx)
