@@ -36,13 +36,25 @@ class Ctx:
 
 
 def profiled_kernels(fn):
-    """Runs fn under torch.profiler; -> (fn's result, the names of the CUDA kernels it ran, in order)."""
+    """Runs fn under torch.profiler; -> (fn's result, the names of the CUDA kernels it ran, in order). Collective:
+    every rank calls it at the same point. The ranks meet after starting their profilers and again before stopping
+    them, so that no rank starts or stops its profiler while a peer's kernel waits for it: without the meetings
+    test_intranode's profiler case took 18-19 s instead of 4 and ran past its 30 s timeout in 3 of 17 runs
+    (docs/bench-notes.md; python/README.md, "Profiling")."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _barrier()
         result = fn()
         torch.cuda.synchronize()
+        _barrier()
     return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def assert_one_kernel(what: str, names, word: str) -> None:
