@@ -5,7 +5,7 @@
 # does). Outside CI, missing pieces skip with a message: no python3 or pytest (nothing is run), no torch (the
 # validation and GPU tests skip). In CI (CI set) each of them is an error. Fewer than 2 GPUs: the multi-GPU tests
 # skip. Test failures do fail.
-#   python/tests/run.sh [pytest arguments]
+#   python/tests/run.sh [pytest arguments]   (test files or folders among them: only those run)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 missing() {  # missing WHAT: fails in CI, skips elsewhere
@@ -47,4 +47,16 @@ fi
 echo "python tests: $PY (Python $py_version, torch $torch_version)"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" -m pytest -q -p no:cacheprovider tests/python "$@"
+# Test files or folders among the arguments (an argument that is neither an option nor an option's value and names
+# a path, "::test" ids included) are what runs; without any, the whole of tests/python.
+where=tests/python
+value=0
+for arg in "$@"; do
+  if [ $value = 1 ]; then value=0; continue; fi
+  case $arg in
+    -k | -m | -p | -o | -c | --ignore | --ignore-glob | --deselect | --rootdir | --basetemp | --junitxml) value=1 ;;
+    -*) ;;
+    *) if [ -e "${arg%%::*}" ]; then where=; fi ;;
+  esac
+done
+exec "$PY" -m pytest -q -p no:cacheprovider $where "$@"
