@@ -94,7 +94,8 @@ void Buffer::Impl::raise_device_failure(cudaError_t err, const char* op) {
   } else {
     msg += cat("CUDA error ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
   }
-  msg += ". The buffer is unusable: destroy it";
+  msg += msg.back() == '?' ? " " : ". ";  // a diagnosis may end in a question
+  msg += "The buffer is unusable: destroy it";
   if (err != cudaSuccess) msg += "; the CUDA context is lost, so the process must restart to use the GPU again";
   failure = msg;
   throw Error(status, msg);

@@ -109,7 +109,7 @@ std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
   switch (d.role) {
     case kRoleNotify:
       what = cat("waiting for rank ", d.peer, " to reach the same operation (epoch flag ", d.a, ", awaited ", d.b,
-                 "): did every rank call it?");
+                 "): did every rank call it? (one that calls it later than the timeout looks the same)");
       break;
     case kRoleDispatchSender:
     case kRoleCombineSender:
@@ -136,11 +136,11 @@ std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
       break;
     case kRoleNotifyNetwork:
       what = cat("network hop: waiting for the peer in domain ", d.peer, " (epoch flag ", d.a, ", awaited ", d.b,
-                 "): did every rank call it?");
+                 "): did every rank call it? (one that calls it later than the timeout looks the same)");
       break;
     case kRoleNotifyNvl:
       what = cat("NVLink hop: waiting for local rank ", d.peer, " of this domain (epoch flag ", d.a, ", awaited ", d.b,
-                 "): did every rank call it?");
+                 "): did every rank call it? (one that calls it later than the timeout looks the same)");
       break;
     case kRoleNetSender:
     case kRoleCombineForwarder:
@@ -179,8 +179,9 @@ std::string describe_fatal(const DeviceDiag& d, double timeout_s) {
     default:
       what = cat("waiting on rank ", d.peer, ": seen ", d.a, ", awaited ", d.b, " (", d.c, ")");
   }
-  return cat("rank ", d.rank, " ", role_name(d.role), " timed out after ", timeout_s, " s on channel ", d.channel, ", ",
-             what);
+  // Channel -1: the wait belongs to no channel (notify, a whole-kernel wait).
+  return cat("rank ", d.rank, " ", role_name(d.role), " timed out after ", timeout_s, " s",
+             d.channel >= 0 ? cat(" on channel ", d.channel) : std::string(), ", ", what);
 }
 
 std::string describe_input(int code, const DeviceDiag& d, int reporting_rank) {

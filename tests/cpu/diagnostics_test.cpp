@@ -46,6 +46,16 @@ TEST(Diagnostics, ADataKernelBlockThatNeverStartedNamesItself) {
   EXPECT_TRUE(contains(m, "block 5 waited for block 0")) << m;
 }
 
+TEST(Diagnostics, AWaitOfNoChannelNamesNone) {
+  // The notify's and the epoch barrier's waits record channel -1: the message leaves the channel out.
+  epx::DeviceDiag d = diag(epx::kRoleNotify, 1, 1, 2, 0);
+  d.channel = -1;
+  const std::string m = epx::describe_fatal(d, 30.0);
+  EXPECT_TRUE(contains(m, "timed out after 30 s, waiting for rank 1 to reach the same operation")) << m;
+  EXPECT_FALSE(contains(m, "channel")) << m;
+  EXPECT_TRUE(contains(m, "later than the timeout")) << "a late rank looks like a missing one: " << m;
+}
+
 TEST(Diagnostics, IntranodeWaitsNameThePeerRank) {
   for (int role : {epx::kRoleNotify, epx::kRoleDispatchSender, epx::kRoleDispatchReceiver, epx::kRoleCombineSender,
                    epx::kRoleCombineReceiver, epx::kRoleLowLatencyRecv, epx::kRoleLowLatencyCombineRecv}) {
