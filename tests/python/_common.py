@@ -38,9 +38,8 @@ class Ctx:
 def profiled_kernels(fn):
     """Runs fn under torch.profiler; -> (fn's result, the names of the CUDA kernels it ran, in order). Collective:
     every rank calls it at the same point. The ranks meet after starting their profilers and again before stopping
-    them, so that no rank starts or stops its profiler while a peer's kernel waits for it: without the meetings
-    test_intranode's profiler case took 18-19 s instead of 4 and ran past its 30 s timeout in 3 of 17 runs
-    (docs/bench-notes.md; python/README.md, "Profiling")."""
+    them, so that no rank starts or stops its profiler while a peer's kernel waits for it, which stalls that kernel
+    for seconds (python/README.md, "Profiling")."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
