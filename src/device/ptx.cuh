@@ -78,6 +78,9 @@ __device__ __forceinline__ void fence_release_sys() { asm volatile("fence.releas
 __device__ __forceinline__ void red_add_relaxed_sys(int32_t* p, int32_t v) {
   asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 // Programmatic dependent launch (sm_90; runtime/low_latency_launch.cpp). wait_prior_grids returns once every grid this
 // one depends on in its stream has completed and its memory operations are visible (at once when the launch
 // did not ask for an early start); allow_next_grid lets the next such grid launch before this one ends.

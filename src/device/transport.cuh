@@ -6,9 +6,8 @@
 //  - peer pointer (RegionMap::peer[r] != nullptr): the copy mapped here through CUDA IPC or by nvshmem_ptr; the
 //    kernel's own stores and loads move the data over NVLink.
 //  - NVSHMEM (peer[r] == nullptr; kernels compiled with EPX_NVSHMEM_DEVICE only): puts and atomics on this rank's
-//  symmetric
-//    address of the same offset; the NVSHMEM library moves the data (P2P stores inside a node, RDMA through its
-//    proxy or IBGDA between nodes). Sources of puts must then be symmetric memory (callers stage them there).
+//    symmetric address of the same offset; the NVSHMEM library moves the data (P2P stores inside a node, RDMA through
+//    its proxy or IBGDA between nodes). Sources of puts must then be symmetric memory (callers stage them there).
 // EPX_NVSHMEM_DEVICE is set for the kernels that are device-linked with NVSHMEM (CMakeLists.txt); elsewhere, and
 // in builds without NVSHMEM, every rank has a peer pointer (has_peer_pointer is constant true) and the NVSHMEM
 // branches compile away.
@@ -39,6 +38,9 @@
 //                   receiver whose acquire sees it also sees the data announced before it.
 //   add_after_fence a relaxed add that fence_release_sys, earlier in the same thread, makes a release (one fence
 //                   may precede several adds).
+//   add_after_prior_grids  a relaxed add that announces only what the earlier grids of this kernel's stream did:
+//                   called after wait_prior_grids, which returns once they completed and their memory operations were
+//                   performed, so their loads have their values and their stores are in place before the add leaves.
 // The network hop of the internode mode (NetworkMap: a peer is a PE; `mine` and sources are addresses in this
 // rank's symmetric network region, which name the same offsets at the peer):
 //   net_put_warp    data (a nonblocking put): complete at the peer only after a later net_quiet of the same threads.
@@ -233,6 +235,20 @@ __device__ __forceinline__ void add_after_fence(const RegionMap& region, int pee
   }
 #if EPX_NVSHMEM_DEVICE
   nvshmem_int_atomic_add(mine, value, peer);
+#endif
+}
+
+// Adds value to the 64-bit counter `mine` in peer's copy with nothing ordered before it in this grid: the caller
+// announces the work of the earlier grids of its stream, which wait_prior_grids (called first) saw complete. Peer
+// pointer: a relaxed system-scope add; NVSHMEM: an atomic add. Pairs with the peer's acquire loads of the counter.
+__device__ __forceinline__ void add_after_prior_grids(const RegionMap& region, int peer, uint64_t* mine,
+                                                      uint64_t value) {
+  if (has_peer_pointer(region, peer)) {
+    red_add_relaxed_sys(at_peer(region, peer, mine), value);
+    return;
+  }
+#if EPX_NVSHMEM_DEVICE
+  nvshmem_uint64_atomic_add(mine, value, peer);
 #endif
 }
 

@@ -29,6 +29,9 @@
 //                                       b's k; only block b reads and writes it). As a rank receives every
 //                                       call before sending the next on the set (the host checks that
 //                                       order), it is also the number of earlier ops there
+//                      block_told[G]    uint32, this rank's own: how many of those block b has added to
+//                                       the ranks' recv_seen (without rank masking it adds each receive at
+//                                       the start of its next kernel, kernels/low_latency/epochs.cuh)
 // Back-pressure: before writing into rank r's set for its k-th op there, of either kind, a sender waits (a
 // poll of its own memory) until recv_seen[r] >= k * G: every block of r has received every earlier op on that
 // set. The count slots are cleared before that add. Dispatch and combine share the counters, so a combine can
@@ -83,7 +86,8 @@ struct LowLatencyRecord {
 
 struct LowLatencyLayout {
   static constexpr int64_t kSignalBytes = int64_t(kLowLatencyMaxExperts) * 4;
-  static constexpr int64_t kEpochBytes = kMaxNvlRanks * 8 + kLowLatencyMaxBlocks * 4;  // recv_seen, block_ops
+  // recv_seen, block_ops, block_told
+  static constexpr int64_t kEpochBytes = kMaxNvlRanks * 8 + 2 * kLowLatencyMaxBlocks * 4;
   static constexpr int64_t kSignalsBytes = align_up(6 * kSignalBytes + kEpochBytes, kAlign);
 
   int64_t set_bytes;           // fixed for the buffer: half of num_rdma_bytes, so set 1 never moves
@@ -140,6 +144,7 @@ struct LowLatencyLayout {
   EPX_HD uint32_t* block_ops(void* region, int set) const {
     return reinterpret_cast<uint32_t*>(set_base(region, set) + 6 * kSignalBytes + kMaxNvlRanks * 8);
   }
+  EPX_HD uint32_t* block_told(void* region, int set) const { return block_ops(region, set) + kLowLatencyMaxBlocks; }
   EPX_HD uint8_t* receive(void* region, int set) const { return set_base(region, set) + kSignalsBytes; }
   // The dispatch's records: rank s's token t at (s * M + t) * record_bytes.
   EPX_HD uint8_t* dispatch_records(void* region, int set) const { return receive(region, set); }

@@ -158,7 +158,8 @@ TEST(Transport, LowLatencySignalsAreDisjointInsideTheSignalsArea) {
                             sized("combine_target", layout.combine_target(region, set), n * 2),
                             at("dispatch_arrived", layout.dispatch_arrived(region, set)),
                             sized("recv_seen", layout.recv_seen(region, set), epx::kMaxNvlRanks * 8),
-                            sized("block_ops", layout.block_ops(region, set), epx::kLowLatencyMaxBlocks * 4)};
+                            sized("block_ops", layout.block_ops(region, set), epx::kLowLatencyMaxBlocks * 4),
+                            sized("block_told", layout.block_told(region, set), epx::kLowLatencyMaxBlocks * 4)};
     for (const Range& a : ranges) {
       EXPECT_GE(a.begin, 0) << a.name;
       EXPECT_LE(a.end, epx::LowLatencyLayout::kSignalsBytes) << a.name;

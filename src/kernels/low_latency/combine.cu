@@ -13,8 +13,8 @@
 // is copied only when the receive runs in a later launch (hook); with both phases in one launch it stays in x and its
 // receive slot holds its row index instead (a copy less on the critical path; docs/bench-notes.md). Receive phase:
 // block b reduces tokens b, b+G, ..., each once the arrival counters of its experts have reached their targets: out[t]
-// = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding; then the block adds
-// its completion to every rank's epoch counter (kernels/low_latency/epochs.cuh): no last block.
+// = bf16(sum over k ascending of w[t][k] * row(e_k, t)), float32 multiply then add, one rounding; then the block's
+// completion goes to every rank's epoch counter (kernels/low_latency/epochs.cuh says when): no last block.
 // LogFMT (use_logfmt, docs/logfmt.md): the send phase encodes each work item into one block of the LogFMT row and
 // writes that instead (NVSHMEM peers: staged at the item's own place in the combine-send area, which the block never
 // outgrows), every row including this rank's own (no rows read in place); the receive phase decodes each slot's row
@@ -159,8 +159,8 @@ __device__ __forceinline__ void reduce_logfmt_token(const LowLatencyCombineParam
 }
 
 // Block b reduces tokens b, b+G, ... as soon as the arrival counters of that token's experts reach their
-// targets (no grid-wide wait), then adds its completion to every rank's epoch counter, which (once all blocks
-// have) lets the next op on this set, of either kind, write here.
+// targets (no grid-wide wait), then counts its completion for every rank's epoch counter (finish_receive), which
+// (once all blocks' have arrived) lets the next op on this set, of either kind, write here.
 // kInPlace: this launch's send phase left this rank's own rows in x (both phases in one launch). A separate
 // instantiation, so that the receive of a hook reads every row from the receive area without a pointer per slot
 // (fewer spills; one version for both measured within the noise, docs/bench-notes.md).
@@ -245,7 +245,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
   }
   // The counters stay as they are (running totals; an add no token here waited for may still be on its way,
   // and lands before any of its sender's later writes to this set, which wait for this block's epoch).
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
+  finish_receive<kShrink>(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
 // BF16 send (flat without rank masking, or rank-reduced past the first-row list): items of 32 int4, one per warp,
@@ -277,6 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A buffer with rank masking runs the phases instantiated for it (kShrink), one without runs none of its code;
   // the rank-reduced order is refused with rank masking.
   const bool shrink = p.mask.words != nullptr;
+  if (!shrink) announce_receives(p.layout, p.peers.ll, p.peers.rank, p.num_ranks);
   if (p.phases & kLowLatencySend) {
     const bool small = small_items(p, gridDim.x * kWarps);
     if (p.rank_reduced && first_rows_fit(p))

@@ -21,8 +21,8 @@
 // packed outputs (FP8 scales token-minor) in work items of one load round each, a contiguous range of them per
 // warp; an item waits until every row of its (expert, source) has arrived (the arrival counter), so the rows of
 // early sources are copied while later ones are in flight. Then it clears the counts and arrival counters; every
-// block then adds its completion to every rank's epoch counter (recv_seen), which (once all blocks have) lets the
-// next op on this set write here.
+// block's completion goes to every rank's epoch counter (recv_seen; kernels/low_latency/epochs.cuh says when), which
+// (once all blocks' have) lets the next op on this set write here.
 // Rank masking (enable_shrink, kernels/low_latency/shrink.cuh): nothing is sent to a rank left out (records, map
 // entries, counts, arrivals); a source left out counts 0 rows; a source masked after its count arrived keeps its
 // rows in the layout, not copied (their contents are unspecified). The receive
@@ -471,7 +471,7 @@ __device__ __noinline__ void receive_phase(const LowLatencyDispatchParams& p, in
       arrived[i * R + r] = 0;
     }
   }
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
+  finish_receive<kShrink>(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks, mask);
 }
 
 // Dynamic shared memory of a launch: the staged record and topk as int16 (send), the latter padded to whole int4
@@ -488,6 +488,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   wait_prior_grids();  // before any memory access (runtime/low_latency_launch.cpp)
   allow_next_grid();
   const bool shrink = p.mask.words != nullptr, topk = p.recv_topk_slots != nullptr;
+  if (!shrink) announce_receives(p.layout, p.peers.ll, p.peers.rank, p.num_ranks);
   if (p.phases & kLowLatencySend) {
     if (shrink)
       send_phase<true>(p, s_rec, s_topk);

@@ -303,8 +303,8 @@ __device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p
     }
     __syncthreads();  // s_partial is rewritten for the next token
   }
-  finish_receive(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks,
-                 shrink_mask<false>(p.mask));  // no rank masking in this order
+  finish_receive<false>(p.layout, p.peers.ll, p.set, k_ops, p.peers.rank, p.num_ranks,
+                        shrink_mask<false>(p.mask));  // no rank masking in this order
 }
 
 }  // namespace
