@@ -92,30 +92,6 @@ __device__ __forceinline__ T wait_until(const T* p, Reached reached, int64_t awa
   }
 }
 
-// wait_until for a condition on two words, polled together (both loads in flight at once: one round trip a poll,
-// where two waits in a row take two when both words are there already). Polls *p and *q (as P says) until
-// reached(v, w); on timeout the diagnostic records what diag(v, w) gives as {seen, awaited}. Sets *vp and *wq to the
-// values seen, acquired (the fence after the last poll covers both reads).
-template <Poll P, typename T, typename U, typename Reached, typename Diag>
-__device__ __forceinline__ void wait_until_both(const T* p, const U* q, Reached reached, Diag diag,
-                                                const FailState& env, const WaitSite& site, T* vp, U* wq) {
-  T v = poll_load<P>(p);
-  U w = poll_load<P>(q);
-  const uint64_t start = reached(v, w) ? 0 : globaltimer_ns();
-  while (!reached(v, w)) {
-    check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) {
-      const longlong2 d = diag(v, w);
-      fail_fatal(env, kErrTimeout, site, d.x, d.y);
-    }
-    v = poll_load<P>(p);
-    w = poll_load<P>(q);
-  }
-  poll_reached<P>();
-  *vp = v;
-  *wq = w;
-}
-
 // A wait for one rank under rank masking (enable_shrink, kernels/low_latency/shrink.cuh): polls as wait_until does,
 // but gives up without failing once `rank` is left out: its mask word (or this rank's own, `me`) is set by another
 // thread, or the wait has lasted mask.budget_ns, when it sets the word itself (atomicExch: the first of the waits

@@ -188,16 +188,11 @@ __device__ __noinline__ void receive_phase(const LowLatencyCombineParams& p) {
       bool valid = e >= 0 && e < E;
       const float w = valid ? p.topk_weights[int64_t(t) * K + k] : 0.f;
       if constexpr (kLogfmt) s_row[k] = nullptr;  // set below once the row is there
-      // e's target for this op (tagged with its number; posted by e's rank before its rows) and the arrival
-      // counter up to it: polled together without rank masking (wait_pair_rows), one after the other with it.
-      // Acquire; pairs with the adds of e's rank's blocks after their last items (each behind a fence). The
-      // __syncthreads below orders every thread's row loads after it. With rank masking a slot on a rank left out
-      // (or masked by these waits) counts as -1.
-      if (valid && !kShrink) {
-        const int slot = arrival_slot(int(e) / L, int(e) % L, p.num_ranks);
-        wait_pair_rows(targets + slot, arrived + slot, k_ops + 1u, p.fail,
-                       WaitSite{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)});
-      } else if (valid) {
+      // e's target for this op (tagged with its number; posted by e's rank before its rows), then the arrival
+      // counter up to it. Acquire; pairs with the adds of e's rank's blocks after their last items (each
+      // behind a fence). The __syncthreads below orders every thread's row loads after it. With rank masking a
+      // slot on a rank left out (or masked by these waits) counts as -1.
+      if (valid) {
         const uint32_t tag = k_ops + 1u;
         const WaitSite site{kRoleLowLatencyCombineRecv, -1, int(e) / L, int(e)};
         const int slot = arrival_slot(int(e) / L, int(e) % L, p.num_ranks);

@@ -30,25 +30,6 @@ __device__ __forceinline__ int arrival_slot(int rank, int local_expert, int num_
   return rank * (kLowLatencyMaxExperts / num_ranks) + local_expert;
 }
 
-// The receive's wait for one (expert rank, local expert) pair's rows of the op tagged `tag` (k + 1 for the set's k-th
-// op): its target at `target` (posted by the expert's rank before its rows: tag << 32 | the arrival count the op
-// brings the pair to) and the arrival counter at `arrived` up to that count, both polled in one loop. Acquire: pairs
-// with the arrival adds of the expert rank's blocks after their last items (each behind a fence). A target of an
-// earlier op never matches the tag; the counter is a running total that no later op adds to before this rank has
-// received this one (back-pressure), so reaching this op's count means every row of the pair is here.
-__device__ __forceinline__ void wait_pair_rows(const uint64_t* target, const int32_t* arrived, uint32_t tag,
-                                               const FailState& env, const WaitSite& site) {
-  uint64_t posted = 0;
-  int32_t seen = 0;
-  wait_until_both<Poll::kRelaxed>(
-      target, arrived,
-      [tag](uint64_t v, int32_t w) { return uint32_t(v >> 32) == tag && int32_t(uint32_t(w) - uint32_t(v)) >= 0; },
-      [tag](uint64_t v, int32_t w) {  // {seen, awaited}: the tag while it is not this op's, else the count
-        return uint32_t(v >> 32) == tag ? make_longlong2(w, int32_t(uint32_t(v))) : make_longlong2(v >> 32, tag);
-      },
-      env, site, &posted, &seen);
-}
-
 // Where a row this rank returns to itself leaves its index in x (its receive slot's first word) when the
 // receive phase reads it in place.
 __device__ __forceinline__ int32_t* local_row_of(int4* receive, int64_t slot, int row_int4) {

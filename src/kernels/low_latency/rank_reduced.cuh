@@ -272,10 +272,14 @@ __device__ __noinline__ void receive_rank_phase(const LowLatencyCombineParams& p
       const int r = valid ? int(e) / L : -1;
       const uint32_t same_rank = __match_any_sync(kFullMask, r) & __ballot_sync(kFullMask, valid);
       if (valid && (same_rank & lanemask_lt()) == 0) {  // the token's first slot on rank r
-        // Acquire (wait_pair_rows); the __syncthreads below orders every thread's row loads after it.
+        // Acquire, as in receive_phase: pairs with the adds of r's blocks after their last items (each behind a
+        // fence); the __syncthreads below orders every thread's row loads after it.
+        const uint32_t tag = k_ops + 1u;
+        const WaitSite site{kRoleLowLatencyCombineRecv, -1, r, int(e)};
         const int slot = arrival_slot(r, int(e) % L, R);
-        wait_pair_rows(targets + slot, arrived + slot, k_ops + 1u, p.fail,
-                       WaitSite{kRoleLowLatencyCombineRecv, -1, r, int(e)});
+        const uint64_t posted = wait_until<Poll::kRelaxed>(
+            targets + slot, [tag](uint64_t v) { return uint32_t(v >> 32) == tag; }, tag, p.fail, site);
+        wait_epoch<Poll::kRelaxed>(arrived + slot, int32_t(uint32_t(posted)), p.fail, site);
         s_partial[r] = recv + (e * M + t) * row_int4;
       }
     }
