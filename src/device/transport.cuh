@@ -225,31 +225,31 @@ __device__ __forceinline__ void post64(const RegionMap& region, int peer, uint64
 #endif
 }
 
-// Adds value to the 32-bit counter `mine` in peer's copy after the caller's fence_release_sys in this same thread
-// (peer pointer: a relaxed add, which that fence makes a release; NVSHMEM: an atomic add, ordered after the puts
-// this thread completed and saw completed by that fence, as in signal_add). Pairs with the peer's acquire loads.
-__device__ __forceinline__ void add_after_fence(const RegionMap& region, int peer, int32_t* mine, int32_t value) {
+// Adds value to the counter `mine` (32-bit: arrival counters, 64-bit: epochs) in peer's copy after the caller's
+// fence_release_sys in this same thread (peer pointer: a relaxed add, which that fence makes a release; NVSHMEM: an
+// atomic add, ordered after the puts this thread completed and saw completed by that fence, as in signal_add). Pairs
+// with the peer's acquire loads.
+template <typename T>
+__device__ __forceinline__ void add_after_fence(const RegionMap& region, int peer, T* mine,
+                                                typename std::remove_cv<T>::type value) {  // T from `mine` alone
+  static_assert(std::is_same<T, int32_t>::value || std::is_same<T, uint64_t>::value, "the counters' two types");
   if (has_peer_pointer(region, peer)) {
     red_add_relaxed_sys(at_peer(region, peer, mine), value);
     return;
   }
 #if EPX_NVSHMEM_DEVICE
-  nvshmem_int_atomic_add(mine, value, peer);
+  if constexpr (sizeof(T) == 8)
+    nvshmem_uint64_atomic_add(mine, value, peer);
+  else
+    nvshmem_int_atomic_add(mine, value, peer);
 #endif
 }
 
-// Adds value to the 64-bit counter `mine` in peer's copy with nothing ordered before it in this grid: the caller
-// announces the work of the earlier grids of its stream, which wait_prior_grids (called first) saw complete. Peer
-// pointer: a relaxed system-scope add; NVSHMEM: an atomic add. Pairs with the peer's acquire loads of the counter.
+// add_after_fence for an add that announces only the work of the earlier grids of this kernel's stream: after
+// wait_prior_grids, which saw them complete, it needs no fence of its own.
 __device__ __forceinline__ void add_after_prior_grids(const RegionMap& region, int peer, uint64_t* mine,
                                                       uint64_t value) {
-  if (has_peer_pointer(region, peer)) {
-    red_add_relaxed_sys(at_peer(region, peer, mine), value);
-    return;
-  }
-#if EPX_NVSHMEM_DEVICE
-  nvshmem_uint64_atomic_add(mine, value, peer);
-#endif
+  add_after_fence(region, peer, mine, value);
 }
 
 // Adds value to the counter `mine` (64-bit: epochs, 32-bit: arrival counters) in peer's copy, as a release. Pairs
