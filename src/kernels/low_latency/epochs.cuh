@@ -50,9 +50,9 @@ __device__ __forceinline__ bool wait_blocks_of_rank(const uint64_t* p, uint32_t 
 // The back-pressure wait at the start of a send phase, run by one whole warp of the block: lane r < num_ranks polls
 // rank r's epoch word on this set until every block of r has received the k_ops earlier ops there, so nothing unread
 // is overwritten (a local acquire that pairs with r's epoch adds: announce_receives, or finish_receive with rank
-// masking). With
-// kShrink a rank left out is not waited for, one silent past the shrink budget is masked, and lane 0 writes the ranks
-// this op leaves out (the mask as it is after the waits) to *skip, which the block reads after a barrier.
+// masking). With kShrink a rank left out is not waited for, one silent past the shrink budget is masked, and lane 0
+// writes the ranks this op leaves out (the mask as it is after the waits) to *skip, which the block reads after a
+// barrier.
 template <bool kShrink>
 __device__ __forceinline__ void wait_back_pressure(const uint64_t* recv_seen, uint32_t k_ops, const RankMask& mask,
                                                    int me, int num_ranks, const FailState& env, int role,
