@@ -134,12 +134,12 @@ __device__ __noinline__ void send_first_row_item(const LowLatencyCombineParams& 
 }
 
 // The rank-reduced send at 2 ranks (or 1) while every source token fits the first-row list (R * M <= kFirstRowsMax; 3
-// or more ranks keep the items over all rows until measured there): each block lists the source tokens that reached
-// this rank with their first row here (lowest slot k), by source and token, and the grid's warps take the list's items
-// of 32 * kPer int4. Every warp then sums a partial (send_first_row_item); no warp takes an item of a row that sends
-// nothing, as the items over all rows do (send_phase<..., kRank>: three in four at top-8 of 2 ranks). Every block
-// builds the same list, so the blocks agree on whose item is whose. Nothing here needs the rows' prefix (s_first).
-// While every source token's items fit the grid's warps one each, there is no list (below).
+// or more ranks keep the items over all rows, which at 4 ranks were faster than the list): each block lists the source
+// tokens that reached this rank with their first row here (lowest slot k), by source and token, and the grid's warps
+// take the list's items of 32 * kPer int4. Every warp then sums a partial (send_first_row_item); no warp takes an item
+// of a row that sends nothing, as the items over all rows do (send_phase<..., kRank>: three in four at top-8 of 2
+// ranks). Every block builds the same list, so the blocks agree on whose item is whose. Nothing here needs the rows'
+// prefix (s_first). While every source token's items fit the grid's warps one each, there is no list (below).
 constexpr int kFirstRowsMax = 2048;
 
 __device__ __forceinline__ bool first_rows_fit(const LowLatencyCombineParams& p) {
