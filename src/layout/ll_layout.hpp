@@ -7,8 +7,9 @@
 //                                       selections of the expert + 1 (sent before the rows), cleared by the
 //                                       receiver after it copied the rows
 //                    dispatch_arrived[E]: at the receiver, same index; rows of that (expert, source) whose
-//                                       record and row map entry are written (added to by the senders, a
-//                                       release each), cleared by the receiver after it copied the rows
+//                                       record and row map entry are written (relaxed adds by the senders,
+//                                       behind one release fence per writer lane), cleared by the receiver
+//                                       after it copied the rows
 //                    combine_arrived[E]: at the token's source rank, index expert rank * (E_max / R) + its
 //                                       local expert (E_max = kLowLatencyMaxExperts: the same slots whatever
 //                                       a call's expert count, so the running totals keep pairing up); work items
@@ -23,8 +24,9 @@
 //                                       before its rows (relaxed), never cleared but by clean
 //                    epochs:            per set, monotonic counters (never cleared but by clean):
 //                      recv_seen[R]     uint64: receive phases of rank r's blocks on the set, added to here
-//                                       by each of r's blocks when it is done (G per op: every rank
-//                                       launches the same grid G)
+//                                       by each of r's blocks (G per op: every rank launches the same grid
+//                                       G): with rank masking when the receive is done, without it at the
+//                                       start of r's next low-latency kernel (block_told)
 //                      block_ops[G]     uint32, this rank's own: ops block b has received on the set (block
 //                                       b's k; only block b reads and writes it). As a rank receives every
 //                                       call before sending the next on the set (the host checks that

@@ -1,6 +1,7 @@
 // Rank masking ("shrink", semantics.md section 9) in the low-latency kernels. A buffer created with enable_shrink
-// passes its mask (NvlControl::ll_mask, this rank's own view) in RankMask; without it RankMask::words is null and
-// every helper here is the plain wait behind one uniform branch on a kernel parameter.
+// passes its mask (NvlControl::ll_mask, this rank's own view) in RankMask; without it the phases run their versions
+// instantiated without masking (shrink_mask<false>), where RankMask::words is null at compile time and every helper
+// here is the plain wait.
 //
 // A rank left out (its word set, or every rank when this rank's own word is set: a rank that masked itself takes
 // no part) is skipped by both kernels: nothing is written into its region (records, counts, arrivals, targets,
