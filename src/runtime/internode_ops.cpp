@@ -116,8 +116,10 @@ void launch_net_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, con
   b.check_launch(cudaGetLastError(), op);
 }
 
-void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
-                          const DispatchOutputs& o, cudaStream_t stream, const char* op) {
+// The dispatch data kernel's parameters, every argument and the buffer's room checked: a call that would fail here
+// fails before it launches anything (the cached dispatch's barrier included), so no rank waits for one that gave up.
+InternodeDispatchParams dispatch_data_params(const Buffer::Impl& b, const DispatchArgs& a, const Config& c,
+                                             const DispatchHandle& h, const DispatchOutputs& o, const char* op) {
   const InternodeRecord record = dispatch_record_of(a);
   const int rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : h.num_recv_tokens;
   const int rdma_rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : h.num_rdma_recv_tokens;
@@ -133,6 +135,10 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   p.nvl = nvl_ring(b, c, record.bytes, op);
   p.record = record;
   p.h = view_of(h);
+  return p;
+}
+
+void launch_dispatch_data(Buffer::Impl& b, const InternodeDispatchParams& p, cudaStream_t stream, const char* op) {
   launch_internode_dispatch(p, stream);
   b.check_launch(cudaGetLastError(), op);
 }
@@ -179,7 +185,7 @@ void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const Dis
   check_config(b, c, op);
   validate_dispatch_args(a, b.num_ranks, false, op);
   validate_handle(h, b, c, a.num_tokens, op);
-  launch_dispatch_data(b, a, c, h, o, stream, op);
+  launch_dispatch_data(b, dispatch_data_params(b, a, c, h, o, op), stream, op);
 }
 
 void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
@@ -187,8 +193,9 @@ void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, co
   check_config(b, c, op);
   validate_dispatch_args(a, b.num_ranks, true, op);
   validate_handle(h, b, c, a.num_tokens, op);
-  launch_net_barrier(b, op_signature(kOpDispatch, dispatch_record_of(a).bytes, c, 0), stream, op);
-  launch_dispatch_data(b, a, c, h, o, stream, op);
+  const InternodeDispatchParams p = dispatch_data_params(b, a, c, h, o, op);
+  launch_net_barrier(b, op_signature(kOpDispatch, p.record.bytes, c, 0), stream, op);
+  launch_dispatch_data(b, p, stream, op);
 }
 
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
