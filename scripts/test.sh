@@ -3,7 +3,8 @@
 # installed by the set-up; the internode mode needs it) in BUILD_DIR, and without it in BUILD_DIR-no-nvshmem. The CPU
 # tests and the Python tests (with the Python scripts/python-env.sh picks or sets up) run against each; then the
 # first is installed and examples/cpp built against it (scripts/check-install.sh); the GPU suite, on all local GPUs
-# when there are at least two, runs against the first (intranode, low-latency and every internode split it can form).
+# (one rank on one GPU; nothing without one), runs against the first (intranode, low-latency and every internode
+# split it can form).
 # In CI (CI set) the NVSHMEM variant is required: EPX_NVSHMEM=1 unless set otherwise.
 #   scripts/test.sh
 set -euo pipefail

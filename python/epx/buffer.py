@@ -966,7 +966,7 @@ class Buffer(LowLatencyMixin):
         """Collective: sums each token's rows from the ranks it was dispatched to, back on its source rank
         (semantics.md section 3; section 6 in the internode mode): float32 over the receiving ranks in ascending
         order, plus the biases, rounded once to bf16. Deterministic (the same bits on every run). Runs on the communication
-        stream, with no CPU sync.
+        stream (a synchronous call may run straight on the current stream, with the same result), with no CPU sync.
 
         Arguments:
             x: bf16 [N, H] (H a multiple of 8, 16-byte aligned), on the Buffer's device: one row per row of the

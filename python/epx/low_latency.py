@@ -150,7 +150,7 @@ class LowLatencyMixin:
         """epx extension (local): whether low_latency_dispatch and low_latency_combine hand out again output tensors
         of earlier calls that nothing references any more, instead of allocating new ones (off by default;
         $EPX_LL_OUTPUT_REUSE=1 at creation turns it on). Saves the host time of the allocations (about 1.6 us
-        each on a GPU; the dispatch makes 5 or 6) and keeps up to 3 output sets per call kind allocated (at
+        each on a GPU; the dispatch makes 4 to 6) and keeps up to 3 output sets per call kind allocated (at
         decoding shapes one dispatch set is hundreds of MB). Turning it off drops the kept sets. python/README.md
         says what "references" covers, and what it cannot see (record_stream: the reason it is not the default).
 

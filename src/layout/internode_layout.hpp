@@ -149,7 +149,8 @@ struct CombineNetRecord {
 };
 
 // A network ring's geometry for one operation: `capacity` slots of `stride` bytes per (channel, domain, half).
-// Tails and credit move in steps of at least `step` records (the last step of an operation may be shorter).
+// Credit (the head) goes back in steps of at least `step` records (an operation's last may be shorter); tails move
+// whenever the senders' progress grows. The ring holds at least two steps.
 struct NetRing {
   int num_domains;
   int capacity;
