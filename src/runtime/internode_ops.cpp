@@ -116,8 +116,9 @@ void launch_net_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, con
   b.check_launch(cudaGetLastError(), op);
 }
 
-// The dispatch data kernel's parameters, every argument and the buffer's room checked: a call that would fail here
-// fails before it launches anything (the cached dispatch's barrier included), so no rank waits for one that gave up.
+// The dispatch data kernel's parameters, every argument and the buffer's room checked: a call that fails here has
+// launched nothing (the cached dispatch's barrier included), as for every argument error (semantics.md), so this
+// rank's buffer is as before the call.
 InternodeDispatchParams dispatch_data_params(const Buffer::Impl& b, const DispatchArgs& a, const Config& c,
                                              const DispatchHandle& h, const DispatchOutputs& o, const char* op) {
   const InternodeRecord record = dispatch_record_of(a);
