@@ -109,6 +109,7 @@ HtCase make_case(const HtOptions& o, epx_dtype dtype) {
   c.routing.seed = o.seed;
   c.num_biases = 0;
   c.combine_weights = true;
+  c.worst_case = o.worst_case;  // num_worst_tokens = the sum of all ranks' tokens
   c.seed = o.seed;
   return c;
 }
@@ -224,6 +225,7 @@ RunInfo make_run_info(const char* benchmark, const HtOptions& o, int num_ranks, 
   info.gpu = device_name(device);
   info.tokens = o.tokens, info.hidden = o.hidden, info.topk = o.topk, info.experts = o.experts;
   info.routing = "uniform";
+  info.worst_case = o.worst_case;
   info.iters = o.iters, info.warmup = o.warmup, info.seed = o.seed;
   info.nccl = "NCCL: skipped (--no-nccl)";
   return info;

@@ -47,6 +47,8 @@ bool parse_ht_option(const std::string& a, const std::function<std::string()>& v
     if (o->json_path.empty()) throw UsageError{"--json needs a file name"};
   } else if (a == "--no-nccl") {
     o->nccl = false;
+  } else if (a == "--worst-case") {
+    o->worst_case = true;
   } else if (a == "--seed") {
     o->seed = parse_u64(a, value());
   } else {
@@ -124,6 +126,8 @@ const char* intranode_usage() {
          "  --refresh-every N  regenerate x every N timed iterations; 0: once per measurement (1)\n"
          "  --json FILE        also write every row as JSON\n"
          "  --no-nccl          skip the NCCL all-to-all baseline\n"
+         "  --worst-case       dispatch in worst-case mode: num_worst_tokens = the sum of all ranks' tokens, no\n"
+         "                     host wait for the counts (outputs padded to that many rows)\n"
          "  --check-all        check results against the reference model for every swept config, not only\n"
          "                     the default one\n"
          "  --seed S           routing and data seed (1)\n"
@@ -219,6 +223,8 @@ const char* internode_usage() {
          "  --refresh-every N  regenerate x every N timed iterations; 0: once per measurement (1)\n"
          "  --json FILE        also write every row as JSON\n"
          "  --no-nccl          skip the NCCL all-to-all baseline\n"
+         "  --worst-case       dispatch in worst-case mode: num_worst_tokens = the sum of all ranks' tokens, no\n"
+         "                     host wait for the counts (outputs padded to that many rows)\n"
          "  --seed S           routing and data seed (1)\n"
          "Uniform random top-k routing. First BF16, FP8 and cached dispatch and combine in both orders (two-level,\n"
          "flat) are checked against the reference model, then timed. GB/s = bytes this rank receives (own\n"

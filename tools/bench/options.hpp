@@ -34,6 +34,7 @@ struct HtOptions {
   int refresh_every = 1;  // timed iterations between two refreshes of x (0: once per series)
   std::string json_path;
   bool nccl = true;
+  bool worst_case = false;  // dispatch with num_worst_tokens: no host wait for the counts
   uint64_t seed = 1;
 };
 

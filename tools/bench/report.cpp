@@ -210,6 +210,9 @@ void print_header(std::FILE* out, const RunInfo& i) {
                "median of %d iterations after %d warm-up, seed %llu\n",
                i.benchmark.c_str(), i.num_ranks, i.gpu.c_str(), i.tokens, i.hidden, i.topk, i.experts,
                i.routing.c_str(), i.iters, i.warmup, static_cast<unsigned long long>(i.seed));
+  if (i.worst_case)
+    std::fprintf(out, "dispatch in worst-case mode: num_worst_tokens = %d (all ranks' tokens), no host wait\n",
+                 i.tokens * i.num_ranks);
   if (i.num_domains > 0)
     std::fprintf(out, "NVLink domains: %d x %d GPUs%s\n", i.num_domains, i.num_nvl_ranks,
                  i.num_domains == 1 ? " (internode kernels forced inside one domain: the NVLink forwarding alone)"
@@ -248,7 +251,7 @@ void write_json(const std::string& path, const RunInfo& i, const std::vector<Row
          ", \"forced_internode\": " + (i.num_domains == 1 ? "true" : "false") + ",\n";
   s += "  \"tokens_per_rank\": " + std::to_string(i.tokens) + ", \"hidden\": " + std::to_string(i.hidden) +
        ", \"num_topk\": " + std::to_string(i.topk) + ", \"num_experts\": " + std::to_string(i.experts) +
-       ", \"routing\": " + json_string(i.routing) + ",\n";
+       ", \"routing\": " + json_string(i.routing) + ", \"worst_case\": " + (i.worst_case ? "true" : "false") + ",\n";
   s += "  \"iters\": " + std::to_string(i.iters) + ", \"warmup\": " + std::to_string(i.warmup) +
        ", \"seed\": " + std::to_string(i.seed) + ",\n";
   s += "  \"check\": " + json_string(i.check) + ", \"nccl\": " + json_string(i.nccl) + ",\n";

@@ -58,6 +58,7 @@ struct RunInfo {
   std::string gpu;
   int tokens = 0, hidden = 0, topk = 0, experts = 0;
   std::string routing;
+  bool worst_case = false;  // the dispatches ran with num_worst_tokens (no host wait)
   int iters = 0, warmup = 0;
   uint64_t seed = 0;
   std::string check;  // "PASS", or what failed
