@@ -60,29 +60,35 @@ __device__ __forceinline__ int header_field(int field, const EpochEntry& e, int 
   return signature;  // NotifyMsg::kSignature
 }
 
-// One thread, once every rank's epoch flag has been acquired (so their headers of this epoch are visible): the
-// collective verdict. The first error any rank reported (in rank order), else a signature that differs from this
-// rank's (named with its rank; the diagnostic goes to this rank's host), else 0.
+// One whole warp, once every rank's epoch flag has been acquired (so their headers of this epoch are visible to the
+// warp): the collective verdict, the same in every lane. The first error any rank reported (in rank order), else a
+// signature that differs from this rank's (named with its rank; lane 0 sends the diagnostic to this rank's host),
+// else 0. Lane s loads rank s's header, all three words at once: one memory latency, not one per word and rank.
 struct Verdict {
   int code;
   int rank;
 };
 __device__ __forceinline__ Verdict collective_verdict(const NvlControl* self, int parity, int num_ranks, int signature,
                                                       const FailState& fail, int me) {
-  auto header = [&](int s, int field) { return dev::ld_cg(&self->notify_msg[parity][s][field]); };
-  Verdict v{0, -1};
-  for (int s = 0; s < num_ranks && v.code == 0; ++s) {
-    v.code = header(s, NotifyMsg::kErrorCode);
-    v.rank = header(s, NotifyMsg::kErrorRank);
+  const int lane = threadIdx.x % 32;
+  int code = 0, rank = -1, theirs = signature;
+  if (lane < num_ranks) {
+    const int32_t* header = self->notify_msg[parity][lane];
+    code = dev::ld_cg(&header[NotifyMsg::kErrorCode]);
+    rank = dev::ld_cg(&header[NotifyMsg::kErrorRank]);
+    theirs = dev::ld_cg(&header[NotifyMsg::kSignature]);
   }
-  for (int s = 0; s < num_ranks && v.code == 0; ++s) {
-    const int theirs = header(s, NotifyMsg::kSignature);
-    if (theirs == signature) continue;
-    v.code = kErrShapeMismatch;
-    v.rank = s;
-    dev::write_diag(&fail.host->input, kErrShapeMismatch, me, kRoleNotify, s, theirs, signature);
+  const uint32_t errors = __ballot_sync(dev::kFullMask, code != 0);
+  if (errors != 0) {
+    const int s = __ffs(errors) - 1;
+    return Verdict{__shfl_sync(dev::kFullMask, code, s), __shfl_sync(dev::kFullMask, rank, s)};
   }
-  return v;
+  const uint32_t differ = __ballot_sync(dev::kFullMask, theirs != signature);
+  if (differ == 0) return Verdict{0, -1};
+  const int s = __ffs(differ) - 1;
+  const int s_signature = __shfl_sync(dev::kFullMask, theirs, s);
+  if (lane == 0) dev::write_diag(&fail.host->input, kErrShapeMismatch, me, kRoleNotify, s, s_signature, signature);
+  return Verdict{kErrShapeMismatch, s};
 }
 
 // The epoch barrier of a data kernel (cached dispatch, combine), run by warp 0 of block 0: the handshake, the
@@ -111,14 +117,13 @@ static __device__ __noinline__ void run_epoch_barrier(const FailState& fail, con
   __syncwarp();
   if (lane < R) dev::publish(&nvl_control(peers, lane)->notify_flag[me], e.epoch);  // pairs with wait_equal below
   // Acquire: peer `lane`'s headers to this rank (and everything it did before, its previous operation's kernels
-  // included) are visible to this lane, and after the __syncwarp below to lane 0.
+  // included) are visible to this lane, and after the __syncwarp below to every lane.
   if (lane < R)
     dev::wait_equal(&self->notify_flag[lane], e.epoch, fail, dev::WaitSite{kRoleNotify, -1, lane, int64_t(e.epoch)});
   __syncwarp();
 
-  Verdict v{};
+  const Verdict v = collective_verdict(self, parity, R, signature, fail, me);
   if (lane == 0) {
-    v = collective_verdict(self, parity, R, signature, fail, me);
     self->op_error = v.code;
     self->op_error_rank = v.rank;
   }

@@ -21,6 +21,9 @@ namespace {
 using namespace dev;
 
 constexpr int kNotifyThreads = 1024;
+// is_token_in_rank loads a lane has in flight before it adds them up: a channel's tokens (a few hundred) then
+// cost one or two memory latencies instead of one per 32 tokens.
+constexpr int kCountBatch = 16;
 
 // Tokens this rank sends to rank j in channel c, for all (j, c).
 __device__ void count_channels(const NotifyParams& p, int (*s_counts)[kMaxChannels]) {
@@ -30,7 +33,16 @@ __device__ void count_channels(const NotifyParams& p, int (*s_counts)[kMaxChanne
     const int j = pair / C, c = pair % C;
     const ChannelRange range = ChannelRange::of(p.num_tokens, C, c);
     int n = 0;
-    for (int t = range.begin + lane; t < range.end; t += 32) n += p.is_token_in_rank[int64_t(t) * R + j] ? 1 : 0;
+    for (int t0 = range.begin + lane; t0 < range.end; t0 += 32 * kCountBatch) {
+      uint8_t in[kCountBatch];
+#pragma unroll
+      for (int u = 0; u < kCountBatch; ++u) {
+        const int t = t0 + 32 * u;
+        in[u] = t < range.end ? p.is_token_in_rank[int64_t(t) * R + j] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kCountBatch; ++u) n += in[u] ? 1 : 0;
+    }
     n = warp_sum(n);
     if (lane == 0) s_counts[j][c] = n;
   }
@@ -51,7 +63,9 @@ __device__ int message_field(const NotifyParams& p, int j, int field, const Epoc
 }
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_constant__ NotifyParams p) {
-  __shared__ int s_counts[kMaxNvlRanks][kMaxChannels];
+  __shared__ int s_counts[kMaxNvlRanks][kMaxChannels];    // [j][c]: what this rank sends to j in channel c
+  __shared__ int s_recv_counts[kMaxNvlRanks][kMaxChannels];  // [s][c]: what s sends this rank in channel c
+  __shared__ int s_sent[kMaxNvlRanks][kMaxNvlRanks];         // [i][j]: tokens rank i sends to rank j
   __shared__ int s_error;
   __shared__ int s_error_rank;
   __shared__ int s_worst_rank;
@@ -108,10 +122,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
   __syncthreads();
 
   auto msg = [&](int s, int field) { return dev::ld_cg(&self->notify_msg[parity][s][field]); };
-  if (tid == 0) {
+  if (tid < 32) {
     const Verdict v = collective_verdict(self, parity, R, p.signature, p.fail, me);
-    s_error = v.code;
-    s_error_rank = v.rank;
+    if (tid == 0) {
+      s_error = v.code;
+      s_error_rank = v.rank;
+    }
   }
   __syncthreads();
   const int collective_error = s_error;
@@ -119,11 +135,16 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 
   int num_recv = 0;
   if (!p.barrier_only) {
+    // The peers' counts into shared memory, one load per thread, all in flight at once; the prefix sums below then
+    // read shared memory.
+    for (int i = tid; i < R * R; i += blockDim.x) s_sent[i / R][i % R] = msg(i / R, NotifyMsg::tokens_per_rank(i % R));
+    for (int i = tid; i < R * C; i += blockDim.x) s_recv_counts[i / C][i % C] = msg(i / C, NotifyMsg::channel(i % C));
+    __syncthreads();
     if (tid < R) {
       // Column tid of rank_prefix_matrix; the worst-case bound is checked for every rank, by every rank.
       int acc = 0;
       for (int i = 0; i < R; ++i) {
-        acc += msg(i, NotifyMsg::tokens_per_rank(tid));
+        acc += s_sent[i][tid];
         p.rank_prefix_matrix[i * R + tid] = acc;
       }
       if (p.num_worst_tokens > 0 && acc > p.num_worst_tokens) atomicMin(&s_worst_rank, tid);
@@ -135,20 +156,21 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
       }
       // Row tid of recv_channel_prefix_matrix: where tokens from source tid, channel c, start.
       int row = 0;
-      for (int i = 0; i < tid; ++i) row += msg(i, NotifyMsg::tokens_per_rank(me));
+      for (int i = 0; i < tid; ++i) row += s_sent[i][me];
       for (int c = 0; c < C; ++c) {
         p.recv_channel_prefix_matrix[tid * C + c] = row;
-        row += msg(tid, NotifyMsg::channel(c));
+        row += s_recv_counts[tid][c];
       }
     }
     const int L = p.num_experts / R;
     for (int i = tid; i < L; i += blockDim.x) {
       int n = 0;
-      for (int s = 0; s < R; ++s) n += msg(s, NotifyMsg::expert(i));
+#pragma unroll
+      for (int s = 0; s < kMaxNvlRanks; ++s) n += s < R ? msg(s, NotifyMsg::expert(i)) : 0;  // R loads in flight
       const int a = p.expert_alignment;
       p.fail.host->num_recv_tokens_per_expert[i] = (n + a - 1) / a * a;
     }
-    for (int s = 0; s < R; ++s) num_recv += msg(s, NotifyMsg::tokens_per_rank(me));
+    for (int s = 0; s < R; ++s) num_recv += s_sent[s][me];
   }
   __syncthreads();
 
@@ -167,7 +189,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     host->op_error = code;
     host->op_error_rank = rank;
     host->num_recv_tokens = num_recv;
-    __threadfence_system();
+    // No system fence: the host reads these words, and the per-expert counts above, after its acquire of
+    // notify_seq, whose release store here is cumulative over them (the block barrier above orders the other
+    // threads' stores before it), or in worst-case mode (no host_seq) only once the stream has synchronized.
     if (p.host_seq > 0) publish(&host->notify_seq, p.host_seq);  // pairs with the host's acquire poll
   }
 }
