@@ -63,7 +63,7 @@ __device__ int message_field(const NotifyParams& p, int j, int field, const Epoc
 }
 
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_constant__ NotifyParams p) {
-  __shared__ int s_counts[kMaxNvlRanks][kMaxChannels];    // [j][c]: what this rank sends to j in channel c
+  __shared__ int s_counts[kMaxNvlRanks][kMaxChannels];       // [j][c]: what this rank sends to j in channel c
   __shared__ int s_recv_counts[kMaxNvlRanks][kMaxChannels];  // [s][c]: what s sends this rank in channel c
   __shared__ int s_sent[kMaxNvlRanks][kMaxNvlRanks];         // [i][j]: tokens rank i sends to rank j
   __shared__ int s_error;
