@@ -76,6 +76,8 @@ typedef struct epx_buffer_options {
                               completes without it. The same on every rank */
   double shrink_timeout_s; /* with enable_shrink: that budget in seconds, in (0, 1e7); <= 0 means
                               $EPX_LL_SHRINK_TIMEOUT_S if set, else 1 s. Shorter than timeout_s to take effect */
+  int64_t num_recv_bytes;  /* output region of epx_dispatch_in_buffer (epx_recv_region_size_hint); 0: none. The
+                              same on every rank */
 } epx_buffer_options;
 
 /* Limits of this library (its constants, for bindings and tools that must not repeat them). */
@@ -181,6 +183,18 @@ typedef struct epx_dispatch_outputs {
   float* recv_topk_weights; /* optional [rows, num_topk] (num_topk > 0) */
   int num_rows;             /* rows allocated: num_recv_tokens, or num_worst_tokens */
 } epx_dispatch_outputs;
+
+/* The outputs of epx_dispatch_in_buffer: views of this rank's output region (epx_buffer_options.num_recv_bytes),
+ * the shapes of epx_dispatch_outputs with rows = num_recv_tokens, or num_worst_tokens in worst-case mode. Valid until
+ * the next dispatch of any kind on the buffer; a combine leaves them as they are. */
+typedef struct epx_recv_region {
+  void* recv_x;             /* [rows, hidden] of dtype */
+  float* recv_x_scales;     /* [rows, num_scales] when FP8, else NULL */
+  int64_t* recv_topk_idx;   /* [rows, num_topk] when num_topk > 0, else NULL */
+  float* recv_topk_weights; /* [rows, num_topk] when num_topk > 0 (zeros without topk_weights), else NULL */
+  int* recv_src_idx;        /* [rows] */
+  int capacity;             /* rows the region holds for this shape */
+} epx_recv_region;
 
 typedef struct epx_dispatch_counts {
   int num_recv_tokens;      /* -1 in worst-case mode */
@@ -332,6 +346,19 @@ epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_dispatch_args* args
                                const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream);
 epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
                        const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream);
+/* A dispatch whose outputs are this rank's output region (epx_recv_region): every sender writes each row straight to
+ * its place in the receiver's region, so no rank copies rows it received, and the host waits for the counts (unless
+ * num_worst_tokens > 0) only after the data kernel is queued. One NVLink domain only; the buffer needs
+ * num_recv_bytes. cached == 0: the layout arguments of epx_notify_dispatch, and it fills handle and counts as
+ * epx_notify_dispatch does (handle->recv_src_idx = region->recv_src_idx). cached != 0: the routing of `handle`, as
+ * epx_dispatch_cached (counts untouched, may be NULL). Collective, like the other dispatches. */
+epx_status epx_dispatch_in_buffer(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                                  epx_dispatch_handle* handle, int cached, epx_dispatch_counts* counts,
+                                  epx_recv_region* region, void* stream);
+/* num_recv_bytes for an output region of `rows` rows of this shape (num_scales: 0 for BF16, in [1, hidden] for
+ * FP8). */
+epx_status epx_recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk,
+                                     int64_t* bytes);
 
 /* num_rdma_bytes a low-latency buffer needs (both buffer sets). */
 epx_status epx_ll_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts,

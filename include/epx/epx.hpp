@@ -68,6 +68,7 @@ using LayoutOutputs = epx_layout_outputs;
 using DispatchArgs = epx_dispatch_args;
 using DispatchHandle = epx_dispatch_handle;
 using DispatchOutputs = epx_dispatch_outputs;
+using RecvRegionViews = epx_recv_region;
 using CombineArgs = epx_combine_args;
 using CombineOutputs = epx_combine_outputs;
 using LowLatencyDispatchArgs = epx_ll_dispatch_args;
@@ -88,6 +89,8 @@ Config default_combine_config(int num_ranks);
 void validate_config(const Config& config, int num_ranks);
 // num_nvl_bytes a config needs for rows of hidden_bytes, assuming the largest scales and top-k we accept.
 int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks);
+// num_recv_bytes for an output region of `rows` rows of this shape (epx_recv_region_size_hint).
+int64_t recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk);
 // The internode mode over num_ranks = D x num_nvl_ranks: num_nvl_bytes and num_rdma_bytes a config needs.
 struct InternodeSizes {
   int64_t nvl_bytes = 0;
@@ -158,6 +161,10 @@ class Buffer {
                        const DispatchOutputs& outputs, cudaStream_t stream);
   void combine(const CombineArgs& args, const Config& config, const DispatchHandle& handle,
                const CombineOutputs& outputs, cudaStream_t stream);
+  // A dispatch into this rank's output region (epx_dispatch_in_buffer): cached false does notify_dispatch's work and
+  // the data (its counts returned); cached true repeats handle's routing (empty counts).
+  DispatchCounts dispatch_in_buffer(const DispatchArgs& args, const Config& config, DispatchHandle& handle, bool cached,
+                                    RecvRegionViews& region, cudaStream_t stream);
 
   // ---- low-latency mode: no host synchronization, fixed-size outputs, CUDA-graph capturable ----
   // Collective: zeroes the signalling areas of both buffer sets, then a barrier.

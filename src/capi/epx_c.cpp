@@ -169,6 +169,14 @@ epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_byt
   });
 }
 
+epx_status epx_recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk,
+                                     int64_t* bytes) {
+  return guarded([&] {
+    require_non_null(bytes, "bytes");
+    *bytes = epx::recv_region_size_hint(rows, hidden, dtype, num_scales, num_topk);
+  });
+}
+
 epx_status epx_config_internode_size_hints(const epx_config* config, int64_t hidden_bytes, int num_ranks,
                                            int num_nvl_ranks, int64_t* nvl_bytes, int64_t* rdma_bytes) {
   return guarded([&] {
@@ -225,6 +233,26 @@ epx_status epx_dispatch_cached(epx_buffer* buffer, const epx_dispatch_args* args
     require_non_null(handle, "handle");
     require_non_null(outputs, "outputs");
     live(buffer).dispatch_cached(*args, *config, *handle, *outputs, as_stream(stream));
+  });
+}
+
+epx_status epx_dispatch_in_buffer(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                                  epx_dispatch_handle* handle, int cached, epx_dispatch_counts* counts,
+                                  epx_recv_region* region, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(config, "config");
+    require_non_null(handle, "handle");
+    require_non_null(region, "region");
+    if (!cached) require_non_null(counts, "counts");
+    epx::DispatchCounts c =
+        live(buffer).dispatch_in_buffer(*args, *config, *handle, cached != 0, *region, as_stream(stream));
+    if (cached) return;
+    buffer->counts = std::move(c.num_recv_tokens_per_expert);
+    counts->num_recv_tokens = c.num_recv_tokens;
+    counts->num_rdma_recv_tokens = c.num_rdma_recv_tokens;
+    counts->num_local_experts = int(buffer->counts.size());
+    counts->num_recv_tokens_per_expert = buffer->counts.data();
   });
 }
 

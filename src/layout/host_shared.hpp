@@ -19,6 +19,7 @@ enum DeviceError : int32_t {
   kErrAbortedByPeer = 5,        // a = rank whose wait failed first
   kErrShapeMismatch = 6,        // a = first rank whose operation signature differs, b = its signature, c = ours
   kErrExpertRowsExceeded = 7,   // a = expert, b = rows this rank sends it (at least), c = M (low-latency dispatch)
+  kErrRecvRegionExceeded = 8,   // a = receiving rank, b = rows it would receive, c = rows its output region holds
 };
 
 enum DeviceRole : int32_t {

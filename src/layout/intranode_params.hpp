@@ -11,6 +11,7 @@
 #include "layout/fail_state.hpp"
 #include "layout/nvl_layout.hpp"
 #include "layout/peer_map.hpp"
+#include "layout/recv_region.hpp"
 #include "layout/scales.hpp"
 
 typedef struct CUstream_st* cudaStream_t;
@@ -49,6 +50,7 @@ struct NotifyParams {
   int* rank_prefix_matrix;          // [R, R]
   int* channel_prefix_matrix;       // [R, C] inclusive over channels, of what this rank sends
   int* recv_channel_prefix_matrix;  // [R, C] first recv row of (source, channel)
+  int recv_capacity;                // > 0 (dispatch into the buffer): rows each rank's output region holds
   int host_seq;                     // > 0: publish counts to the host under this sequence number
   int signature;                    // shape of the operation (op kind, record layout, channels, ring); all equal
 };
@@ -87,6 +89,13 @@ struct DispatchParams {
   // (the others copy own tokens too).
   int self_sender_warps;
   int ring_receiver_warps;
+  // Dispatch into the buffer (launch_dispatch_in_buffer): the output region at region_offset of every rank's NVLink
+  // buffer, what this rank sends to each rank per channel (inclusive prefix), and the warps of a channel's two blocks
+  // that write this rank's own rows (the others are shared by the peers).
+  int64_t region_offset;
+  RecvRegion region;
+  const int* channel_prefix_matrix;
+  int in_buffer_self_warps;
 };
 
 struct CombineParams {
@@ -116,6 +125,7 @@ struct CombineParams {
 void launch_layout(const LayoutParams& p, int num_sms, cudaStream_t stream);
 void launch_notify(const NotifyParams& p, cudaStream_t stream);
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream);
+void launch_dispatch_in_buffer(const DispatchParams& p, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
 
 }  // namespace epx

@@ -1,8 +1,10 @@
 // Layout of the NVLink buffer of one rank (mapped into every peer through CUDA IPC), shared by the host
 // (sizes, validation) and the kernels (addresses). Nothing else computes these offsets.
 //
-//   [ NvlControl | pad to kAlign | ring data: [channel][peer][slot] records ]
+//   [ NvlControl | pad to kAlign | ring data: [channel][peer][slot] records | output region | low-latency sets ]
 //
+// The output region (num_recv_bytes, layout/recv_region.hpp) holds the outputs of a dispatch into the buffer; the
+// low-latency sets (runtime/buffer_impl.hpp) are there only with CUDA IPC transport.
 // The ring data is reused by dispatch and combine (never active at once: every operation starts with the epoch
 // barrier, which no rank passes before all ranks finished their previous operation).
 #pragma once
@@ -51,6 +53,9 @@ struct NvlControl {
   uint64_t dispatch_head[kMaxChannels][kMaxNvlRanks];
   uint64_t combine_tail[kMaxChannels][kMaxNvlRanks];
   uint64_t combine_head[kMaxChannels][kMaxNvlRanks];
+  // Dispatch into the buffer (kernels/intranode/dispatch_in_buffer.cu): dispatch_done[b][s] = the epoch of the last
+  // such dispatch whose block b of rank s had written all its rows to this rank (release; read with acquire).
+  uint32_t dispatch_done[2 * kMaxChannels][kMaxNvlRanks];
   // Rank mask of the low-latency mode (buffers created with enable_shrink; semantics.md section 9): nonzero where
   // this rank leaves rank r out. Set by the host's mask calls (stream-ordered) and by a low-latency kernel whose wait
   // for r outlasted the shrink budget (atomicExch); read by the low-latency kernels at run time. This rank's own

@@ -109,10 +109,10 @@ void Buffer::Impl::raise_if_input_error(const char* op, cudaStream_t stream) {
   std::string msg;
   Status status;
   const int me = internode ? rank : nvl_rank;  // the rank numbers the notify of this mode reports
-  if (who == me || code == kErrWorstTokensExceeded || code == kErrShapeMismatch) {
+  if (who == me || code == kErrWorstTokensExceeded || code == kErrShapeMismatch || code == kErrRecvRegionExceeded) {
     const DeviceDiag diag = read_diag(&host->input);
     msg = describe_input(code, diag, who);
-    status = Status::kInvalidArgument;
+    status = code == kErrRecvRegionExceeded ? Status::kBufferTooSmall : Status::kInvalidArgument;
   } else {
     msg = cat("rank ", who, " reported invalid input (", error_name(code), "); see that rank's error");
     status = Status::kRemote;
@@ -152,7 +152,8 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   timeout_s = opts.timeout_s > 0 ? opts.timeout_s : kDefaultTimeoutSeconds;
   validate_num_ranks(num_ranks, "Buffer", "bootstrap size");  // as the default configs and size hints check it
   EPX_REQUIRE(rank >= 0 && rank < num_ranks, "bootstrap rank ", rank, " is outside [0, ", num_ranks, ")");
-  EPX_REQUIRE(opts.num_nvl_bytes >= 0 && opts.num_rdma_bytes >= 0, "buffer sizes must be >= 0");
+  EPX_REQUIRE(opts.num_nvl_bytes >= 0 && opts.num_rdma_bytes >= 0 && opts.num_recv_bytes >= 0,
+              "buffer sizes must be >= 0");
   const DomainChoice domains = choose_domains(bs, opts);  // collective
   num_nvl_ranks = domains.num_nvl_ranks;
   internode = domains.internode;
@@ -192,7 +193,10 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   num_device_sms = prop.multiProcessorCount;
 
-  ll_offset = nvl_data_offset() + align_up(opts.num_nvl_bytes, kAlign);
+  EPX_REQUIRE(opts.num_recv_bytes == 0 || !internode,
+              "num_recv_bytes (the output region of a dispatch into the buffer) is for buffers over one NVLink domain");
+  recv_offset = nvl_data_offset() + align_up(opts.num_nvl_bytes, kAlign);
+  ll_offset = recv_offset + align_up(opts.num_recv_bytes, kAlign);
   // An internode buffer's num_rdma_bytes are its network rings (attach_network_region).
   ll_set_bytes = internode ? 0 : align_up(opts.num_rdma_bytes, 2 * kAlign) / 2;
   const LowLatencyTransportChoice transport = choose_low_latency_transport_from_env(ll_set_bytes > 0);
@@ -203,6 +207,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
       graphs != nullptr && !parse_env_switch("EPX_LL_GRAPH_LAUNCH", graphs))
     ll_graphs.turn_off();
   has_dispatch_split = parse_dispatch_split(std::getenv("EPX_HT_DISPATCH_SPLIT"), &dispatch_split);
+  in_buffer_self_warps = parse_in_buffer_self_warps(std::getenv("EPX_HT_IN_BUFFER_SELF_WARPS"));
   // With NVSHMEM the low-latency region is a symmetric allocation of its own (attach_low_latency_region).
   alloc_bytes = ll_offset + (ll_transport == LowLatencyTransport::kCudaIpc ? 2 * ll_set_bytes : 0);
   EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));

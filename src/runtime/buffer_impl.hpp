@@ -53,7 +53,7 @@ struct Buffer::Impl {
   int num_device_sms = 0;
   double timeout_s = kDefaultTimeoutSeconds;
 
-  void* local = nullptr;  // this rank's NVLink buffer: NvlControl, then ring data (then low-latency sets)
+  void* local = nullptr;  // this rank's NVLink buffer: NvlControl, ring data, output region, low-latency sets
   int64_t alloc_bytes = 0;
   // How kernels reach every rank's memory (layout/peer_map.hpp): the NVLink buffers of the domain through CUDA
   // IPC, the low-latency region through CUDA IPC or NVSHMEM. Built by map_peers.
@@ -62,6 +62,9 @@ struct Buffer::Impl {
   HostShared* host_dev = nullptr;  // device view
   int host_seq = 0;                // sequence numbers of notify calls waited for by the host
 
+  // The output region of a dispatch into the buffer (layout/recv_region.hpp): options.num_recv_bytes at recv_offset
+  // of the IPC buffer, after the ring data.
+  int64_t recv_offset = 0;
   // Low-latency region: two buffer sets of ll_set_bytes each, after the ring region of the IPC buffer
   // (kCudaIpc) or in NVSHMEM symmetric memory (kNvshmem). See runtime/transport.hpp.
   int64_t ll_offset = 0;
@@ -73,6 +76,7 @@ struct Buffer::Impl {
   // $EPX_HT_DISPATCH_SPLIT at creation (has_dispatch_split), else the defaults per row format (dispatch_split.hpp)
   bool has_dispatch_split = false;
   DispatchSplit dispatch_split{};
+  int in_buffer_self_warps = 0;  // $EPX_HT_IN_BUFFER_SELF_WARPS at creation; 0: default_in_buffer_self_warps
   // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};

@@ -1,5 +1,6 @@
 // The public operations of a Buffer, whatever its mode: each checks that the buffer is usable, then runs the
 // operation of the buffer's mode (runtime/ops.hpp).
+#include "runtime/errors.hpp"
 #include "runtime/ops.hpp"
 
 namespace epx {
@@ -23,6 +24,16 @@ void Buffer::dispatch(const DispatchArgs& a, const Config& c, const DispatchHand
   impl_->enter(op);
   if (impl_->internode) return internode::dispatch(*impl_, a, c, h, o, stream, op);
   intranode::dispatch(*impl_, a, c, h, o, stream, op);
+}
+
+DispatchCounts Buffer::dispatch_in_buffer(const DispatchArgs& a, const Config& c, DispatchHandle& h, bool cached,
+                                          RecvRegionViews& region, cudaStream_t stream) {
+  const char* op = cached ? "dispatch_in_buffer (cached)" : "dispatch_in_buffer";
+  impl_->enter(op);
+  if (impl_->internode)
+    raise(Status::kNotSupported, op, ": a dispatch into the buffer runs inside one NVLink domain; this buffer spans ",
+          impl_->num_domains, " domains (or the internode mode was forced)");
+  return intranode::dispatch_in_buffer(*impl_, a, c, h, cached, region, stream, op);
 }
 
 void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const DispatchHandle& h, const DispatchOutputs& o,

@@ -3,10 +3,12 @@
 #include "runtime/config.hpp"
 
 #include <cstdio>
+#include <cstring>
 
 #include "layout/internode_layout.hpp"
 #include "layout/ll_layout.hpp"
 #include "layout/nvl_layout.hpp"
+#include "layout/recv_region.hpp"
 #include "runtime/dispatch_split.hpp"
 #include "runtime/domains.hpp"
 #include "runtime/errors.hpp"
@@ -116,6 +118,21 @@ int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks)
   return align_up(ring.bytes(num_channels(config)), kAlign);
 }
 
+int64_t recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk) {
+  const char* op = "recv_region_size_hint";
+  int code = 0;
+  static_assert(sizeof(dtype) == sizeof(code));
+  std::memcpy(&code, &dtype, sizeof code);  // any int may arrive through the C ABI
+  EPX_REQUIRE(code == EPX_BF16 || code == EPX_FP8_E4M3, op, ": dtype must be EPX_BF16 or EPX_FP8_E4M3, got ", code);
+  EPX_REQUIRE(rows >= 0, op, ": rows must be >= 0, got ", rows);
+  EPX_REQUIRE(hidden > 0 && hidden <= kMaxHidden && row_bytes(dtype, hidden) % 16 == 0, op, ": hidden must be in [1, ",
+              kMaxHidden, "] with a row of x a multiple of 16 bytes, got ", hidden);
+  EPX_REQUIRE(dtype == EPX_FP8_E4M3 ? num_scales >= 1 && num_scales <= hidden : num_scales == 0, op,
+              ": num_scales must be in [1, hidden] for FP8 and 0 for BF16, got ", num_scales);
+  EPX_REQUIRE(num_topk >= 0 && num_topk <= kMaxTopk, op, ": num_topk must be in [0, ", kMaxTopk, "], got ", num_topk);
+  return RecvRegion::bytes_for(rows, row_bytes(dtype, hidden), num_scales, num_topk);
+}
+
 void validate_internode_config(const Config& c, int num_nvl_ranks, int num_domains) {
   num_channels(c);
   EPX_REQUIRE(num_nvl_ranks >= 1 && num_nvl_ranks <= kMaxNvlRanks && num_domains >= 1 && num_domains <= kMaxDomains,
@@ -162,6 +179,27 @@ DispatchSplit default_dispatch_split(bool fp8, int warps) {
   // split, eighth session): BF16 5, FP8 4, 13 ring readers.
   if (warps == kWideDispatchWarps) return DispatchSplit{fp8 ? 4 : 5, 13};
   return DispatchSplit{fp8 ? 5 : 6, 16};
+}
+
+int default_in_buffer_self_warps(int num_ranks, bool fp8, int num_sms) {
+  if (num_ranks != 2 || num_sms <= 0) return kDataWarps / (num_ranks > 0 ? num_ranks : 1);
+  // 2 ranks: about 192 warps over the grid push BF16 rows to the peer, 240 FP8 rows (half the bytes for the same
+  // per-row work); the rest of each block copies own rows. More pushing warps than that slow the link down, fewer
+  // leave it idle (a sweep of 12-32 SMs on 2 x H200, docs/bench-notes.md).
+  const int pushing = fp8 ? 240 : 192;
+  const int per_block = (pushing + num_sms - 1) / num_sms;
+  const int self = kDataWarps - per_block;
+  return self < 1 ? 1 : (self > kDataWarps - 1 ? kDataWarps - 1 : self);
+}
+
+int parse_in_buffer_self_warps(const char* value) {
+  if (value == nullptr || value[0] == '\0') return 0;
+  int n = -1, end = 0;
+  const bool ok = value[0] >= '0' && value[0] <= '9' && std::sscanf(value, "%d%n", &n, &end) == 1 &&
+                  value[end] == '\0' && n >= 1 && n <= kDataWarps - 1;
+  EPX_REQUIRE(ok, "EPX_HT_IN_BUFFER_SELF_WARPS must be an integer in [1, ", kDataWarps - 1,
+              "] (warps of a block that write this rank's own rows), got '", value, "'");
+  return n;
 }
 
 bool parse_dispatch_split(const char* value, DispatchSplit* out) {

@@ -27,6 +27,8 @@ const char* error_name(int code) {
       return "num_tokens_per_rank does not match is_token_in_rank";
     case kErrWorstTokensExceeded:
       return "num_worst_tokens too small";
+    case kErrRecvRegionExceeded:
+      return "output region too small";
     case kErrTimeout:
       return "timeout";
     case kErrAbortedByPeer:
@@ -194,6 +196,10 @@ std::string describe_input(int code, const DeviceDiag& d, int reporting_rank) {
                  d.c, " tokens for rank ", d.a, ": pass the layout of the same topk_idx");
     case kErrWorstTokensExceeded:
       return cat("num_worst_tokens = ", d.c, " is too small: rank ", d.a, " would receive ", d.b, " rows");
+    case kErrRecvRegionExceeded:
+      return cat("rank ", d.a, " would receive ", d.b,
+                 " rows but the output region of a dispatch into the buffer holds ", d.c,
+                 " of this shape: create the Buffer with a larger num_recv_bytes (recv_region_size_hint)");
     case kErrShapeMismatch:
       return cat("ranks disagree on this operation: rank ", d.a, " called it with a different shape than rank ", d.rank,
                  " (operation, hidden size, dtype, number of scales, num_topk, num_sms or ring size;"

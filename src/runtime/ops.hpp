@@ -98,6 +98,9 @@ void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const Dis
               const DispatchOutputs& o, cudaStream_t stream, const char* op);
 void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
                      const DispatchOutputs& o, cudaStream_t stream, const char* op);
+// Notify (unless cached) and the data kernel into the output region, then the host's wait for the counts.
+DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                                  bool cached, RecvRegionViews& views, cudaStream_t stream, const char* op);
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
              cudaStream_t stream, const char* op);
 }  // namespace intranode

@@ -45,6 +45,7 @@
 #include "layout/internode_layout.hpp"
 #include "layout/ll_layout.hpp"
 #include "layout/nvl_layout.hpp"
+#include "layout/recv_region.hpp"
 #include "runtime/config.hpp"
 #include "runtime/domains.hpp"
 #include "runtime/transport.hpp"
@@ -257,6 +258,8 @@ class Fuzzer {
     add("epx_notify_dispatch", &Fuzzer::notify_dispatch);
     add("epx_dispatch", &Fuzzer::dispatch);
     add("epx_dispatch_cached", &Fuzzer::dispatch_cached);
+    add("epx_dispatch_in_buffer", &Fuzzer::dispatch_in_buffer);
+    add("epx_recv_region_size_hint", &Fuzzer::recv_region_size_hint);
     add("epx_combine", &Fuzzer::combine);
     add("epx_ll_size_hint", &Fuzzer::ll_size_hint);
     add("epx_ll_clean", &Fuzzer::ll_clean);
@@ -753,6 +756,42 @@ class Fuzzer {
     epx_dispatch_outputs o = random_outputs(r);
     check_is(epx_dispatch_cached(nullptr, maybe(r, a), maybe(r, c), maybe(r, h), maybe(r, o), fake_stream(r)),
              {EPX_ERR_INVALID_ARGUMENT}, "epx_dispatch_cached(NULL, ...)");
+  }
+  void dispatch_in_buffer(Rng& r) {
+    epx_dispatch_args a = random_dispatch_args(r);
+    epx_config c = random_config(r);
+    epx_dispatch_handle h = random_handle(r);
+    epx_dispatch_counts n{};
+    epx_recv_region v{};
+    check_is(epx_dispatch_in_buffer(nullptr, maybe(r, a), maybe(r, c), maybe(r, h), r.irange(0, 1), maybe(r, n),
+                                    maybe(r, v), fake_stream(r)),
+             {EPX_ERR_INVALID_ARGUMENT}, "epx_dispatch_in_buffer(NULL, ...)");
+  }
+  void recv_region_size_hint(Rng& r) {
+    const int rows = r.chance(70) ? r.irange(0, 1 << 16) : edgy(r, 0, INT_MAX);
+    const int dtype = r.chance(80) ? r.pick({int(EPX_BF16), int(EPX_FP8_E4M3)}) : r.pick({-1, 2, 7, INT_MIN});
+    const int hidden = r.chance(60) ? 16 * r.irange(1, rules_.l.max_hidden / 16) : edgy(r, 1, rules_.l.max_hidden);
+    const bool fp8 = dtype == int(EPX_FP8_E4M3);
+    const int scales = r.chance(70) ? (fp8 ? std::max(1, hidden / rules_.l.fp8_group_size) : 0) : edgy(r, 0, 1024);
+    const int K = r.chance(70) ? r.irange(0, rules_.l.max_topk) : edgy(r, 0, rules_.l.max_topk);
+    int64_t bytes = -7;
+    const bool b_null = r.chance(5);
+    epx_dtype dt;
+    std::memcpy(&dt, &dtype, sizeof dt);  // any int may arrive through the C ABI
+    const std::string call =
+        cat("epx_recv_region_size_hint(", rows, ", ", hidden, ", ", dtype, ", ", scales, ", ", K, ")");
+    const bool dtype_ok = dtype == int(EPX_BF16) || fp8;
+    const bool hidden_ok = hidden >= 1 && hidden <= rules_.l.max_hidden && (fp8 ? hidden % 16 : hidden % 8) == 0;
+    const bool valid = !b_null && dtype_ok && rows >= 0 && hidden_ok &&
+                       (fp8 ? scales >= 1 && scales <= hidden : scales == 0) && K >= 0 && K <= rules_.l.max_topk;
+    const epx_status s = epx_recv_region_size_hint(rows, hidden, dt, scales, K, b_null ? nullptr : &bytes);
+    check(s, valid ? Want::kOk : Want::kError, call);
+    if (s != EPX_OK) return;
+    // A region of exactly this many bytes holds `rows` rows of the shape, its arrays inside it.
+    const int64_t x_bytes = int64_t(hidden) * (fp8 ? 1 : 2);
+    const epx::RecvRegion region = epx::RecvRegion::make(bytes, x_bytes, scales, K);
+    if (region.capacity < rows || region.end() > bytes)
+      fail(cat(call, " = ", bytes, ": holds ", region.capacity, " rows, ends at ", region.end()));
   }
   void combine(Rng& r) {
     epx_combine_args a{};

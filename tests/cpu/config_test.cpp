@@ -286,6 +286,42 @@ TEST(DispatchSplit, ParsesTheVariableOrNamesIt) {
   EXPECT_EQ(d, (epx::DispatchSplit{22, 23}));  // a refused value leaves it as it was
 }
 
+// The dispatch into the buffer: at 2 ranks about 192 (BF16) or 240 (FP8) pushing warps over the grid, the rest of
+// each block own rows, always at least one warp of each; at more ranks an equal share per rank.
+TEST(InBufferSelfWarps, DefaultsKeepAWarpForEveryGroup) {
+  EXPECT_EQ(epx::default_in_buffer_self_warps(2, false, 24), 16);
+  EXPECT_EQ(epx::default_in_buffer_self_warps(2, true, 24), 14);
+  EXPECT_EQ(epx::default_in_buffer_self_warps(2, false, 16), 12);
+  for (bool fp8 : {false, true})
+    for (int sms = 2; sms <= 132; sms += 2) {
+      const int s = epx::default_in_buffer_self_warps(2, fp8, sms);
+      EXPECT_GE(s, 1) << sms;
+      EXPECT_LE(s, epx::kDataWarps - 1) << sms;
+    }
+  for (int r = 3; r <= epx::kMaxNvlRanks; ++r) {
+    const int s = epx::default_in_buffer_self_warps(r, false, 24);
+    EXPECT_GE(s, 1) << r;
+    EXPECT_GE((epx::kDataWarps - s) / (r - 1), 1) << r;
+  }
+}
+
+TEST(InBufferSelfWarps, ParsesTheVariableOrNamesIt) {
+  EXPECT_EQ(epx::parse_in_buffer_self_warps(nullptr), 0);
+  EXPECT_EQ(epx::parse_in_buffer_self_warps(""), 0);
+  EXPECT_EQ(epx::parse_in_buffer_self_warps("14"), 14);
+  EXPECT_EQ(epx::parse_in_buffer_self_warps("1"), 1);
+  EXPECT_EQ(epx::parse_in_buffer_self_warps("23"), 23);
+  for (const char* bad : {"0", "24", "-3", "14x", "a", " 14", "1,2"}) {
+    try {
+      epx::parse_in_buffer_self_warps(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const epx::Error& e) {
+      EXPECT_EQ(e.status(), epx::Status::kInvalidArgument) << bad;
+      EXPECT_THAT(e.what(), HasSubstr("EPX_HT_IN_BUFFER_SELF_WARPS")) << bad;
+    }
+  }
+}
+
 // The chunked dispatch senders' groups (kernels/sender_groups.hpp, chunked_peer_slot): every rank but self gets
 // one group of kDataWarps / (R - 1) warps with indexes 0 .. warps - 1, in rank order; no warp serves self; the
 // warps past the groups are idle.

@@ -61,6 +61,135 @@ Case scenario(std::string name, std::function<HtCase(Context&)> make) {
   return Case{std::move(name), [make](Context& ctx) { return run_full(ctx, make(ctx)); }};
 }
 
+// Dispatches into the Buffer's output region (semantics.md section 2): the same checks on the region's views, and a
+// combine after each, on the suite's buffer (its num_recv_bytes: 4096 tokens a rank of BF16 h7168, top-8).
+std::vector<Case> in_buffer_cases() {
+  const auto in_buffer = [](std::string name, std::function<HtCase(Context&)> make) {
+    return scenario("in buffer: " + name, [make](Context& ctx) {
+      HtCase c = make(ctx);
+      c.in_buffer = true;
+      return c;
+    });
+  };
+  std::vector<Case> cases;
+  cases.push_back(in_buffer("one token per rank, h2048", [](Context&) { return base_case({1}, 2048, 111); }));
+  cases.push_back(in_buffer("random bf16 h2048, 20% empty slots", [](Context&) {
+    auto c = base_case({256}, 2048, 112);
+    c.routing.empty_slot_prob = 0.2;
+    return c;
+  }));
+  cases.push_back(in_buffer("4096 tokens, bf16 h7168, top-8 of 256, two biases", [](Context&) {
+    auto c = base_case({4096}, 7168, 113);
+    c.routing.num_experts = 256;
+    c.routing.empty_slot_prob = 0.02;
+    c.num_biases = 2;
+    return c;
+  }));
+  cases.push_back(in_buffer("fp8 h7168 with scales", [](Context&) {
+    auto c = base_case({512}, 7168, 114);
+    c.dtype = EPX_FP8_E4M3;
+    return c;
+  }));
+  cases.push_back(in_buffer("fp8 h4096, padded scale strides, 160 scales, expert_alignment 128", [](Context&) {
+    auto c = base_case({300}, 4096, 115);
+    c.dtype = EPX_FP8_E4M3;
+    c.num_scales = 160;
+    c.scale_layout = harness::ScaleLayout::kPadded;
+    c.expert_alignment = 128;
+    return c;
+  }));
+  cases.push_back(in_buffer("rank 0 sends nothing",
+                            [](Context& ctx) { return base_case(per_rank(ctx.num_ranks, {0}, 300), 2048, 116); }));
+  cases.push_back(in_buffer("last rank receives nothing", [](Context&) {
+    auto c = base_case({400}, 2048, 117);
+    c.routing.kind = Routing::kLastIdle;
+    return c;
+  }));
+  cases.push_back(in_buffer("skewed expert popularity, uneven tokens", [](Context& ctx) {
+    auto c = base_case(per_rank(ctx.num_ranks, {100, 1000, 7, 333}, 50), 4096, 118);
+    c.routing.kind = Routing::kSkewed;
+    c.routing.num_experts = 256;
+    return c;
+  }));
+  cases.push_back(in_buffer("every token to expert 0", [](Context&) {
+    auto c = base_case({500}, 2048, 119);
+    c.routing.kind = Routing::kOneExpert;
+    return c;
+  }));
+  cases.push_back(in_buffer("no top-k, no combine weights", [](Context&) {
+    auto c = base_case({300}, 2048, 120);
+    c.with_topk = false;
+    c.combine_weights = false;
+    return c;
+  }));
+  cases.push_back(in_buffer("top-k without weights", [](Context&) {
+    auto c = base_case({300}, 2048, 121);
+    c.with_weights = false;
+    return c;
+  }));
+  cases.push_back(in_buffer("worst-case mode", [](Context&) {
+    auto c = base_case({600}, 2048, 122);
+    c.worst_case = true;
+    return c;
+  }));
+  cases.push_back(in_buffer("worst-case mode, fp8, 1 token", [](Context&) {
+    auto c = base_case({1}, 4096, 123);
+    c.worst_case = true;
+    c.dtype = EPX_FP8_E4M3;
+    return c;
+  }));
+  cases.push_back(Case{"in buffer: cached dispatches with new data, then combine", [](Context& ctx) {
+                         auto c = base_case({700}, 4096, 124);
+                         c.in_buffer = true;
+                         return cached_dispatches(ctx, c, 3, 3000, 97);
+                       }});
+  cases.push_back(Case{"in buffer: a ring dispatch, then cached in-buffer dispatches of its handle", [](Context& ctx) {
+                         auto c = base_case({500}, 2048, 125);
+                         HtSession ring(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         ring.layout();
+                         ring.dispatch();
+                         std::string err = ring.check_dispatch();
+                         c.in_buffer = true;
+                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         s.layout();
+                         s.dispatch();
+                         err += s.check_dispatch();
+                         s.set_x(77);
+                         s.dispatch_cached();
+                         err += s.check_dispatch();
+                         s.set_combine_inputs(78);
+                         s.combine();
+                         err += s.check_combine();
+                         ring.set_combine_inputs(79);  // the ring session's handle, after in-buffer dispatches
+                         ring.combine();
+                         return err + ring.check_combine();
+                       }});
+  // Rows of hidden 32768 (64 KB): the suite's region holds fewer than the 1000 x R that rank 0 receives when every
+  // token goes to expert 0, so every rank's call fails (kBufferTooSmall, a collective error of the notify), and the
+  // buffer stays usable.
+  cases.push_back(Case{"in buffer: a region too small fails every rank, buffer stays usable", [](Context& ctx) {
+                         auto c = base_case({1000}, 32768, 126);
+                         c.routing.kind = Routing::kOneExpert;
+                         c.in_buffer = true;
+                         std::string err;
+                         {
+                           HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                           s.layout();
+                           try {
+                             s.dispatch();
+                             err = "expected an error, dispatch succeeded\n";
+                           } catch (const Error& e) {
+                             err = wrong_error(e, Status::kBufferTooSmall, "num_recv_bytes");
+                           }
+                         }
+                         auto ok = base_case({200}, 2048, 127);
+                         ok.in_buffer = true;
+                         HtSession s(ctx.buffer, ok, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         return err + dispatch_and_combine(s, 9);
+                       }});
+  return cases;
+}
+
 }  // namespace
 
 std::vector<Case> high_throughput_cases(bool internode) {
@@ -306,6 +435,11 @@ std::vector<Case> high_throughput_cases(bool internode) {
                            big.num_max_recv_tokens = 1 << 20;
                            return buffer_too_small(ctx, base_case({64}, 7168, 34), big, "needs", "say the size needed");
                          }});
+  }
+
+  if (!internode) {
+    std::vector<Case> in_buffer = in_buffer_cases();
+    cases.insert(cases.end(), in_buffer.begin(), in_buffer.end());
   }
 
   cases.push_back(Case{"1000 back-to-back dispatch + combine iterations", [](Context& ctx) {

@@ -54,6 +54,8 @@ int suite(Bootstrap& bs, const Options& opt) {
   } else {
     o.num_nvl_bytes = nvl_size_hint(dcfg, 7168 * 2, R);
     o.num_rdma_bytes = std::max(low_latency_size_hint(128, 8192, R, 288), low_latency_size_hint(256, 4096, R, 288));
+    // The in-buffer cases' largest shape: 4096 tokens a rank of BF16 h7168, top-8 (in_buffer_cases()).
+    o.num_recv_bytes = recv_region_size_hint(4096 * R, 7168, EPX_BF16, 0, 8);
   }
   Buffer buffer(bs, o);
   buffer.set_timeout(opt.budget_s);

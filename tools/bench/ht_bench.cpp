@@ -110,6 +110,7 @@ HtCase make_case(const HtOptions& o, epx_dtype dtype) {
   c.num_biases = 0;
   c.combine_weights = true;
   c.worst_case = o.worst_case;  // num_worst_tokens = the sum of all ranks' tokens
+  c.in_buffer = o.in_buffer;
   c.seed = o.seed;
   return c;
 }
@@ -226,6 +227,7 @@ RunInfo make_run_info(const char* benchmark, const HtOptions& o, int num_ranks, 
   info.tokens = o.tokens, info.hidden = o.hidden, info.topk = o.topk, info.experts = o.experts;
   info.routing = "uniform";
   info.worst_case = o.worst_case;
+  info.in_buffer = o.in_buffer;
   info.iters = o.iters, info.warmup = o.warmup, info.seed = o.seed;
   info.nccl = "NCCL: skipped (--no-nccl)";
   return info;

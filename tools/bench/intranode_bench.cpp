@@ -113,6 +113,8 @@ int run_intranode(int argc, char** argv) {
   return launch_ranks(R, [&](Bootstrap& bs) {
     BufferOptions bo = default_buffer_options();
     bo.num_nvl_bytes = buffer_bytes(sweep, opt.hidden, R);
+    // --in-buffer: every rank's tokens fit (BF16 rows cover FP8 rows with their scales).
+    if (opt.in_buffer) bo.num_recv_bytes = recv_region_size_hint(opt.tokens * R, opt.hidden, EPX_BF16, 0, opt.topk);
     return run_rank_process(bs, opt, bo, [&](Bench& b) { return run_rank(b, opt, sweep); });
   });
 }

@@ -128,6 +128,8 @@ const char* intranode_usage() {
          "  --no-nccl          skip the NCCL all-to-all baseline\n"
          "  --worst-case       dispatch in worst-case mode: num_worst_tokens = the sum of all ranks' tokens, no\n"
          "                     host wait for the counts (outputs padded to that many rows)\n"
+         "  --in-buffer        dispatch into the buffer's output region (dispatch_in_buffer): senders write rows\n"
+         "                     to their final place at the receiver, the host waits for counts after the launch\n"
          "  --check-all        check results against the reference model for every swept config, not only\n"
          "                     the default one\n"
          "  --seed S           routing and data seed (1)\n"
@@ -167,6 +169,8 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
           o.rings = parse_int_list(a, value(), 1, 1 << 20);
         else if (a == "--check-all")
           o.check_all = true;
+        else if (a == "--in-buffer")
+          o.in_buffer = true;
         else
           return false;
         return true;

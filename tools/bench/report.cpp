@@ -213,6 +213,10 @@ void print_header(std::FILE* out, const RunInfo& i) {
   if (i.worst_case)
     std::fprintf(out, "dispatch in worst-case mode: num_worst_tokens = %d (all ranks' tokens), no host wait\n",
                  i.tokens * i.num_ranks);
+  if (i.in_buffer)
+    std::fprintf(out,
+                 "dispatch into the buffer: senders write rows to their output rows in the receiver's region, "
+                 "no ring, host wait after the launch\n");
   if (i.num_domains > 0)
     std::fprintf(out, "NVLink domains: %d x %d GPUs%s\n", i.num_domains, i.num_nvl_ranks,
                  i.num_domains == 1 ? " (internode kernels forced inside one domain: the NVLink forwarding alone)"
@@ -251,7 +255,8 @@ void write_json(const std::string& path, const RunInfo& i, const std::vector<Row
          ", \"forced_internode\": " + (i.num_domains == 1 ? "true" : "false") + ",\n";
   s += "  \"tokens_per_rank\": " + std::to_string(i.tokens) + ", \"hidden\": " + std::to_string(i.hidden) +
        ", \"num_topk\": " + std::to_string(i.topk) + ", \"num_experts\": " + std::to_string(i.experts) +
-       ", \"routing\": " + json_string(i.routing) + ", \"worst_case\": " + (i.worst_case ? "true" : "false") + ",\n";
+       ", \"routing\": " + json_string(i.routing) + ", \"worst_case\": " + (i.worst_case ? "true" : "false") +
+       ", \"in_buffer\": " + (i.in_buffer ? "true" : "false") + ",\n";
   s += "  \"iters\": " + std::to_string(i.iters) + ", \"warmup\": " + std::to_string(i.warmup) +
        ", \"seed\": " + std::to_string(i.seed) + ",\n";
   s += "  \"check\": " + json_string(i.check) + ", \"nccl\": " + json_string(i.nccl) + ",\n";

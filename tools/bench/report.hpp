@@ -59,6 +59,7 @@ struct RunInfo {
   int tokens = 0, hidden = 0, topk = 0, experts = 0;
   std::string routing;
   bool worst_case = false;  // the dispatches ran with num_worst_tokens (no host wait)
+  bool in_buffer = false;   // the dispatches wrote into the buffer's output region
   int iters = 0, warmup = 0;
   uint64_t seed = 0;
   std::string check;  // "PASS", or what failed

@@ -14,6 +14,15 @@ inline void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// n elements at device address p (any device memory, e.g. a Buffer's output region), after `s` has synchronized.
+template <typename T>
+std::vector<T> download_from(const T* p, size_t n, cudaStream_t s) {
+  std::vector<T> v(n);
+  if (n) cuda_check(cudaMemcpyAsync(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost, s), "download");
+  cuda_check(cudaStreamSynchronize(s), "download sync");
+  return v;
+}
+
 template <typename T>
 class DeviceArray {
  public:
@@ -45,12 +54,7 @@ class DeviceArray {
     if (!v.empty())
       cuda_check(cudaMemcpyAsync(ptr_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, s), "upload");
   }
-  std::vector<T> download(size_t n, cudaStream_t s) const {
-    std::vector<T> v(n);
-    if (n) cuda_check(cudaMemcpyAsync(v.data(), ptr_, n * sizeof(T), cudaMemcpyDeviceToHost, s), "download");
-    cuda_check(cudaStreamSynchronize(s), "download sync");
-    return v;
-  }
+  std::vector<T> download(size_t n, cudaStream_t s) const { return download_from<T>(ptr_, n, s); }
   void fill_bytes(int value, cudaStream_t s) {
     if (n_) cuda_check(cudaMemsetAsync(ptr_, value, n_ * sizeof(T), s), "memset");
   }

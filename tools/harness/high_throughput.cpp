@@ -268,11 +268,19 @@ void HtSession::dispatch() {
     handle_.send_nvl_head = send_nvl_head_.get();
   }
   const DispatchArgs a = dispatch_args();
+  if (c_.in_buffer) {
+    counts_ = buffer_.dispatch_in_buffer(a, dispatch_config_, handle_, false, region_, stream_);
+    return;
+  }
   counts_ = buffer_.notify_dispatch(a, dispatch_config_, handle_, stream_);
   buffer_.dispatch(a, dispatch_config_, handle_, dispatch_outputs(), stream_);
 }
 
 void HtSession::dispatch_cached() {
+  if (c_.in_buffer) {
+    buffer_.dispatch_in_buffer(dispatch_args(), dispatch_config_, handle_, true, region_, stream_);
+    return;
+  }
   buffer_.dispatch_cached(dispatch_args(), dispatch_config_, handle_, dispatch_outputs(), stream_);
 }
 
@@ -355,8 +363,8 @@ std::string HtSession::check_dispatch() const {
   }
 
   const int rows = c_.worst_case ? worst_tokens() : N;
-  const auto recv_x = recv_x_.download(size_t(rows) * row_bytes(), stream_);
-  const auto src_idx = internode_ ? std::vector<int>(rows, -1) : recv_src_idx_.download(rows, stream_);
+  const auto recv_x = download_from(out_x(), size_t(rows) * row_bytes(), stream_);
+  const auto src_idx = internode_ ? std::vector<int>(rows, -1) : download_from(out_src_idx(), rows, stream_);
   const ref::RecvMeta meta = ref::dispatch_meta(sources_, rank_, K, c_.routing.num_experts, c_.expert_alignment,
                                                 c_.with_topk, c_.with_topk && c_.with_weights);
   std::vector<uint8_t> want_row;
@@ -373,7 +381,7 @@ std::string HtSession::check_dispatch() const {
     if (!internode_) m.expect_eq(src_idx[n], meta.recv_src_idx[n], "recv_src_idx" + at(n));
   }
   if (S > 0) {
-    const auto scales = recv_scales_.download(size_t(rows) * S, stream_);
+    const auto scales = download_from(out_scales(), size_t(rows) * S, stream_);
     std::vector<float> want(S);
     for (int n = 0; n < N; ++n) {
       fill_scales(x_seed_, expected_rows_[n].src_rank, expected_rows_[n].src_token, S, want.data());
@@ -382,11 +390,11 @@ std::string HtSession::check_dispatch() const {
     }
   }
   if (c_.with_topk) {
-    const auto idx = recv_topk_idx_.download(size_t(rows) * K, stream_);
+    const auto idx = download_from(out_topk_idx(), size_t(rows) * K, stream_);
     for (int i = 0; i < N * K; ++i) m.expect_eq(idx[i], meta.recv_topk_idx[i], "recv_topk_idx" + at(i / K, i % K));
     for (int i = N * K; i < rows * K; ++i) m.expect_eq(idx[i], int64_t(-1), "padding recv_topk_idx" + at(i / K, i % K));
     if (c_.with_weights) {
-      const auto w = recv_topk_weights_.download(size_t(rows) * K, stream_);
+      const auto w = download_from(out_topk_weights(), size_t(rows) * K, stream_);
       for (int i = 0; i < N * K; ++i)
         m.expect_eq(bits(w[i]), bits(meta.recv_topk_weights[i]), "recv_topk_weights" + at(i / K, i % K));
       for (int i = N * K; i < rows * K; ++i)
@@ -461,9 +469,9 @@ void HtSession::check_internode_handle(Mismatches& m) const {
 
 std::vector<uint8_t> HtSession::received_bytes() const {
   const size_t rows = expected_rows_.size();
-  std::vector<uint8_t> out = recv_x_.download(rows * row_bytes(), stream_);
+  std::vector<uint8_t> out = download_from(out_x(), rows * row_bytes(), stream_);
   if (num_scales() > 0) {
-    const auto scales = recv_scales_.download(rows * num_scales(), stream_);
+    const auto scales = download_from(out_scales(), rows * num_scales(), stream_);
     const auto* p = reinterpret_cast<const uint8_t*>(scales.data());
     out.insert(out.end(), p, p + scales.size() * sizeof(float));
   }

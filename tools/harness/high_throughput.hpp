@@ -36,6 +36,7 @@ struct HtCase {
   int num_biases = 0;             // 0, 1 or 2 bias tensors in combine
   bool combine_weights = true;
   int reduction = EPX_REDUCE_DEFAULT;  // the combine's order (internode: two-level by default, or flat)
+  bool in_buffer = false;              // dispatches into the Buffer's output region (dispatch_in_buffer)
   uint64_t seed = 1;
   int tokens_of(int rank) const { return tokens.size() == 1 ? tokens[0] : tokens.at(rank); }
 };
@@ -135,6 +136,14 @@ class HtSession {
 
   DispatchHandle handle_{};
   DispatchCounts counts_;
+  RecvRegionViews region_{};  // in_buffer: where the last dispatch wrote its outputs
+
+  // The last dispatch's outputs: region_'s views in in_buffer mode, else this session's arrays.
+  const uint8_t* out_x() const { return c_.in_buffer ? static_cast<const uint8_t*>(region_.recv_x) : recv_x_.get(); }
+  const float* out_scales() const { return c_.in_buffer ? region_.recv_x_scales : recv_scales_.get(); }
+  const int64_t* out_topk_idx() const { return c_.in_buffer ? region_.recv_topk_idx : recv_topk_idx_.get(); }
+  const float* out_topk_weights() const { return c_.in_buffer ? region_.recv_topk_weights : recv_topk_weights_.get(); }
+  const int* out_src_idx() const { return c_.in_buffer ? region_.recv_src_idx : recv_src_idx_.get(); }
 };
 
 }  // namespace epx::harness

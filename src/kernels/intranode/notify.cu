@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
   __shared__ int s_error;
   __shared__ int s_error_rank;
   __shared__ int s_worst_rank;
+  __shared__ int s_region_rank;
   __shared__ uint32_t s_epoch;
   const int tid = threadIdx.x;
   const int R = p.num_ranks, C = p.num_channels, me = p.peers.rank;
@@ -81,6 +82,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     s_error = e.error;
     s_error_rank = e.error_rank;
     s_worst_rank = R;
+    s_region_rank = R;
   }
   __syncthreads();
   const uint32_t epoch = s_epoch;
@@ -148,6 +150,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
         p.rank_prefix_matrix[i * R + tid] = acc;
       }
       if (p.num_worst_tokens > 0 && acc > p.num_worst_tokens) atomicMin(&s_worst_rank, tid);
+      if (p.recv_capacity > 0 && acc > p.recv_capacity) atomicMin(&s_region_rank, tid);
       // Row tid of channel_prefix_matrix (what this rank sends to tid), inclusive over channels.
       int sent = 0;
       for (int c = 0; c < C; ++c) {
@@ -182,6 +185,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
       int rows = 0;
       for (int s = 0; s < R; ++s) rows += msg(s, NotifyMsg::tokens_per_rank(rank));
       write_diag(&p.fail.host->input, kErrWorstTokensExceeded, rank, kRoleNotify, rank, rows, p.num_worst_tokens);
+    } else if (code == 0 && s_region_rank < R) {
+      code = kErrRecvRegionExceeded;
+      rank = s_region_rank;
+      int rows = 0;
+      for (int s = 0; s < R; ++s) rows += msg(s, NotifyMsg::tokens_per_rank(rank));
+      write_diag(&p.fail.host->input, kErrRecvRegionExceeded, rank, kRoleNotify, rank, rows, p.recv_capacity);
     }
     self->op_error = code;
     self->op_error_rank = rank;
