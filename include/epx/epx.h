@@ -19,7 +19,7 @@ extern "C" {
 #endif
 
 #define EPX_VERSION_MAJOR 0
-#define EPX_VERSION_MINOR 6
+#define EPX_VERSION_MINOR 7
 
 typedef enum epx_status {
   EPX_OK = 0,

@@ -18,8 +18,9 @@ from .errors import error_for
 
 # The ABI this package was written against (epx.h EPX_VERSION_MAJOR / MINOR).
 ABI_MAJOR = 0
-ABI_MIN_MINOR = 6  # rank-reduced combine (topk_weights / recv_topk_slots, reduction) and rank masking (enable_shrink,
-#                    shrink_timeout_s, epx_ll_*_mask)
+ABI_MIN_MINOR = 7  # 6: rank-reduced combine (topk_weights / recv_topk_slots, reduction) and rank masking
+#                    (enable_shrink, shrink_timeout_s, epx_ll_*_mask); 7: the dispatch into the buffer
+#                    (num_recv_bytes, epx_dispatch_in_buffer, epx_recv_region_size_hint)
 
 LIBRARY_NAME = "libepx.so"
 
@@ -56,7 +57,7 @@ class Bootstrap(Structure):
 class BufferOptions(Structure):
     _fields_ = [("num_nvl_bytes", c_int64), ("num_rdma_bytes", c_int64), ("low_latency_mode", c_int),
                 ("num_nvl_ranks", c_int), ("timeout_s", c_double), ("device", c_int), ("force_internode", c_int),
-                ("enable_shrink", c_int), ("shrink_timeout_s", c_double)]
+                ("enable_shrink", c_int), ("shrink_timeout_s", c_double), ("num_recv_bytes", c_int64)]
 
 
 class Limits(Structure):
@@ -104,6 +105,11 @@ class DispatchHandle(Structure):
 class DispatchOutputs(Structure):
     _fields_ = [("recv_x", c_void_p), ("recv_x_scales", c_void_p), ("recv_topk_idx", c_void_p),
                 ("recv_topk_weights", c_void_p), ("num_rows", c_int)]
+
+
+class RecvRegion(Structure):
+    _fields_ = [("recv_x", c_void_p), ("recv_x_scales", c_void_p), ("recv_topk_idx", c_void_p),
+                ("recv_topk_weights", c_void_p), ("recv_src_idx", c_void_p), ("capacity", c_int)]
 
 
 class DispatchCounts(Structure):
@@ -191,6 +197,9 @@ SIGNATURES = {
                                     _P(DispatchOutputs), _stream]),
     "epx_combine": (c_int, [_buffer_p, _P(CombineArgs), _P(Config), _P(DispatchHandle), _P(CombineOutputs),
                             _stream]),
+    "epx_dispatch_in_buffer": (c_int, [_buffer_p, _P(DispatchArgs), _P(Config), _P(DispatchHandle), c_int,
+                                       _P(DispatchCounts), _P(RecvRegion), _stream]),
+    "epx_recv_region_size_hint": (c_int, [c_int, c_int, c_int, c_int, c_int, _P(c_int64)]),
     "epx_ll_size_hint": (c_int, [c_int, c_int, c_int, c_int, _P(c_int64)]),
     "epx_ll_clean": (c_int, [_buffer_p, _stream]),
     "epx_ll_dispatch": (c_int, [_buffer_p, _P(LLDispatchArgs), _P(LLDispatchOutputs), c_int, _P(LLHandle),
@@ -325,6 +334,13 @@ def num_channels(config: Config) -> int:
 def nvl_size_hint(config: Config, hidden_bytes: int, num_ranks: int) -> int:
     out = c_int64(0)
     lib().check(lib().epx_config_nvl_size_hint(byref(config), int(hidden_bytes), int(num_ranks), byref(out)))
+    return out.value
+
+
+def recv_region_size_hint(rows: int, hidden: int, dtype: int, num_scales: int, num_topk: int) -> int:
+    out = c_int64(0)
+    lib().check(lib().epx_recv_region_size_hint(int(rows), int(hidden), int(dtype), int(num_scales), int(num_topk),
+                                                byref(out)))
     return out.value
 
 

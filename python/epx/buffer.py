@@ -101,7 +101,7 @@ class Buffer(HighThroughputMixin, LowLatencyMixin):
     def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
-                 enable_shrink: bool = False, comm=None):
+                 enable_shrink: bool = False, comm=None, *, num_recv_bytes: int = 0):
         """Collective: creates this rank's buffer and connects it with every other rank's.
 
         Every rank must call it with the same sizes and flags, each with its own GPU as the current CUDA device.
@@ -136,6 +136,10 @@ class Buffer(HighThroughputMixin, LowLatencyMixin):
                 mask. Needs num_rdma_bytes > 0 in a buffer over one NVLink domain, the same on every rank.
             comm: an mpi4py communicator (anything with Get_rank(), Get_size() and allgather(obj)), default None;
                 used to exchange the set-up bytes when group is None.
+            num_recv_bytes: int >= 0, default 0 (an epx addition, keyword only). Bytes of the output
+                region that dispatch(..., outputs_in_buffer=True) writes its outputs into
+                (get_recv_region_size_hint); the same on every rank, inside one NVLink domain only. 0: no such
+                dispatch.
 
         Raises:
             TypeError / ValueError: an argument of the wrong type or out of range, or neither group nor comm;
@@ -152,6 +156,7 @@ class Buffer(HighThroughputMixin, LowLatencyMixin):
         _checks.flag("use_fabric", use_fabric)
         explicitly_destroy = _checks.flag("explicitly_destroy", explicitly_destroy)
         enable_shrink = _checks.flag("enable_shrink", enable_shrink)
+        num_recv_bytes = _checks.integer("num_recv_bytes", num_recv_bytes, 0)
         output_reuse = output_reuse_env()
         if group is None and comm is None:
             raise ValueError("epx.Buffer needs group (a torch.distributed process group) or comm (an mpi4py comm)")
@@ -168,7 +173,7 @@ class Buffer(HighThroughputMixin, LowLatencyMixin):
         # the hosts.
         # shrink_timeout_s 0: $EPX_LL_SHRINK_TIMEOUT_S, else the library's default (1 s).
         options = _lib.BufferOptions(num_nvl_bytes, num_rdma_bytes, int(low_latency_mode), 0, 0.0, device_index, 0,
-                                     int(enable_shrink), 0.0)
+                                     int(enable_shrink), 0.0, num_recv_bytes)
         out = ctypes.c_void_p()
         status = lib.epx_buffer_create(byref(boot.struct), byref(options), byref(out))
         if status != _lib.EPX_OK:
@@ -179,6 +184,7 @@ class Buffer(HighThroughputMixin, LowLatencyMixin):
                          explicitly_destroy, num_nvl_ranks, internode, output_reuse)
         self._attach_streams(comm_stream)
         self.enable_shrink = enable_shrink
+        self.num_recv_bytes = num_recv_bytes
         if explicitly_destroy:
             self._finalizer = weakref.finalize(self, self._native.warn_if_alive)
             self._finalizer.atexit = False
@@ -191,6 +197,7 @@ class Buffer(HighThroughputMixin, LowLatencyMixin):
         self.group = group if group is not None else comm  # deep_ep keeps the communicator there when no group
         self.comm = comm
         self.enable_shrink = False  # set by __init__ after this (rank masking, low_latency_*_mask_buffer)
+        self.num_recv_bytes = 0     # likewise (the output region of dispatch(..., outputs_in_buffer=True))
         self.rank = rank
         self.group_size = size
         self._device = device
@@ -418,6 +425,31 @@ class Buffer(HighThroughputMixin, LowLatencyMixin):
         if Buffer.num_sms is not None:
             config.num_sms = Buffer.num_sms
         return config
+
+    @staticmethod
+    def get_recv_region_size_hint(num_rows: int, hidden: int, num_topk: int = 0, use_fp8: bool = False,
+                                  num_scales: Optional[int] = None) -> int:
+        """Returns the num_recv_bytes a Buffer needs for dispatch(..., outputs_in_buffer=True) to receive up to
+        num_rows rows (at most the sum of all ranks' tokens) of this shape. A BF16 region of a hidden size also
+        holds FP8 rows of that size with per-128 scales.
+
+        Arguments:
+            num_rows: int >= 0: the rows the region must hold.
+            hidden: int: the row length (a multiple of 8 for BF16, 16 for FP8).
+            num_topk: int in [0, 32], default 0: K of the dispatch's topk_idx (0: no top-k).
+            use_fp8: bool, default False: FP8 rows with scales instead of BF16 rows.
+            num_scales: int or None (default): FP8 scales per row, in [1, hidden]; None: hidden // 128 (at least
+                1). Must be None or 0 for BF16.
+        """
+        use_fp8 = _checks.flag("use_fp8", use_fp8)
+        num_rows = _checks.integer("num_rows", num_rows, 0)
+        hidden = _checks.integer("hidden", hidden, 1)
+        num_topk = _checks.integer("num_topk", num_topk, 0, 32)
+        if num_scales is None:
+            num_scales = max(1, hidden // 128) if use_fp8 else 0
+        num_scales = _checks.integer("num_scales", num_scales, 0)
+        return _lib.recv_region_size_hint(num_rows, hidden, _lib.EPX_FP8_E4M3 if use_fp8 else _lib.EPX_BF16,
+                                          num_scales, num_topk)
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

@@ -20,6 +20,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _checks, _lib
+from ._memory import itemsize
 from ._streams import check_stream_flags
 from .config import Config
 from .errors import NotSupportedError
@@ -100,6 +101,13 @@ class HighThroughputMixin:
                 returns. True: the current stream does not wait; wait on the returned event before using them.
             allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
                 stream (needs previous_event and async_finish).
+            outputs_in_buffer: bool, default False (an epx addition, keyword only). True: the outputs are views of this
+                Buffer's output region (num_recv_bytes): every sender writes each row straight to its place there,
+                so no rank copies what it received, and the CPU waits for the counts only once the data is queued.
+                They stay valid until the next dispatch of any kind on this Buffer (a combine leaves them): copy
+                what must live longer. Every rank must pass the same value; inside one NVLink domain only; the
+                region must hold every row (else BufferTooSmallError on every rank). The handle stays independent
+                of the region.
 
         Returns:
             num_tokens_per_rank: int32 [R], tokens with at least one expert on each rank (a token counts once
@@ -294,7 +302,7 @@ class HighThroughputMixin:
                  num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 allocate_on_comm_stream: bool = False, *, outputs_in_buffer: bool = False):
         """Collective: sends each token to the ranks that hold its experts (semantics.md section 2; section 6 in the
         internode mode). Runs on the communication stream; without handle and num_worst_tokens, the CPU waits for
         the received counts (the outputs' sizes) before it returns.
@@ -334,6 +342,13 @@ class HighThroughputMixin:
                 returns. True: the current stream does not wait; wait on the returned event before using them.
             allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
                 stream (needs previous_event and async_finish).
+            outputs_in_buffer: bool, default False (an epx addition, keyword only). True: the outputs are views of this
+                Buffer's output region (num_recv_bytes): every sender writes each row straight to its place there,
+                so no rank copies what it received, and the CPU waits for the counts only once the data is queued.
+                They stay valid until the next dispatch of any kind on this Buffer (a combine leaves them): copy
+                what must live longer. Every rank must pass the same value; inside one NVLink domain only; the
+                region must hold every row (else BufferTooSmallError on every rank). The handle stays independent
+                of the region.
 
         Returns (without handle):
             recv_x: the N received tokens, ordered by source rank, then by token index on the source: a bf16
@@ -365,7 +380,8 @@ class HighThroughputMixin:
             # does not pass, goes through every check below, which raise the error that says what is wrong.
             hc, d = self._last_handle, self._device
             if hc is not None and hc.handle is handle and config is None and previous_event is None \
-                    and allocate_on_comm_stream is False and (async_finish is False or async_finish is True) \
+                    and allocate_on_comm_stream is False and outputs_in_buffer is False \
+                    and (async_finish is False or async_finish is True) \
                     and hc.dispatch_config is not None and isinstance(x, _Tensor) and x.dtype is _BF16 \
                     and x.device == d and x.is_contiguous() and not x.data_ptr() & 15:
                 xs = x.shape
@@ -376,12 +392,17 @@ class HighThroughputMixin:
         async_finish = _checks.flag("async_finish", async_finish)
         if previous_event is not None or allocate_on_comm_stream:
             check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
+        if _checks.flag("outputs_in_buffer", outputs_in_buffer):
+            self._check_in_buffer()
         if handle is not None:
             hc = self._check_handle(handle)
             c_config = self._check_config(config, "dispatch", hc)
             T, H = data.shape
             if hc.num_tokens != T:
                 raise ValueError(f"x has {T} tokens but the handle was made for {hc.num_tokens}")
+            if outputs_in_buffer:
+                return self._cached_dispatch_in_buffer(data, scales, dtype, scale_strides, H, hc, c_config,
+                                                       previous_event, async_finish)
             return self._cached_dispatch(data, scales, dtype, scale_strides, H, hc, c_config, previous_event,
                                          async_finish, allocate_on_comm_stream)
         c_config = self._check_config(config, "dispatch")
@@ -449,6 +470,26 @@ class HighThroughputMixin:
                                     recv_channel_prefix_matrix.data_ptr(), None, None, send_head.data_ptr())
         counts = _lib.DispatchCounts()
         lib, stream = _lib.lib(), streams.comm_raw
+        if outputs_in_buffer:
+            region = _lib.RecvRegion()
+            lib.check(lib.epx_dispatch_in_buffer(ptr, byref(args), byref(c_config), byref(h), 0, byref(counts),
+                                                 byref(region), stream))
+            per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
+            N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights = self._region_views(
+                region, N, H, data.dtype, scales, K if topk_idx is not None else 0, topk_weights is not None)
+            # The handle owns its recv_src_idx (the region's is overwritten by the next dispatch).
+            with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
+                recv_src_idx = self._empty((N,), _INT32)
+            with torch.cuda.stream(streams.comm):
+                recv_src_idx.copy_(self._views.tensor(region.recv_src_idx, N * 4, _INT32, (N,), d, self))
+            handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+                      is_token_in_rank, send_head)
+            event = self._finish(compute, async_finish, allocate_on_comm_stream,
+                                 (data, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
+                                  recv_x, recv_scales, recv_topk_idx, recv_topk_weights) + handle)
+            recv = (recv_x, recv_scales) if scales is not None else recv_x
+            return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
         lib.check(lib.epx_notify_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(counts), stream))
         # The counts live in library memory that the next call reuses: copy them now.
         per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
@@ -533,6 +574,49 @@ class HighThroughputMixin:
             return (recv_x, recv_scales), None, None, None, None, event
         return recv_x, None, None, None, None, event
 
+    def _check_in_buffer(self) -> None:
+        if self._internode:
+            raise NotSupportedError("dispatch(..., outputs_in_buffer=True) runs inside one NVLink domain; this "
+                                    "Buffer spans several (or its internode mode was forced)")
+        if not self.num_recv_bytes:
+            raise ValueError("dispatch(..., outputs_in_buffer=True) needs an output region: create the Buffer with "
+                             "num_recv_bytes (Buffer.get_recv_region_size_hint)")
+
+    def _region_views(self, region, N: int, H: int, data_dtype, scales, K: int, with_weights: bool):
+        """recv_x, recv_scales, recv_topk_idx and recv_topk_weights of N rows as views of the output region."""
+        v, d = self._views, self._device
+        recv_x = v.tensor(region.recv_x, N * H * itemsize(data_dtype), data_dtype, (N, H), d, self)
+        recv_scales = None
+        if scales is not None:
+            S = scales.shape[1]
+            recv_scales = v.tensor(region.recv_x_scales, N * S * 4, scales.dtype, (N, S), d, self)
+        recv_topk_idx = v.tensor(region.recv_topk_idx, N * K * 8, _INT64, (N, K), d, self) if K else None
+        recv_topk_weights = None
+        if K and with_weights:
+            recv_topk_weights = v.tensor(region.recv_topk_weights, N * K * 4, _FP32, (N, K), d, self)
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights
+
+    def _cached_dispatch_in_buffer(self, data, scales, dtype, scale_strides, H: int, hc: _HandleCache,
+                                   c_config: _lib.Config, previous_event, async_finish):
+        """The cached dispatch into the output region, after its checks."""
+        N = hc.num_recv
+        S = scales.shape[1] if scales is not None else 0
+        args = _lib.DispatchArgs(data.data_ptr(), dtype, hc.num_tokens, H, _ptr_or_none(scales), S, scale_strides[0],
+                                 scale_strides[1], None, None, 0, 0, None, None, hc.is_token_in_rank.data_ptr(), 1, 0)
+        ptr = self._ptr()
+        streams = self._streams
+        compute = streams.begin(previous_event)
+        region = _lib.RecvRegion()
+        h = _lib.DispatchHandle.from_buffer_copy(hc.h)  # the call may not change the cached handle struct
+        lib = _lib.lib()
+        lib.check(lib.epx_dispatch_in_buffer(ptr, byref(args), byref(c_config), byref(h), 1, None, byref(region),
+                                             streams.comm_raw))
+        recv_x, recv_scales, _, _ = self._region_views(region, N, H, data.dtype, scales, 0, False)
+        event = self._finish(compute, async_finish, False, (data, scales, recv_x, recv_scales) + hc.handle)
+        if scales is not None:
+            return (recv_x, recv_scales), None, None, None, None, event
+        return recv_x, None, None, None, None, event
+
     # ---- combine ------------------------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: Union[Handle, InternodeHandle],
                 topk_weights: Optional[torch.Tensor] = None,
@@ -560,6 +644,13 @@ class HighThroughputMixin:
                 returns. True: the current stream does not wait; wait on the returned event before using them.
             allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
                 stream (needs previous_event and async_finish).
+            outputs_in_buffer: bool, default False (an epx addition, keyword only). True: the outputs are views of this
+                Buffer's output region (num_recv_bytes): every sender writes each row straight to its place there,
+                so no rank copies what it received, and the CPU waits for the counts only once the data is queued.
+                They stay valid until the next dispatch of any kind on this Buffer (a combine leaves them): copy
+                what must live longer. Every rank must pass the same value; inside one NVLink domain only; the
+                region must hold every row (else BufferTooSmallError on every rank). The handle stays independent
+                of the region.
             reduction: keyword-only epx extension (semantics.md section 6): the summation order of an internode Buffer.
                 None (default) or "two_level" there: per NVLink domain, the rows of that domain's receiving ranks
                 summed in float32 in ascending rank order and rounded to bf16 (a single row passes unchanged),
@@ -670,7 +761,8 @@ class HighThroughputMixin:
                            num_tokens_per_expert: Optional[torch.Tensor] = None,
                            topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                            expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
-                           previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                           previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                           *, outputs_in_buffer: bool = False):
         """Collective: dispatch on a Buffer that runs the internode mode (deep_ep's entry point, which its
         dispatch calls over several domains; call dispatch instead, which picks the mode).
 
@@ -683,7 +775,8 @@ class HighThroughputMixin:
         self._require_internode("internode_dispatch", "dispatch")
         return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                              num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                             previous_event, async_finish, allocate_on_comm_stream)
+                             previous_event, async_finish, allocate_on_comm_stream,
+                             outputs_in_buffer=outputs_in_buffer)
 
     def internode_combine(self, x: torch.Tensor, handle: InternodeHandle, topk_weights: Optional[torch.Tensor] = None,
                           bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None,

@@ -65,12 +65,16 @@ STATIC = {"is_sm90_compiled", "set_num_sms", "capture", "get_low_latency_rdma_si
 EPX_EXTRA_DEFAULTS = {("__init__", "group"): None}
 # epx's own keyword-only extensions (they cannot shift a positional argument).
 EPX_KEYWORD_ONLY = {("combine", "reduction"): None, ("internode_combine", "reduction"): None,
-                    ("low_latency_dispatch", "topk_weights"): None, ("low_latency_combine", "reduction"): None}
+                    ("low_latency_dispatch", "topk_weights"): None, ("low_latency_combine", "reduction"): None,
+                    ("__init__", "num_recv_bytes"): 0, ("dispatch", "outputs_in_buffer"): False,
+                    ("internode_dispatch", "outputs_in_buffer"): False}
+# epx's own static methods.
+EPX_STATIC = {"get_recv_region_size_hint"}
 
 
 def _params(name):
     params = list(inspect.signature(getattr(epx.Buffer, name)).parameters.values())
-    if name not in STATIC:
+    if name not in STATIC and name not in EPX_STATIC:
         assert params and params[0].name == "self", f"{name} must be an instance method"
         params = params[1:]
     return params
@@ -244,8 +248,8 @@ def test_internode_entry_points_pass_every_argument_through(monkeypatch):
     monkeypatch.setattr(buf, "dispatch", lambda *a, **k: seen.setdefault("dispatch", (a, k)))
     monkeypatch.setattr(buf, "combine", lambda *a, **k: seen.setdefault("combine", (a, k)))
     dispatch_args = tuple(f"a{i}" for i in range(14))
-    buf.internode_dispatch(*dispatch_args)
-    assert seen["dispatch"] == (dispatch_args, {})
+    buf.internode_dispatch(*dispatch_args, outputs_in_buffer="o")
+    assert seen["dispatch"] == (dispatch_args, {"outputs_in_buffer": "o"})
     combine_args = tuple(f"c{i}" for i in range(8))
     buf.internode_combine(*combine_args, reduction="flat")
     assert seen["combine"] == (combine_args, {"reduction": "flat"})
@@ -315,3 +319,29 @@ def test_every_public_method_documents_its_arguments(name):
         assert f"{value}:" in doc.split("Returns", 1)[-1], f"{name}: return value {value} is not documented"
     if source in RETURNS:
         assert "Returns" in doc
+
+
+def test_outputs_in_buffer_needs_a_region_and_one_domain(monkeypatch):
+    """dispatch(..., outputs_in_buffer=True) is checked before anything runs: a flag, a Buffer with num_recv_bytes,
+    one NVLink domain."""
+    buf = epx.Buffer._unlaunched(4)
+    monkeypatch.setattr(buf, "_check_x", lambda x: (x, None, 0, (0, 0)))
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="outputs_in_buffer"):
+        buf.dispatch(x, outputs_in_buffer="yes")
+    with pytest.raises(ValueError, match="num_recv_bytes"):
+        buf.dispatch(x, outputs_in_buffer=True)
+    net = epx.Buffer._unlaunched(4, num_nvl_ranks=2, internode=True, low_latency_mode=False)
+    monkeypatch.setattr(net, "_check_x", lambda x: (x, None, 0, (0, 0)))
+    net.num_recv_bytes = 1 << 20
+    with pytest.raises(epx.NotSupportedError, match="one NVLink domain"):
+        net.dispatch(x, outputs_in_buffer=True)
+
+
+def test_recv_region_size_hint_checks_its_arguments():
+    for kwargs, error, says in (({"num_rows": -1}, ValueError, "num_rows"), ({"hidden": 0}, ValueError, "hidden"),
+                                ({"num_topk": 33}, ValueError, "num_topk"), ({"use_fp8": "no"}, TypeError, "use_fp8"),
+                                ({"num_scales": 1.0}, TypeError, "num_scales")):
+        args = {"num_rows": 16, "hidden": 1024, **kwargs}
+        with pytest.raises(error, match=says):
+            epx.Buffer.get_recv_region_size_hint(**args)

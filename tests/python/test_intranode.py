@@ -28,7 +28,9 @@ def setup(rank, world):
     SMALL = epx.Config(8, 4, 32)
     configs = [epx.Buffer.get_dispatch_config(world), epx.Buffer.get_combine_config(world), SMALL]
     nvl_bytes = max(c.get_nvl_buffer_size_hint(H_MAX * 2, world) for c in configs)
-    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=nvl_bytes)
+    # The output region of the in-buffer cases: every rank's tokens (tokens_of: fewer than 160 a rank) at H_MAX.
+    recv_bytes = epx.Buffer.get_recv_region_size_hint(160 * world, H_MAX, K)
+    buffer = epx.Buffer(dist.group.WORLD, num_nvl_bytes=nvl_bytes, num_recv_bytes=recv_bytes)
     buffer.set_timeout(30.0)
     return Ctx(rank, world, torch.device("cuda", rank), buffer, {"nvl_bytes": nvl_bytes})
 
@@ -355,6 +357,65 @@ def case_destroy_warns_about_live_views(ctx):
     with pytest.raises(epx.FailedStateError):
         buffer.get_local_buffer_tensor(torch.uint8)
     del view
+
+
+def case_in_buffer_dispatch_combine_bf16(ctx):
+    """outputs_in_buffer: the outputs are views of the Buffer's output region, bit-exact; the handle owns its
+    recv_src_idx; combine and a cached dispatch into the buffer work from that handle."""
+    all_inputs = inputs(ctx, 40, tokens_of(ctx, 40))
+    (recv_x, recv_idx, recv_w, per_expert, handle, event), ref = layout_and_dispatch(ctx, all_inputs,
+                                                                                     outputs_in_buffer=True)
+    assert event.event is None and len(handle) == 6
+    check_recv_x(recv_x, ref, all_inputs)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert_bitwise("recv_topk_weights", recv_w, ref.recv_topk_weights)
+    assert per_expert == ref.per_expert, (per_expert, ref.per_expert)
+    assert_bitwise("handle[3] recv_src_idx", handle[3], ref.recv_src_idx)
+    combined, combined_w, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, topk_weights=recv_w)
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+    new = [_ref.scale_rows(i.x, 5.0) for i in all_inputs]
+    recv, a, b, c, d, _ = ctx.buffer.dispatch(cuda(new[ctx.rank], ctx), handle=handle, outputs_in_buffer=True)
+    assert (a, b, c, d) == (None, None, None, None)
+    assert_bitwise("cached in-buffer recv_x", recv, _ref.gather_rows(new, ref.src, H, torch.bfloat16))
+    # A plain cached dispatch of the same handle still works, into tensors of its own.
+    again = ctx.buffer.dispatch(cuda(all_inputs[ctx.rank].x, ctx), handle=handle)[0]
+    check_recv_x(again, ref, all_inputs)
+
+
+def case_in_buffer_fp8_and_worst_case(ctx):
+    all_inputs = inputs(ctx, 41, tokens_of(ctx, 41))
+    (recv_x, recv_idx, _, per_expert, _, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=H // 128,
+                                                                       outputs_in_buffer=True)
+    assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn
+    check_recv_x(recv_x, ref, all_inputs, fp8_scales=H // 128)
+    assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
+    assert per_expert == ref.per_expert
+    all_inputs, worst = worst_case_inputs(ctx, 42)
+    (recv_x, recv_idx, recv_w, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs, num_worst_tokens=worst,
+                                                                        outputs_in_buffer=True)
+    N = len(ref.src)
+    assert recv_x.shape[0] == worst and handle[3].shape[0] == worst
+    check_recv_x(recv_x, ref, all_inputs, rows=N)
+    assert bool((recv_idx[N:] == -1).all()) and bool((recv_w[N:] == 0).all())
+    assert bool((handle[3][N:] == -1).all())
+    combined, _, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle)
+    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+
+
+def case_in_buffer_region_too_small(ctx):
+    """More rows than the region holds: every rank's call raises BufferTooSmallError, and the Buffer stays
+    usable."""
+    import epx
+    counts = [2000] * ctx.world  # every token to expert 0: rank 0 receives 2000 x R rows of H_MAX, past the region
+    all_inputs = inputs(ctx, 43, counts, hidden=H_MAX)
+    for i in all_inputs:
+        i.topk_idx.fill_(-1)
+        i.topk_idx[:, 0] = 0
+    with pytest.raises(epx.BufferTooSmallError, match="num_recv_bytes"):
+        layout_and_dispatch(ctx, all_inputs, outputs_in_buffer=True)
+    all_inputs = inputs(ctx, 44, tokens_of(ctx, 44))
+    (recv_x, _, _, _, _, _), ref = layout_and_dispatch(ctx, all_inputs, outputs_in_buffer=True)
+    check_recv_x(recv_x, ref, all_inputs)
 
 
 def case_profiler_one_kernel_per_call(ctx):

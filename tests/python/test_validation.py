@@ -52,13 +52,13 @@ def misaligned_bf16(rows, cols):
 EXPECTED_SIGNATURES = {
     "__init__": "self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24, "
                 "allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False, "
-                "explicitly_destroy=False, enable_shrink=False, comm=None",
+                "explicitly_destroy=False, enable_shrink=False, comm=None, num_recv_bytes=0",
     "get_dispatch_layout": "self, topk_idx, num_experts, previous_event=None, async_finish=False, "
                            "allocate_on_comm_stream=False",
     "dispatch": "self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, "
                 "is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None, "
                 "expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False, "
-                "allocate_on_comm_stream=False",
+                "allocate_on_comm_stream=False, outputs_in_buffer=False",
     "combine": "self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False, "
                "allocate_on_comm_stream=False, reduction=None",
     "low_latency_dispatch": "self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
