@@ -355,6 +355,18 @@ epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const e
 epx_status epx_dispatch_in_buffer(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
                                   epx_dispatch_handle* handle, int cached, epx_dispatch_counts* counts,
                                   epx_recv_region* region, void* stream);
+/* Where a combine from the buffer reads this rank's expert outputs: region->recv_x is bf16 [capacity, hidden] and
+ * region->recv_topk_weights float [capacity, num_topk] (NULL for num_topk 0) of the output region; the other views
+ * are NULL. They start where a BF16 dispatch into the buffer of this hidden size and num_topk put recv_x and
+ * recv_topk_weights, so expert outputs written over recv_x in place are already there; after an FP8 dispatch they
+ * overlap its outputs (write them once those are read). */
+epx_status epx_combine_region(epx_buffer* buffer, int hidden, int num_topk, epx_recv_region* region);
+/* A combine whose rows every rank has written into its output region, at the rows of the dispatch whose handle is
+ * given: args->x and args->topk_weights must be the views epx_combine_region gives for args->hidden and
+ * args->num_topk. The source rank reads every row where it is, through NVLink; no ring. Same results, bit for bit,
+ * as epx_combine. Collective. */
+epx_status epx_combine_in_buffer(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
+                                 const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream);
 /* num_recv_bytes for an output region of `rows` rows of this shape (num_scales: 0 for BF16, in [1, hidden] for
  * FP8). */
 epx_status epx_recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk,

@@ -165,6 +165,12 @@ class Buffer {
   // the data (its counts returned); cached true repeats handle's routing (empty counts).
   DispatchCounts dispatch_in_buffer(const DispatchArgs& args, const Config& config, DispatchHandle& handle, bool cached,
                                     RecvRegionViews& region, cudaStream_t stream);
+  // Where a combine from the buffer reads this rank's expert outputs: recv_x (bf16 [capacity, hidden]) and
+  // recv_topk_weights ([capacity, num_topk], null for 0); the other views null (epx_combine_region).
+  RecvRegionViews combine_region(int hidden, int num_topk) const;
+  // A combine whose rows every rank has put in its output region (epx_combine_in_buffer).
+  void combine_in_buffer(const CombineArgs& args, const Config& config, const DispatchHandle& handle,
+                         const CombineOutputs& outputs, cudaStream_t stream);
 
   // ---- low-latency mode: no host synchronization, fixed-size outputs, CUDA-graph capturable ----
   // Collective: zeroes the signalling areas of both buffer sets, then a barrier.

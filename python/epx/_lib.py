@@ -20,7 +20,8 @@ from .errors import error_for
 ABI_MAJOR = 0
 ABI_MIN_MINOR = 7  # 6: rank-reduced combine (topk_weights / recv_topk_slots, reduction) and rank masking
 #                    (enable_shrink, shrink_timeout_s, epx_ll_*_mask); 7: the dispatch into the buffer
-#                    (num_recv_bytes, epx_dispatch_in_buffer, epx_recv_region_size_hint)
+#                    (num_recv_bytes, epx_dispatch_in_buffer, epx_recv_region_size_hint) and the combine from it
+#                    (epx_combine_region, epx_combine_in_buffer)
 
 LIBRARY_NAME = "libepx.so"
 
@@ -200,6 +201,9 @@ SIGNATURES = {
     "epx_dispatch_in_buffer": (c_int, [_buffer_p, _P(DispatchArgs), _P(Config), _P(DispatchHandle), c_int,
                                        _P(DispatchCounts), _P(RecvRegion), _stream]),
     "epx_recv_region_size_hint": (c_int, [c_int, c_int, c_int, c_int, c_int, _P(c_int64)]),
+    "epx_combine_region": (c_int, [_buffer_p, c_int, c_int, _P(RecvRegion)]),
+    "epx_combine_in_buffer": (c_int, [_buffer_p, _P(CombineArgs), _P(Config), _P(DispatchHandle),
+                                      _P(CombineOutputs), _stream]),
     "epx_ll_size_hint": (c_int, [c_int, c_int, c_int, c_int, _P(c_int64)]),
     "epx_ll_clean": (c_int, [_buffer_p, _stream]),
     "epx_ll_dispatch": (c_int, [_buffer_p, _P(LLDispatchArgs), _P(LLDispatchOutputs), c_int, _P(LLHandle),

@@ -101,13 +101,6 @@ class HighThroughputMixin:
                 returns. True: the current stream does not wait; wait on the returned event before using them.
             allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
                 stream (needs previous_event and async_finish).
-            outputs_in_buffer: bool, default False (an epx addition, keyword only). True: the outputs are views of this
-                Buffer's output region (num_recv_bytes): every sender writes each row straight to its place there,
-                so no rank copies what it received, and the CPU waits for the counts only once the data is queued.
-                They stay valid until the next dispatch of any kind on this Buffer (a combine leaves them): copy
-                what must live longer. Every rank must pass the same value; inside one NVLink domain only; the
-                region must hold every row (else BufferTooSmallError on every rank). The handle stays independent
-                of the region.
 
         Returns:
             num_tokens_per_rank: int32 [R], tokens with at least one expert on each rank (a token counts once
@@ -574,13 +567,45 @@ class HighThroughputMixin:
             return (recv_x, recv_scales), None, None, None, None, event
         return recv_x, None, None, None, None, event
 
-    def _check_in_buffer(self) -> None:
+    def _check_in_buffer(self, what: str = "dispatch(..., outputs_in_buffer=True)") -> None:
         if self._internode:
-            raise NotSupportedError("dispatch(..., outputs_in_buffer=True) runs inside one NVLink domain; this "
-                                    "Buffer spans several (or its internode mode was forced)")
+            raise NotSupportedError(f"{what} runs inside one NVLink domain; this Buffer spans several (or its "
+                                    "internode mode was forced)")
         if not self.num_recv_bytes:
-            raise ValueError("dispatch(..., outputs_in_buffer=True) needs an output region: create the Buffer with "
-                             "num_recv_bytes (Buffer.get_recv_region_size_hint)")
+            raise ValueError(f"{what} needs an output region: create the Buffer with num_recv_bytes "
+                             "(Buffer.get_recv_region_size_hint)")
+
+    def _combine_region(self, hidden: int, num_topk: int) -> _lib.RecvRegion:
+        region = _lib.RecvRegion()
+        lib = _lib.lib()
+        lib.check(lib.epx_combine_region(self._ptr(), hidden, num_topk, byref(region)))
+        return region
+
+    def get_combine_input_buffer(self, handle, hidden: int, num_topk: int = 0):
+        """Returns where combine(..., inputs_in_buffer=True) reads this rank's rows: (x, topk_weights), views of the
+        output region (num_recv_bytes): x bf16 [N, hidden] and topk_weights float32 [N, num_topk] (None for
+        num_topk 0), N the rows of the dispatch whose handle is given. Write the expert outputs (and weights) there,
+        then combine. After a BF16 dispatch with outputs_in_buffer of the same hidden and top-k they are its recv_x
+        and recv_topk_weights; after an FP8 one they overlap its outputs (write them once those are read). Valid
+        until the next dispatch on this Buffer. An epx addition, inside one NVLink domain.
+
+        Arguments:
+            handle: the handle of the dispatch whose rows the combine sums.
+            hidden: int, the combine's row length (a multiple of 8).
+            num_topk: int in [0, 32], default 0: K of the weights the combine sums (0: none).
+        """
+        self._check_in_buffer("get_combine_input_buffer")
+        hc = self._check_handle(handle)
+        hidden = _checks.integer("hidden", hidden, 1)
+        num_topk = _checks.integer("num_topk", num_topk, 0, 32)
+        region = self._combine_region(hidden, num_topk)
+        N, v, d = hc.num_recv, self._views, self._device
+        if N > region.capacity:
+            raise ValueError(f"the handle's {N} rows exceed the {region.capacity} the output region holds of rows of "
+                             f"hidden {hidden}")
+        x = v.tensor(region.recv_x, N * hidden * 2, _BF16, (N, hidden), d, self)
+        w = v.tensor(region.recv_topk_weights, N * num_topk * 4, _FP32, (N, num_topk), d, self) if num_topk else None
+        return x, w
 
     def _region_views(self, region, N: int, H: int, data_dtype, scales, K: int, with_weights: bool):
         """recv_x, recv_scales, recv_topk_idx and recv_topk_weights of N rows as views of the output region."""
@@ -622,7 +647,7 @@ class HighThroughputMixin:
                 topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False, *,
-                reduction: Optional[str] = None):
+                reduction: Optional[str] = None, inputs_in_buffer: bool = False):
         """Collective: sums each token's rows from the ranks it was dispatched to, back on its source rank
         (semantics.md section 3; section 6 in the internode mode): float32 over the receiving ranks in ascending
         order, plus the biases, rounded once to bf16. Deterministic (the same bits on every run). Runs on the communication
@@ -644,13 +669,11 @@ class HighThroughputMixin:
                 returns. True: the current stream does not wait; wait on the returned event before using them.
             allocate_on_comm_stream: bool, default False. True: the outputs are allocated on the communication
                 stream (needs previous_event and async_finish).
-            outputs_in_buffer: bool, default False (an epx addition, keyword only). True: the outputs are views of this
-                Buffer's output region (num_recv_bytes): every sender writes each row straight to its place there,
-                so no rank copies what it received, and the CPU waits for the counts only once the data is queued.
-                They stay valid until the next dispatch of any kind on this Buffer (a combine leaves them): copy
-                what must live longer. Every rank must pass the same value; inside one NVLink domain only; the
-                region must hold every row (else BufferTooSmallError on every rank). The handle stays independent
-                of the region.
+            inputs_in_buffer: bool, default False (an epx addition, keyword only). True: x (and topk_weights, if
+                given) are the views get_combine_input_buffer returns (for a BF16 dispatch with outputs_in_buffer
+                also its recv_x and recv_topk_weights, with the expert outputs written over recv_x in place), and
+                the source rank reads every rank's rows there through NVLink: no ring, no sending warps. The same
+                bits as without it. Every rank must pass the same value; inside one NVLink domain only.
             reduction: keyword-only epx extension (semantics.md section 6): the summation order of an internode Buffer.
                 None (default) or "two_level" there: per NVLink domain, the rows of that domain's receiving ranks
                 summed in float32 in ascending rank order and rounded to bf16 (a single row passes unchanged),
@@ -673,7 +696,7 @@ class HighThroughputMixin:
         # that says what is wrong.
         H = -1
         if hc is not None and hc.handle is handle and reduction is None and bias is None and config is None \
-                and previous_event is None and allocate_on_comm_stream is False \
+                and previous_event is None and allocate_on_comm_stream is False and inputs_in_buffer is False \
                 and (async_finish is False or async_finish is True) and hc.combine_config is not None \
                 and isinstance(x, _Tensor) and x.dtype is _BF16 and x.device == d and x.is_contiguous() \
                 and not x.data_ptr() & 15:
@@ -691,6 +714,12 @@ class HighThroughputMixin:
             hc, H, K, code, bias0, bias1, c_config, async_finish = self._combine_checks(
                 x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream,
                 reduction)
+            if _checks.flag("inputs_in_buffer", inputs_in_buffer):
+                self._check_in_buffer("combine(..., inputs_in_buffer=True)")
+                region = self._combine_region(H, K)
+                if x.data_ptr() != region.recv_x or (K and topk_weights.data_ptr() != region.recv_topk_weights):
+                    raise ValueError("combine(..., inputs_in_buffer=True): x and topk_weights must be the views "
+                                     "get_combine_input_buffer(handle, hidden, num_topk) returns")
 
         native = self._native
         ptr = native.ptr if native is not None else None
@@ -720,7 +749,10 @@ class HighThroughputMixin:
         outs.combined_x = combined_x.data_ptr()
         outs.combined_topk_weights = combined_weights.data_ptr() if K else None
         lib = _lib.lib()
-        status = lib.epx_combine(ptr, args, c_config, hc.h, outs, stream)
+        if inputs_in_buffer is False:
+            status = lib.epx_combine(ptr, args, c_config, hc.h, outs, stream)
+        else:
+            status = lib.epx_combine_in_buffer(ptr, args, c_config, hc.h, outs, stream)
         if status:
             lib.check(status)
         if async_finish:
@@ -781,7 +813,8 @@ class HighThroughputMixin:
     def internode_combine(self, x: torch.Tensor, handle: InternodeHandle, topk_weights: Optional[torch.Tensor] = None,
                           bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None,
                           config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
-                          allocate_on_comm_stream: bool = False, *, reduction: Optional[str] = None):
+                          allocate_on_comm_stream: bool = False, *, reduction: Optional[str] = None,
+                          inputs_in_buffer: bool = False):
         """Collective: combine on a Buffer that runs the internode mode (deep_ep's entry point, which its
         combine calls over several domains; call combine instead).
 
@@ -793,7 +826,7 @@ class HighThroughputMixin:
         """
         self._require_internode("internode_combine", "combine")
         return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                            allocate_on_comm_stream, reduction=reduction)
+                            allocate_on_comm_stream, reduction=reduction, inputs_in_buffer=inputs_in_buffer)
 
     def _require_internode(self, name: str, instead: str) -> None:
         if not self._internode:

@@ -256,6 +256,24 @@ epx_status epx_dispatch_in_buffer(epx_buffer* buffer, const epx_dispatch_args* a
   });
 }
 
+epx_status epx_combine_region(epx_buffer* buffer, int hidden, int num_topk, epx_recv_region* region) {
+  return guarded([&] {
+    require_non_null(region, "region");
+    *region = live(buffer).combine_region(hidden, num_topk);
+  });
+}
+
+epx_status epx_combine_in_buffer(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
+                                 const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(config, "config");
+    require_non_null(handle, "handle");
+    require_non_null(outputs, "outputs");
+    live(buffer).combine_in_buffer(*args, *config, *handle, *outputs, as_stream(stream));
+  });
+}
+
 epx_status epx_combine(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
                        const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream) {
   return guarded([&] {

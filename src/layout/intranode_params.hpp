@@ -120,6 +120,10 @@ struct CombineParams {
   const int4* bias1;
   int4* combined_x;
   float* combined_topk_weights;
+  // Combine from the buffer (launch_combine_in_buffer): every rank's rows in its output region at region_offset of
+  // its NVLink buffer (rows of hidden * 2 bytes, the weights at region.weight_offset); x and topk_weights unused.
+  int64_t region_offset;
+  RecvRegion region;
 };
 
 void launch_layout(const LayoutParams& p, int num_sms, cudaStream_t stream);
@@ -127,5 +131,6 @@ void launch_notify(const NotifyParams& p, cudaStream_t stream);
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 void launch_dispatch_in_buffer(const DispatchParams& p, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
+void launch_combine_in_buffer(const CombineParams& p, cudaStream_t stream);
 
 }  // namespace epx

@@ -36,6 +36,23 @@ DispatchCounts Buffer::dispatch_in_buffer(const DispatchArgs& a, const Config& c
   return intranode::dispatch_in_buffer(*impl_, a, c, h, cached, region, stream, op);
 }
 
+RecvRegionViews Buffer::combine_region(int hidden, int num_topk) const {
+  const char* op = "combine_region";
+  if (!impl_->alive) raise(Status::kFailedState, op, ": the buffer was destroyed");
+  if (impl_->internode) raise(Status::kNotSupported, op, ": a combine from the buffer runs inside one NVLink domain");
+  return intranode::combine_region(*impl_, hidden, num_topk, op);
+}
+
+void Buffer::combine_in_buffer(const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
+                               cudaStream_t stream) {
+  const char* op = "combine_in_buffer";
+  impl_->enter(op);
+  if (impl_->internode)
+    raise(Status::kNotSupported, op, ": a combine from the buffer runs inside one NVLink domain; this buffer spans ",
+          impl_->num_domains, " domains (or the internode mode was forced)");
+  intranode::combine_in_buffer(*impl_, a, c, h, o, stream, op);
+}
+
 void Buffer::dispatch_cached(const DispatchArgs& a, const Config& c, const DispatchHandle& h, const DispatchOutputs& o,
                              cudaStream_t stream) {
   const char* op = "dispatch (cached)";

@@ -21,6 +21,10 @@ RingLayout ring_for(const Buffer::Impl& b, const Config& c, int64_t record_bytes
   return ring;
 }
 
+}  // namespace
+
+namespace intranode {
+
 // What every rank of one collective operation must agree on (see NotifyMsg::kSignature).
 int op_signature(int op_kind, int64_t record_bytes, const Config& c) {
   uint64_t h = 1469598103934665603ull;
@@ -28,7 +32,6 @@ int op_signature(int op_kind, int64_t record_bytes, const Config& c) {
     h = (h ^ v) * 1099511628211ull;
   return int(h ^ (h >> 32));
 }
-constexpr int kOpDispatch = 1, kOpCombine = 2, kOpDispatchInBuffer = 3;
 
 void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Config& c, int num_tokens, const char* op) {
   EPX_REQUIRE(h.num_ranks == b.num_ranks, op, ": the handle is for ", h.num_ranks, " ranks, the buffer has ",
@@ -42,7 +45,7 @@ void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Confi
               ": handle.send_head / is_token_in_rank are null");
 }
 
-}  // namespace
+}  // namespace intranode
 
 void get_dispatch_layout(Buffer::Impl& b, const LayoutArgs& a, const LayoutOutputs& o, cudaStream_t stream,
                          const char* op) {
@@ -125,7 +128,7 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   DispatchParams p{};
   fill_dispatch_params(p, b, a, h, o, record.x_bytes);
   p.barrier = cached ? 1 : 0;
-  p.signature = op_signature(kOpDispatch, record.bytes, c);
+  p.signature = intranode::op_signature(intranode::kOpDispatch, record.bytes, c);
   p.ring = ring;
   p.record = record;
   p.num_send_chunk = c.num_max_send_tokens;
@@ -165,96 +168,6 @@ void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, co
   validate_handle(h, b, c, a.num_tokens, op);
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
   launch_dispatch_data(b, a, c, h, o, true, stream, op);
-}
-
-DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
-                                  bool cached, RecvRegionViews& views, cudaStream_t stream, const char* op) {
-  validate_config(c, b.num_nvl_ranks);
-  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
-              b.num_device_sms, " SMs");
-  validate_dispatch_args(a, b.num_ranks, cached, op);
-  const DispatchRecord record = dispatch_record(a);
-  const RecvRegion region = RecvRegion::make(b.options.num_recv_bytes, record.x_bytes,
-                                             a.dtype == EPX_FP8_E4M3 ? a.num_scales : 0, a.num_topk);
-  if (region.capacity == 0)
-    raise(Status::kBufferTooSmall, op, ": the buffer's output region (num_recv_bytes ", b.options.num_recv_bytes,
-          ") holds no row of this shape; create the Buffer with num_recv_bytes from recv_region_size_hint");
-  if (a.num_worst_tokens > region.capacity)
-    raise(Status::kBufferTooSmall, op, ": num_worst_tokens (", a.num_worst_tokens, ") exceeds the ", region.capacity,
-          " rows the output region (num_recv_bytes ", b.options.num_recv_bytes, ") holds of this shape");
-  // Every rank must agree on the region's rows as well: they place each other's rows.
-  const int signature = op_signature(kOpDispatchInBuffer, record.bytes ^ (int64_t(region.capacity) << 24), c);
-  if (cached) {
-    validate_handle(h, b, c, a.num_tokens, op);
-    EPX_REQUIRE(h.num_recv_tokens <= region.capacity, op, ": the handle's ", h.num_recv_tokens, " rows exceed the ",
-                region.capacity, " the output region holds of this shape");
-    EPX_REQUIRE(a.num_worst_tokens > 0 || h.num_recv_tokens >= 0, op,
-                ": the handle does not know how many tokens arrive (made in worst-case mode); pass num_worst_tokens");
-  } else {
-    EPX_REQUIRE(h.rank_prefix_matrix && h.channel_prefix_matrix && h.recv_channel_prefix_matrix, op,
-                ": handle arrays rank_prefix_matrix [R, R], channel_prefix_matrix and recv_channel_prefix_matrix [R, C]"
-                " must be allocated by the caller");
-    EPX_REQUIRE(a.num_tokens == 0 || h.send_head != nullptr, op,
-                ": handle.send_head [num_tokens, R] must be allocated");
-  }
-
-  uint8_t* base = static_cast<uint8_t*>(b.local) + b.recv_offset;
-  views = RecvRegionViews{};
-  views.recv_x = base;
-  views.recv_x_scales = a.dtype == EPX_FP8_E4M3 ? reinterpret_cast<float*>(base + region.scale_offset) : nullptr;
-  views.recv_topk_idx = a.num_topk > 0 ? reinterpret_cast<int64_t*>(base + region.topk_offset) : nullptr;
-  views.recv_topk_weights = a.num_topk > 0 ? reinterpret_cast<float*>(base + region.weight_offset) : nullptr;
-  views.recv_src_idx = reinterpret_cast<int*>(base + region.src_offset);
-  views.capacity = region.capacity;
-
-  int host_seq = 0, num_experts = 0;
-  if (!cached) {
-    h.num_ranks = b.num_ranks;
-    h.num_channels = num_channels(c);
-    h.num_tokens = a.num_tokens;
-    h.num_recv_tokens = -1;
-    h.is_token_in_rank = a.is_token_in_rank;
-    h.recv_src_idx = views.recv_src_idx;
-    NotifyParams n{};
-    fill_notify_params(n, b, a, h.num_channels);
-    n.barrier_only = 0;
-    n.is_token_in_rank = a.is_token_in_rank;
-    n.rank_prefix_matrix = h.rank_prefix_matrix;
-    n.channel_prefix_matrix = h.channel_prefix_matrix;
-    n.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
-    n.recv_capacity = region.capacity;
-    n.signature = signature;
-    host_seq = n.host_seq;
-    num_experts = n.num_experts;
-    launch_notify(n, stream);
-    b.check_launch(cudaGetLastError(), op);
-  }
-
-  DispatchOutputs none{};
-  DispatchParams p{};
-  fill_dispatch_params(p, b, a, h, none, record.x_bytes);
-  p.barrier = cached ? 1 : 0;
-  p.signature = signature;
-  p.record = record;
-  p.is_token_in_rank = h.is_token_in_rank;
-  p.rank_prefix_matrix = h.rank_prefix_matrix;
-  p.channel_prefix_matrix = h.channel_prefix_matrix;
-  p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
-  p.send_head = h.send_head;
-  p.region_offset = b.recv_offset;
-  p.region = region;
-  p.in_buffer_self_warps = b.in_buffer_self_warps > 0
-                               ? b.in_buffer_self_warps
-                               : default_in_buffer_self_warps(b.num_ranks, a.dtype == EPX_FP8_E4M3, c.num_sms);
-  EPX_REQUIRE(
-      b.num_ranks == 1 || (p.in_buffer_self_warps >= 1 && kDataWarps - p.in_buffer_self_warps >= b.num_ranks - 1), op,
-      ": EPX_HT_IN_BUFFER_SELF_WARPS ", p.in_buffer_self_warps, " leaves no warp for a peer (", kDataWarps,
-      " warps a block, ", b.num_ranks - 1, " peers)");
-  launch_dispatch_in_buffer(p, stream);
-  b.check_launch(cudaGetLastError(), op);
-  // The host waits for the counts only now, while the data kernel runs (worst-case mode: not at all).
-  if (cached || a.num_worst_tokens != 0) return DispatchCounts{};
-  return wait_dispatch_counts(b, host_seq, num_experts, h, stream, op);
 }
 
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,

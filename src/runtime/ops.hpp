@@ -92,6 +92,12 @@ DispatchCounts wait_dispatch_counts(Buffer::Impl& b, int host_seq, int num_exper
 void launch_barrier(Buffer::Impl& b, int signature, cudaStream_t stream, const char* op);
 
 namespace intranode {
+// Operation kinds of the signature that every rank of an operation must agree on (NotifyMsg::kSignature).
+constexpr int kOpDispatch = 1, kOpCombine = 2, kOpDispatchInBuffer = 3, kOpCombineInBuffer = 4;
+int op_signature(int op_kind, int64_t record_bytes, const Config& c);
+// A handle usable with this buffer, config and token count (else kInvalidArgument).
+void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Config& c, int num_tokens, const char* op);
+
 DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                cudaStream_t stream, const char* op);
 void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
@@ -103,6 +109,11 @@ DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const 
                                   bool cached, RecvRegionViews& views, cudaStream_t stream, const char* op);
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
              cudaStream_t stream, const char* op);
+// runtime/in_buffer_ops.cpp: where a combine from the buffer reads this rank's rows (hidden * 2 bytes each) and
+// weights, and the combine itself (args.x / topk_weights must be those views).
+RecvRegionViews combine_region(const Buffer::Impl& b, int hidden, int num_topk, const char* op);
+void combine_in_buffer(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h,
+                       const CombineOutputs& o, cudaStream_t stream, const char* op);
 }  // namespace intranode
 
 namespace internode {

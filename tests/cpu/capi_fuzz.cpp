@@ -260,6 +260,8 @@ class Fuzzer {
     add("epx_dispatch_cached", &Fuzzer::dispatch_cached);
     add("epx_dispatch_in_buffer", &Fuzzer::dispatch_in_buffer);
     add("epx_recv_region_size_hint", &Fuzzer::recv_region_size_hint);
+    add("epx_combine_region", &Fuzzer::combine_region);
+    add("epx_combine_in_buffer", &Fuzzer::combine_in_buffer);
     add("epx_combine", &Fuzzer::combine);
     add("epx_ll_size_hint", &Fuzzer::ll_size_hint);
     add("epx_ll_clean", &Fuzzer::ll_clean);
@@ -766,6 +768,23 @@ class Fuzzer {
     check_is(epx_dispatch_in_buffer(nullptr, maybe(r, a), maybe(r, c), maybe(r, h), r.irange(0, 1), maybe(r, n),
                                     maybe(r, v), fake_stream(r)),
              {EPX_ERR_INVALID_ARGUMENT}, "epx_dispatch_in_buffer(NULL, ...)");
+  }
+  void combine_region(Rng& r) {
+    epx_recv_region v{};
+    check_is(epx_combine_region(nullptr, edgy(r, 8, rules_.l.max_hidden), edgy(r, 0, rules_.l.max_topk), maybe(r, v)),
+             {EPX_ERR_INVALID_ARGUMENT}, "epx_combine_region(NULL, ...)");
+  }
+  void combine_in_buffer(Rng& r) {
+    epx_combine_args a{};
+    a.x = any_ptr(r);
+    a.num_rows = edgy(r, 0, 4096);
+    a.hidden = edgy(r, 8, rules_.l.max_hidden);
+    a.num_topk = edgy(r, 0, rules_.l.max_topk);
+    epx_config c = random_config(r);
+    epx_dispatch_handle h = random_handle(r);
+    epx_combine_outputs o{};
+    check_is(epx_combine_in_buffer(nullptr, maybe(r, a), maybe(r, c), maybe(r, h), maybe(r, o), fake_stream(r)),
+             {EPX_ERR_INVALID_ARGUMENT}, "epx_combine_in_buffer(NULL, ...)");
   }
   void recv_region_size_hint(Rng& r) {
     const int rows = r.chance(70) ? r.irange(0, 1 << 16) : edgy(r, 0, INT_MAX);

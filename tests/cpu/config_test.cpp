@@ -14,6 +14,7 @@
 #include "kernels/intranode/sender_groups.hpp"
 #include "layout/limits.hpp"
 #include "layout/nvl_layout.hpp"
+#include "layout/recv_region.hpp"
 #include "runtime/dispatch_split.hpp"
 #include "test_helpers.hpp"
 
@@ -346,4 +347,29 @@ TEST(SenderGroups, ChunkedPeerSlotsCoverEveryPeer) {
         EXPECT_EQ(count[peer], peer == self ? 0 : epx::kDataWarps / (r - 1)) << r << " ranks, self " << self;
     }
   }
+}
+
+// The output region: a region of bytes_for(rows) holds those rows with every array inside it, in order and aligned;
+// one byte less than a row's worth holds fewer.
+TEST(RecvRegion, HoldsWhatItsHintSays) {
+  for (int rows : {0, 1, 7, 4096, 8192})
+    for (int64_t x_bytes : {int64_t(16), int64_t(7168), int64_t(14336)})
+      for (int scales : {0, 56, 160})
+        for (int k : {0, 1, 8, 32}) {
+          const int64_t bytes = epx::RecvRegion::bytes_for(rows, x_bytes, scales, k);
+          const epx::RecvRegion r = epx::RecvRegion::make(bytes, x_bytes, scales, k);
+          EXPECT_GE(r.capacity, rows);
+          EXPECT_LE(r.end(), bytes);
+          EXPECT_EQ(r.scale_offset % epx::kAlign, 0);
+          EXPECT_EQ(r.weight_offset % epx::kAlign, 0);
+          EXPECT_LE(int64_t(r.capacity) * x_bytes, r.scale_offset);
+          EXPECT_LE(r.scale_offset + int64_t(r.capacity) * scales * 4, r.src_offset);
+          EXPECT_LE(r.src_offset + int64_t(r.capacity) * 4, r.topk_offset);
+          EXPECT_LE(r.topk_offset + int64_t(r.capacity) * k * 8, r.weight_offset);
+          if (rows > 0)
+            EXPECT_LT(epx::RecvRegion::make(bytes - epx::RecvRegion::row_bytes(x_bytes, scales, k), x_bytes, scales, k)
+                          .capacity,
+                      rows);
+        }
+  EXPECT_EQ(epx::RecvRegion::make(0, 14336, 0, 8).capacity, 0);
 }

@@ -135,7 +135,7 @@ TEST(ShrinkCApi, ZeroedOptionsLeaveShrinkOff) {
   const epx_buffer_options o{};
   EXPECT_EQ(o.enable_shrink, 0);
   EXPECT_EQ(o.shrink_timeout_s, 0.0);
-  EXPECT_EQ(epx_version(), 6);  // 0.6: enable_shrink, shrink_timeout_s and the three mask calls
+  EXPECT_GE(epx_version(), 6);  // 0.6: enable_shrink, shrink_timeout_s and the three mask calls
   const epx::BufferOptions d = epx::default_buffer_options();
   EXPECT_EQ(d.enable_shrink, 0);
 }

@@ -164,6 +164,31 @@ std::vector<Case> in_buffer_cases() {
                          ring.combine();
                          return err + ring.check_combine();
                        }});
+  cases.push_back(
+      Case{"in buffer: a combine whose x is not the region's is refused before any launch", [](Context& ctx) {
+             auto c = base_case({300}, 2048, 128);
+             c.in_buffer = true;
+             HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+             s.layout();
+             s.dispatch();
+             std::string err = s.check_dispatch();
+             harness::DeviceArray<uint16_t> x(size_t(s.num_recv_tokens() + 1) * 2048);
+             harness::DeviceArray<uint16_t> out(size_t(300) * 2048);
+             CombineArgs a{};
+             a.x = x.get();
+             a.num_rows = s.num_recv_tokens();
+             a.hidden = 2048;
+             CombineOutputs o{out.get(), nullptr};
+             try {
+               ctx.buffer.combine_in_buffer(a, ctx.combine_config, s.handle(), o, ctx.stream);
+               err += "expected an error, the combine was launched\n";
+             } catch (const Error& e) {
+               err += wrong_error(e, Status::kInvalidArgument, "combine_region");
+             }
+             s.set_combine_inputs(11);
+             s.combine();
+             return err + s.check_combine();
+           }});
   // Rows of hidden 32768 (64 KB): the suite's region holds fewer than the 1000 x R that rank 0 receives when every
   // token goes to expert 0, so every rank's call fails (kBufferTooSmall, a collective error of the notify), and the
   // buffer stays usable.

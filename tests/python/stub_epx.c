@@ -111,6 +111,15 @@ epx_status epx_dispatch_in_buffer(epx_buffer* buffer, const epx_dispatch_args* a
   (void)buffer, (void)args, (void)config, (void)handle, (void)cached, (void)counts, (void)region, (void)stream;
   return EPX_OK;
 }
+epx_status epx_combine_region(epx_buffer* buffer, int hidden, int num_topk, epx_recv_region* region) {
+  (void)buffer, (void)hidden, (void)num_topk, (void)region;
+  return EPX_OK;
+}
+epx_status epx_combine_in_buffer(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
+                                 const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream) {
+  (void)buffer, (void)args, (void)config, (void)handle, (void)outputs, (void)stream;
+  return EPX_OK;
+}
 epx_status epx_recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk,
                                      int64_t* bytes) {
   (void)rows, (void)hidden, (void)dtype, (void)num_scales, (void)num_topk;

@@ -67,7 +67,8 @@ EPX_EXTRA_DEFAULTS = {("__init__", "group"): None}
 EPX_KEYWORD_ONLY = {("combine", "reduction"): None, ("internode_combine", "reduction"): None,
                     ("low_latency_dispatch", "topk_weights"): None, ("low_latency_combine", "reduction"): None,
                     ("__init__", "num_recv_bytes"): 0, ("dispatch", "outputs_in_buffer"): False,
-                    ("internode_dispatch", "outputs_in_buffer"): False}
+                    ("internode_dispatch", "outputs_in_buffer"): False, ("combine", "inputs_in_buffer"): False,
+                    ("internode_combine", "inputs_in_buffer"): False}
 # epx's own static methods.
 EPX_STATIC = {"get_recv_region_size_hint"}
 
@@ -251,8 +252,8 @@ def test_internode_entry_points_pass_every_argument_through(monkeypatch):
     buf.internode_dispatch(*dispatch_args, outputs_in_buffer="o")
     assert seen["dispatch"] == (dispatch_args, {"outputs_in_buffer": "o"})
     combine_args = tuple(f"c{i}" for i in range(8))
-    buf.internode_combine(*combine_args, reduction="flat")
-    assert seen["combine"] == (combine_args, {"reduction": "flat"})
+    buf.internode_combine(*combine_args, reduction="flat", inputs_in_buffer="i")
+    assert seen["combine"] == (combine_args, {"reduction": "flat", "inputs_in_buffer": "i"})
 
 
 def test_internode_entry_points_check_like_dispatch_and_combine():

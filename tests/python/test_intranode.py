@@ -372,7 +372,18 @@ def case_in_buffer_dispatch_combine_bf16(ctx):
     assert per_expert == ref.per_expert, (per_expert, ref.per_expert)
     assert_bitwise("handle[3] recv_src_idx", handle[3], ref.recv_src_idx)
     combined, combined_w, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, topk_weights=recv_w)
-    assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+    want = combine_reference(ctx, all_inputs)[0]
+    assert_bitwise("combined_x", combined, want)
+    # The combine from the buffer: the expert outputs written over recv_x in place, the dispatch's weights where
+    # they are; the same bits.
+    recv_x.copy_(expert_outputs(ctx, recv_x))
+    from_buffer, from_buffer_w, _ = ctx.buffer.combine(recv_x, handle, topk_weights=recv_w, inputs_in_buffer=True)
+    assert_bitwise("combined_x from the buffer", from_buffer, want)
+    assert_bitwise("combined_topk_weights from the buffer", from_buffer_w, combined_w)
+    x_view, w_view = ctx.buffer.get_combine_input_buffer(handle, H, K)
+    assert x_view.data_ptr() == recv_x.data_ptr() and w_view.data_ptr() == recv_w.data_ptr()
+    with pytest.raises(ValueError, match="get_combine_input_buffer"):
+        ctx.buffer.combine(expert_outputs(ctx, recv_x), handle, inputs_in_buffer=True)
     new = [_ref.scale_rows(i.x, 5.0) for i in all_inputs]
     recv, a, b, c, d, _ = ctx.buffer.dispatch(cuda(new[ctx.rank], ctx), handle=handle, outputs_in_buffer=True)
     assert (a, b, c, d) == (None, None, None, None)
@@ -384,12 +395,19 @@ def case_in_buffer_dispatch_combine_bf16(ctx):
 
 def case_in_buffer_fp8_and_worst_case(ctx):
     all_inputs = inputs(ctx, 41, tokens_of(ctx, 41))
-    (recv_x, recv_idx, _, per_expert, _, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=H // 128,
+    (recv_x, recv_idx, _, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs, fp8_scales=H // 128,
                                                                        outputs_in_buffer=True)
     assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn
     check_recv_x(recv_x, ref, all_inputs, fp8_scales=H // 128)
     assert_bitwise("recv_topk_idx", recv_idx, ref.recv_topk_idx)
     assert per_expert == ref.per_expert
+    # After an FP8 dispatch the combine's rows overlap its outputs: written once those are read.
+    y = expert_outputs(ctx, _ref.gather_rows([i.x for i in all_inputs], ref.src, H, torch.bfloat16).to(ctx.device))
+    x_view, w_view = ctx.buffer.get_combine_input_buffer(handle, H)
+    assert w_view is None and x_view.shape == y.shape
+    x_view.copy_(y)
+    combined, _, _ = ctx.buffer.combine(x_view, handle, inputs_in_buffer=True)
+    assert_bitwise("combined_x from the buffer after FP8", combined, combine_reference(ctx, all_inputs)[0])
     all_inputs, worst = worst_case_inputs(ctx, 42)
     (recv_x, recv_idx, recv_w, _, handle, _), ref = layout_and_dispatch(ctx, all_inputs, num_worst_tokens=worst,
                                                                         outputs_in_buffer=True)
@@ -400,6 +418,9 @@ def case_in_buffer_fp8_and_worst_case(ctx):
     assert bool((handle[3][N:] == -1).all())
     combined, _, _ = ctx.buffer.combine(expert_outputs(ctx, recv_x), handle)
     assert_bitwise("combined_x", combined, combine_reference(ctx, all_inputs)[0])
+    recv_x.copy_(expert_outputs(ctx, recv_x))
+    from_buffer, _, _ = ctx.buffer.combine(recv_x, handle, inputs_in_buffer=True)
+    assert_bitwise("combined_x from the buffer, worst-case", from_buffer, combined)
 
 
 def case_in_buffer_region_too_small(ctx):

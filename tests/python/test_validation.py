@@ -60,7 +60,7 @@ EXPECTED_SIGNATURES = {
                 "expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False, "
                 "allocate_on_comm_stream=False, outputs_in_buffer=False",
     "combine": "self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False, "
-               "allocate_on_comm_stream=False, reduction=None",
+               "allocate_on_comm_stream=False, reduction=None, inputs_in_buffer=False",
     "low_latency_dispatch": "self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
                             "cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, "
                             "use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False, "

@@ -35,7 +35,7 @@ struct HtOptions {
   std::string json_path;
   bool nccl = true;
   bool worst_case = false;  // dispatch with num_worst_tokens: no host wait for the counts
-  bool in_buffer = false;   // intranode: dispatch into the buffer's output region (--in-buffer)
+  bool in_buffer = false;   // intranode: dispatch into the buffer's output region, combine from it (--in-buffer)
   uint64_t seed = 1;
 };
 

@@ -215,8 +215,8 @@ void print_header(std::FILE* out, const RunInfo& i) {
                  i.tokens * i.num_ranks);
   if (i.in_buffer)
     std::fprintf(out,
-                 "dispatch into the buffer: senders write rows to their output rows in the receiver's region, "
-                 "no ring, host wait after the launch\n");
+                 "outputs in the buffer: the dispatch's senders write rows to their output rows in the receiver's "
+                 "region, the combine's source rank reads every row there; no ring\n");
   if (i.num_domains > 0)
     std::fprintf(out, "NVLink domains: %d x %d GPUs%s\n", i.num_domains, i.num_nvl_ranks,
                  i.num_domains == 1 ? " (internode kernels forced inside one domain: the NVLink forwarding alone)"

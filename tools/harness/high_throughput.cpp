@@ -303,6 +303,15 @@ void HtSession::set_combine_inputs(uint64_t seed) {
     (b == 0 ? bias0_ : bias1_).upload(bias, stream_);
   }
   expert_out_.resize(std::max<size_t>(rows, size_t(worst_tokens())) * H);
+  if (c_.in_buffer) {  // the combine reads them from every rank's output region
+    const RecvRegionViews v = buffer_.combine_region(H, combine_topk());
+    cuda_check(cudaMemcpyAsync(v.recv_x, expert_out_.get(), rows * H * 2, cudaMemcpyDeviceToDevice, stream_),
+               "combine rows to the region");
+    if (combine_topk() > 0)
+      cuda_check(
+          cudaMemcpyAsync(v.recv_topk_weights, expert_weights_.get(), rows * K * 4, cudaMemcpyDeviceToDevice, stream_),
+          "combine weights to the region");
+  }
   cuda_check(cudaStreamSynchronize(stream_), "set_combine_inputs");
 }
 
@@ -312,11 +321,18 @@ void HtSession::combine() {
   a.num_rows = worst_tokens() > 0 ? worst_tokens() : int(expected_rows_.size());
   a.hidden = c_.hidden;
   a.topk_weights = c_.combine_weights ? expert_weights_.get() : nullptr;
-  a.num_topk = c_.combine_weights ? c_.routing.num_topk : 0;
+  a.num_topk = combine_topk();
   a.bias0 = c_.num_biases >= 1 ? bias0_.get() : nullptr;
   a.bias1 = c_.num_biases >= 2 ? bias1_.get() : nullptr;
   a.reduction = c_.reduction;
   CombineOutputs o{combined_x_.get(), c_.combine_weights ? combined_weights_.get() : nullptr};
+  if (c_.in_buffer) {
+    const RecvRegionViews v = buffer_.combine_region(c_.hidden, a.num_topk);
+    a.x = v.recv_x;
+    a.topk_weights = v.recv_topk_weights;
+    buffer_.combine_in_buffer(a, combine_config_, handle_, o, stream_);
+    return;
+  }
   buffer_.combine(a, combine_config_, handle_, o, stream_);
 }
 

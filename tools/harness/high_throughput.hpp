@@ -36,7 +36,7 @@ struct HtCase {
   int num_biases = 0;             // 0, 1 or 2 bias tensors in combine
   bool combine_weights = true;
   int reduction = EPX_REDUCE_DEFAULT;  // the combine's order (internode: two-level by default, or flat)
-  bool in_buffer = false;              // dispatches into the Buffer's output region (dispatch_in_buffer)
+  bool in_buffer = false;              // dispatch into the Buffer's output region, combine from it
   uint64_t seed = 1;
   int tokens_of(int rank) const { return tokens.size() == 1 ? tokens[0] : tokens.at(rank); }
 };
@@ -85,6 +85,7 @@ class HtSession {
   DispatchArgs dispatch_args() const;
   DispatchOutputs dispatch_outputs() const;
   int64_t row_bytes() const { return int64_t(c_.hidden) * (c_.dtype == EPX_FP8_E4M3 ? 1 : 2); }
+  int combine_topk() const { return c_.combine_weights ? c_.routing.num_topk : 0; }
   int num_scales() const {
     if (c_.dtype != EPX_FP8_E4M3) return 0;
     return c_.num_scales > 0 ? c_.num_scales : c_.hidden / epx::limits().fp8_group_size;

@@ -22,6 +22,7 @@
 #include "kernels/intranode/chunk_publisher.cuh"
 #include "kernels/intranode/epoch_barrier.cuh"
 #include "kernels/intranode/peer_groups.cuh"
+#include "kernels/intranode/reduce_row.cuh"
 #include "kernels/intranode/sender_coordinator.cuh"
 #include "layout/intranode_params.hpp"
 
@@ -121,39 +122,6 @@ __device__ void combine_sender_coordinator(const CombineParams& p, int channel, 
   uint64_t* tail_j = lane < p.num_ranks ? &nvl_control(p.peers, lane)->combine_tail[channel][me] : nullptr;
   coordinate_sender_tails(tail_j, s_progress, SenderGroups::combine(p.num_ranks), p.num_ranks, me, p.fail,
                           kRoleCombineSenderCoordinator, channel);
-}
-
-// Sums the rows of token t from every rank in `valid` (ascending), then the biases; one rounding. kRanks is
-// the rank count rounded up to 2, 4 or 8 (register arrays are sized by it); each lane handles kVectors 16-byte
-// positions per step, so up to kVectors * kRanks loads are in flight and a row takes x_int4 / (32 * kVectors)
-// dependent steps.
-template <int kRanks, int kVectors>
-__device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const int4* const (&rows)[kRanks],
-                                           uint32_t valid, int lane) {
-  const int n = p.x_int4;
-  int4* out = p.combined_x + int64_t(t) * n;
-  const int4* b0 = p.bias0 != nullptr ? p.bias0 + int64_t(t) * n : nullptr;
-  const int4* b1 = p.bias1 != nullptr ? p.bias1 + int64_t(t) * n : nullptr;
-  for (int base = lane; base < n; base += 32 * kVectors) {
-    int4 v[kVectors][kRanks];
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u)
-#pragma unroll
-      for (int j = 0; j < kRanks; ++j)
-        if (((valid >> j) & 1u) && base + 32 * u < n) v[u][j] = ld_cg(rows[j] + base + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kVectors; ++u) {
-      const int i = base + 32 * u;
-      if (i >= n) break;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < kRanks; ++j)
-        if ((valid >> j) & 1u) add_bf16x8(acc, v[u][j]);
-      if (b0 != nullptr) add_bf16x8(acc, ld_nc(b0 + i));
-      if (b1 != nullptr) add_bf16x8(acc, ld_nc(b1 + i));
-      st_na(out + i, pack_bf16x8(acc));
-    }
-  }
 }
 
 // Lane j < R of a reducer or of the coordinator serves ring (c, j); with kOwnInPlace none serves this rank.
