@@ -32,6 +32,10 @@ namespace {
 
 using namespace dev;
 
+// 16-byte loads in flight per lane in the row copies: 7 against the ring dispatch's 4, measured 13-18 us faster at 16
+// SMs on 2 x H200 at hidden 7168 and no different at 24 (docs/bench-notes.md); 78 registers, no spills.
+constexpr int kInBufferUnroll = 7;
+
 // The output arrays of one rank's region, as this GPU addresses them.
 struct RegionRows {
   int4* x;
@@ -140,7 +144,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_in_buffer_kernel(cons
 }  // namespace
 
 void launch_dispatch_in_buffer(const DispatchParams& p, cudaStream_t stream) {
-  dispatch_in_buffer_kernel<kCopyUnroll, kDataWarps><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+  dispatch_in_buffer_kernel<kInBufferUnroll, kDataWarps><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
 }
 
 }  // namespace epx
