@@ -287,11 +287,11 @@ TEST(DispatchSplit, ParsesTheVariableOrNamesIt) {
   EXPECT_EQ(d, (epx::DispatchSplit{22, 23}));  // a refused value leaves it as it was
 }
 
-// The dispatch into the buffer: at 2 ranks about 192 (BF16) or 240 (FP8) pushing warps over the grid, the rest of
-// each block own rows, always at least one warp of each; at more ranks an equal share per rank.
+// The dispatch into the buffer: at 2 ranks about 192 pushing warps over the grid, the rest of each block own rows,
+// always at least one warp of each; at more ranks an equal share per rank.
 TEST(InBufferSelfWarps, DefaultsKeepAWarpForEveryGroup) {
   EXPECT_EQ(epx::default_in_buffer_self_warps(2, false, 24), 16);
-  EXPECT_EQ(epx::default_in_buffer_self_warps(2, true, 24), 14);
+  EXPECT_EQ(epx::default_in_buffer_self_warps(2, true, 24), 16);
   EXPECT_EQ(epx::default_in_buffer_self_warps(2, false, 16), 12);
   for (bool fp8 : {false, true})
     for (int sms = 2; sms <= 132; sms += 2) {
