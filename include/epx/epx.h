@@ -367,10 +367,9 @@ epx_status epx_combine_region(epx_buffer* buffer, int hidden, int num_topk, epx_
  * as epx_combine. Collective. */
 epx_status epx_combine_in_buffer(epx_buffer* buffer, const epx_combine_args* args, const epx_config* config,
                                  const epx_dispatch_handle* handle, const epx_combine_outputs* outputs, void* stream);
-/* num_recv_bytes for an output region of `rows` rows of this shape (num_scales: 0 for BF16, in [1, hidden] for
- * FP8). */
-epx_status epx_recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk,
-                                     int64_t* bytes);
+/* num_recv_bytes for an output region of `rows` rows of this shape: dtype EPX_BF16 or EPX_FP8_E4M3 (as an int, so that
+ * any value may be passed and refused), num_scales 0 for BF16 and in [1, hidden] for FP8. */
+epx_status epx_recv_region_size_hint(int rows, int hidden, int dtype, int num_scales, int num_topk, int64_t* bytes);
 
 /* num_rdma_bytes a low-latency buffer needs (both buffer sets). */
 epx_status epx_ll_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts,

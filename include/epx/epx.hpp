@@ -90,7 +90,7 @@ void validate_config(const Config& config, int num_ranks);
 // num_nvl_bytes a config needs for rows of hidden_bytes, assuming the largest scales and top-k we accept.
 int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks);
 // num_recv_bytes for an output region of `rows` rows of this shape (epx_recv_region_size_hint).
-int64_t recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk);
+int64_t recv_region_size_hint(int rows, int hidden, int dtype, int num_scales, int num_topk);
 // The internode mode over num_ranks = D x num_nvl_ranks: num_nvl_bytes and num_rdma_bytes a config needs.
 struct InternodeSizes {
   int64_t nvl_bytes = 0;

@@ -169,8 +169,7 @@ epx_status epx_config_nvl_size_hint(const epx_config* config, int64_t hidden_byt
   });
 }
 
-epx_status epx_recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk,
-                                     int64_t* bytes) {
+epx_status epx_recv_region_size_hint(int rows, int hidden, int dtype, int num_scales, int num_topk, int64_t* bytes) {
   return guarded([&] {
     require_non_null(bytes, "bytes");
     *bytes = epx::recv_region_size_hint(rows, hidden, dtype, num_scales, num_topk);

@@ -3,7 +3,6 @@
 #include "runtime/config.hpp"
 
 #include <cstdio>
-#include <cstring>
 
 #include "layout/internode_layout.hpp"
 #include "layout/ll_layout.hpp"
@@ -118,12 +117,10 @@ int64_t nvl_size_hint(const Config& config, int64_t hidden_bytes, int num_ranks)
   return align_up(ring.bytes(num_channels(config)), kAlign);
 }
 
-int64_t recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk) {
+int64_t recv_region_size_hint(int rows, int hidden, int code, int num_scales, int num_topk) {
   const char* op = "recv_region_size_hint";
-  int code = 0;
-  static_assert(sizeof(dtype) == sizeof(code));
-  std::memcpy(&code, &dtype, sizeof code);  // any int may arrive through the C ABI
   EPX_REQUIRE(code == EPX_BF16 || code == EPX_FP8_E4M3, op, ": dtype must be EPX_BF16 or EPX_FP8_E4M3, got ", code);
+  const epx_dtype dtype = code == EPX_BF16 ? EPX_BF16 : EPX_FP8_E4M3;
   EPX_REQUIRE(rows >= 0, op, ": rows must be >= 0, got ", rows);
   EPX_REQUIRE(hidden > 0 && hidden <= kMaxHidden && row_bytes(dtype, hidden) % 16 == 0, op, ": hidden must be in [1, ",
               kMaxHidden, "] with a row of x a multiple of 16 bytes, got ", hidden);

@@ -795,15 +795,13 @@ class Fuzzer {
     const int K = r.chance(70) ? r.irange(0, rules_.l.max_topk) : edgy(r, 0, rules_.l.max_topk);
     int64_t bytes = -7;
     const bool b_null = r.chance(5);
-    epx_dtype dt;
-    std::memcpy(&dt, &dtype, sizeof dt);  // any int may arrive through the C ABI
     const std::string call =
         cat("epx_recv_region_size_hint(", rows, ", ", hidden, ", ", dtype, ", ", scales, ", ", K, ")");
     const bool dtype_ok = dtype == int(EPX_BF16) || fp8;
     const bool hidden_ok = hidden >= 1 && hidden <= rules_.l.max_hidden && (fp8 ? hidden % 16 : hidden % 8) == 0;
     const bool valid = !b_null && dtype_ok && rows >= 0 && hidden_ok &&
                        (fp8 ? scales >= 1 && scales <= hidden : scales == 0) && K >= 0 && K <= rules_.l.max_topk;
-    const epx_status s = epx_recv_region_size_hint(rows, hidden, dt, scales, K, b_null ? nullptr : &bytes);
+    const epx_status s = epx_recv_region_size_hint(rows, hidden, dtype, scales, K, b_null ? nullptr : &bytes);
     check(s, valid ? Want::kOk : Want::kError, call);
     if (s != EPX_OK) return;
     // A region of exactly this many bytes holds `rows` rows of the shape, its arrays inside it.

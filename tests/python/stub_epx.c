@@ -120,8 +120,7 @@ epx_status epx_combine_in_buffer(epx_buffer* buffer, const epx_combine_args* arg
   (void)buffer, (void)args, (void)config, (void)handle, (void)outputs, (void)stream;
   return EPX_OK;
 }
-epx_status epx_recv_region_size_hint(int rows, int hidden, epx_dtype dtype, int num_scales, int num_topk,
-                                     int64_t* bytes) {
+epx_status epx_recv_region_size_hint(int rows, int hidden, int dtype, int num_scales, int num_topk, int64_t* bytes) {
   (void)rows, (void)hidden, (void)dtype, (void)num_scales, (void)num_topk;
   *bytes = 1 << 20;
   return EPX_OK;
