@@ -178,12 +178,11 @@ DispatchSplit default_dispatch_split(bool fp8, int warps) {
   return DispatchSplit{fp8 ? 5 : 6, 16};
 }
 
-int default_in_buffer_self_warps(int num_ranks, bool fp8, int num_sms) {
+int default_in_buffer_self_warps(int num_ranks, int num_sms) {
   if (num_ranks != 2 || num_sms <= 0) return kDataWarps / (num_ranks > 0 ? num_ranks : 1);
   // 2 ranks: about 192 warps over the grid push rows to the peer, the rest of each block copies own rows. More pushing
   // warps than that slow the link down, fewer leave it idle (sweeps of 12-32 SMs on 2 x H200 with 7 loads a lane in
   // flight, docs/bench-notes.md; FP8 rows were best at 192-224).
-  (void)fp8;
   const int pushing = 192;
   const int per_block = (pushing + num_sms - 1) / num_sms;
   const int self = kDataWarps - per_block;

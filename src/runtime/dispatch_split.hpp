@@ -22,9 +22,9 @@ struct DispatchSplit {
 DispatchSplit default_dispatch_split(bool fp8, int warps = kDataWarps);
 
 // The dispatch into the buffer (kernels/intranode/dispatch_in_buffer.cu): warps of each 24-warp block that write this
-// rank's own rows; the others are shared equally by the peers. At 2 ranks it depends on the row format and the grid
-// (num_sms blocks), from a sweep on 2 x H200 (docs/bench-notes.md); at more ranks an equal share per rank.
-int default_in_buffer_self_warps(int num_ranks, bool fp8, int num_sms);
+// rank's own rows; the others are shared equally by the peers. At 2 ranks it depends on the grid (num_sms blocks),
+// from sweeps on 2 x H200 (docs/bench-notes.md); at more ranks an equal share per rank.
+int default_in_buffer_self_warps(int num_ranks, int num_sms);
 
 // $EPX_HT_IN_BUFFER_SELF_WARPS: that count for every dispatch into the buffer (tuning); null or empty: 0 (the
 // default). Anything but an integer in [1, kDataWarps - 1] throws kInvalidArgument naming the variable.

@@ -102,9 +102,8 @@ DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const 
   p.send_head = h.send_head;
   p.region_offset = b.recv_offset;
   p.region = region;
-  p.in_buffer_self_warps = b.in_buffer_self_warps > 0
-                               ? b.in_buffer_self_warps
-                               : default_in_buffer_self_warps(b.num_ranks, a.dtype == EPX_FP8_E4M3, c.num_sms);
+  p.in_buffer_self_warps =
+      b.in_buffer_self_warps > 0 ? b.in_buffer_self_warps : default_in_buffer_self_warps(b.num_ranks, c.num_sms);
   EPX_REQUIRE(
       b.num_ranks == 1 || (p.in_buffer_self_warps >= 1 && kDataWarps - p.in_buffer_self_warps >= b.num_ranks - 1), op,
       ": EPX_HT_IN_BUFFER_SELF_WARPS ", p.in_buffer_self_warps, " leaves no warp for a peer (", kDataWarps,

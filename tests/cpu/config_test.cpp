@@ -290,17 +290,15 @@ TEST(DispatchSplit, ParsesTheVariableOrNamesIt) {
 // The dispatch into the buffer: at 2 ranks about 192 pushing warps over the grid, the rest of each block own rows,
 // always at least one warp of each; at more ranks an equal share per rank.
 TEST(InBufferSelfWarps, DefaultsKeepAWarpForEveryGroup) {
-  EXPECT_EQ(epx::default_in_buffer_self_warps(2, false, 24), 16);
-  EXPECT_EQ(epx::default_in_buffer_self_warps(2, true, 24), 16);
-  EXPECT_EQ(epx::default_in_buffer_self_warps(2, false, 16), 12);
-  for (bool fp8 : {false, true})
-    for (int sms = 2; sms <= 132; sms += 2) {
-      const int s = epx::default_in_buffer_self_warps(2, fp8, sms);
-      EXPECT_GE(s, 1) << sms;
-      EXPECT_LE(s, epx::kDataWarps - 1) << sms;
-    }
+  EXPECT_EQ(epx::default_in_buffer_self_warps(2, 24), 16);
+  EXPECT_EQ(epx::default_in_buffer_self_warps(2, 16), 12);
+  for (int sms = 2; sms <= 132; sms += 2) {
+    const int s = epx::default_in_buffer_self_warps(2, sms);
+    EXPECT_GE(s, 1) << sms;
+    EXPECT_LE(s, epx::kDataWarps - 1) << sms;
+  }
   for (int r = 3; r <= epx::kMaxNvlRanks; ++r) {
-    const int s = epx::default_in_buffer_self_warps(r, false, 24);
+    const int s = epx::default_in_buffer_self_warps(r, 24);
     EXPECT_GE(s, 1) << r;
     EXPECT_GE((epx::kDataWarps - s) / (r - 1), 1) << r;
   }
