@@ -476,37 +476,31 @@ class HighThroughputMixin:
                 recv_src_idx = self._empty((N,), _INT32)
             with torch.cuda.stream(streams.comm):
                 recv_src_idx.copy_(self._views.tensor(region.recv_src_idx, N * 4, _INT32, (N,), d, self))
-            handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-                      is_token_in_rank, send_head)
-            event = self._finish(compute, async_finish, allocate_on_comm_stream,
-                                 (data, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_expert,
-                                  recv_x, recv_scales, recv_topk_idx, recv_topk_weights) + handle)
-            recv = (recv_x, recv_scales) if scales is not None else recv_x
-            return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
-        lib.check(lib.epx_notify_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(counts), stream))
-        # The counts live in library memory that the next call reuses: copy them now.
-        per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
-        N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
-        N_rdma = num_worst_tokens if num_worst_tokens > 0 else counts.num_rdma_recv_tokens  # internode
-
-        with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
-            recv_x = self._empty((N, H), data.dtype)
-            recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None
-            recv_topk_idx = self._empty((N, K), _INT64) if topk_idx is not None else None
-            recv_topk_weights = self._empty((N, K), _FP32) if topk_weights is not None else None
-            if internode:
-                recv_src_meta = self._empty((N, 2), _INT32)
-                send_nvl_head = self._empty((N_rdma, G), _INT32)
-            else:
-                recv_src_idx = self._empty((N,), _INT32)
-        if internode:
-            h.recv_src_meta = recv_src_meta.data_ptr()
-            h.send_nvl_head = send_nvl_head.data_ptr()
         else:
-            h.recv_src_idx = recv_src_idx.data_ptr()
-        outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales), _ptr_or_none(recv_topk_idx),
-                                    _ptr_or_none(recv_topk_weights), N)
-        lib.check(lib.epx_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(outs), stream))
+            lib.check(lib.epx_notify_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(counts), stream))
+            # The counts live in library memory that the next call reuses: copy them now.
+            per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
+            N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
+            N_rdma = num_worst_tokens if num_worst_tokens > 0 else counts.num_rdma_recv_tokens  # internode
+
+            with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
+                recv_x = self._empty((N, H), data.dtype)
+                recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None
+                recv_topk_idx = self._empty((N, K), _INT64) if topk_idx is not None else None
+                recv_topk_weights = self._empty((N, K), _FP32) if topk_weights is not None else None
+                if internode:
+                    recv_src_meta = self._empty((N, 2), _INT32)
+                    send_nvl_head = self._empty((N_rdma, G), _INT32)
+                else:
+                    recv_src_idx = self._empty((N,), _INT32)
+            if internode:
+                h.recv_src_meta = recv_src_meta.data_ptr()
+                h.send_nvl_head = send_nvl_head.data_ptr()
+            else:
+                h.recv_src_idx = recv_src_idx.data_ptr()
+            outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales), _ptr_or_none(recv_topk_idx),
+                                        _ptr_or_none(recv_topk_weights), N)
+            lib.check(lib.epx_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(outs), stream))
 
         if internode:
             handle = (is_token_in_rank, rdma_channel_prefix_matrix, channel_prefix_matrix,

@@ -35,6 +35,15 @@ epx_status guarded(F&& f) {
   }
 }
 
+// A dispatch's counts to the caller; the per-expert array lives in the epx_buffer until its next such call.
+void report_counts(epx_buffer* buffer, epx::DispatchCounts c, epx_dispatch_counts* counts) {
+  buffer->counts = std::move(c.num_recv_tokens_per_expert);
+  counts->num_recv_tokens = c.num_recv_tokens;
+  counts->num_rdma_recv_tokens = c.num_rdma_recv_tokens;
+  counts->num_local_experts = int(buffer->counts.size());
+  counts->num_recv_tokens_per_expert = buffer->counts.data();
+}
+
 template <typename T>
 void require_non_null(const T* p, const char* what) {
   if (p == nullptr) epx::raise(epx::Status::kInvalidArgument, what, " is NULL");
@@ -204,12 +213,7 @@ epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args
     require_non_null(config, "config");
     require_non_null(handle, "handle");
     require_non_null(counts, "counts");
-    epx::DispatchCounts c = live(buffer).notify_dispatch(*args, *config, *handle, as_stream(stream));
-    buffer->counts = std::move(c.num_recv_tokens_per_expert);
-    counts->num_recv_tokens = c.num_recv_tokens;
-    counts->num_rdma_recv_tokens = c.num_rdma_recv_tokens;
-    counts->num_local_experts = int(buffer->counts.size());
-    counts->num_recv_tokens_per_expert = buffer->counts.data();
+    report_counts(buffer, live(buffer).notify_dispatch(*args, *config, *handle, as_stream(stream)), counts);
   });
 }
 
@@ -246,12 +250,7 @@ epx_status epx_dispatch_in_buffer(epx_buffer* buffer, const epx_dispatch_args* a
     if (!cached) require_non_null(counts, "counts");
     epx::DispatchCounts c =
         live(buffer).dispatch_in_buffer(*args, *config, *handle, cached != 0, *region, as_stream(stream));
-    if (cached) return;
-    buffer->counts = std::move(c.num_recv_tokens_per_expert);
-    counts->num_recv_tokens = c.num_recv_tokens;
-    counts->num_rdma_recv_tokens = c.num_rdma_recv_tokens;
-    counts->num_local_experts = int(buffer->counts.size());
-    counts->num_recv_tokens_per_expert = buffer->counts.data();
+    if (!cached) report_counts(buffer, std::move(c), counts);
   });
 }
 

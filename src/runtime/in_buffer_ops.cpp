@@ -56,37 +56,13 @@ DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const 
                 region.capacity, " the output region holds of this shape");
     EPX_REQUIRE(a.num_worst_tokens > 0 || h.num_recv_tokens >= 0, op,
                 ": the handle does not know how many tokens arrive (made in worst-case mode); pass num_worst_tokens");
-  } else {
-    EPX_REQUIRE(h.rank_prefix_matrix && h.channel_prefix_matrix && h.recv_channel_prefix_matrix, op,
-                ": handle arrays rank_prefix_matrix [R, R], channel_prefix_matrix and recv_channel_prefix_matrix [R, C]"
-                " must be allocated by the caller");
-    EPX_REQUIRE(a.num_tokens == 0 || h.send_head != nullptr, op,
-                ": handle.send_head [num_tokens, R] must be allocated");
   }
 
   views = views_of(b, region);
-
-  int host_seq = 0, num_experts = 0;
+  NotifyParams notify{};  // what the host waits for (no notify for a cached dispatch)
   if (!cached) {
-    h.num_ranks = b.num_ranks;
-    h.num_channels = num_channels(c);
-    h.num_tokens = a.num_tokens;
-    h.num_recv_tokens = -1;
-    h.is_token_in_rank = a.is_token_in_rank;
+    notify = launch_dispatch_notify(b, a, c, h, signature, region.capacity, stream, op);
     h.recv_src_idx = views.recv_src_idx;
-    NotifyParams n{};
-    fill_notify_params(n, b, a, h.num_channels);
-    n.barrier_only = 0;
-    n.is_token_in_rank = a.is_token_in_rank;
-    n.rank_prefix_matrix = h.rank_prefix_matrix;
-    n.channel_prefix_matrix = h.channel_prefix_matrix;
-    n.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
-    n.recv_capacity = region.capacity;
-    n.signature = signature;
-    host_seq = n.host_seq;
-    num_experts = n.num_experts;
-    launch_notify(n, stream);
-    b.check_launch(cudaGetLastError(), op);
   }
 
   DispatchOutputs none{};
@@ -112,7 +88,7 @@ DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const 
   b.check_launch(cudaGetLastError(), op);
   // The host waits for the counts only now, while the data kernel runs (worst-case mode: not at all).
   if (cached || a.num_worst_tokens != 0) return DispatchCounts{};
-  return wait_dispatch_counts(b, host_seq, num_experts, h, stream, op);
+  return wait_dispatch_counts(b, notify.host_seq, notify.num_experts, h, stream, op);
 }
 
 RecvRegionViews combine_region(const Buffer::Impl& b, int hidden, int num_topk, const char* op) {

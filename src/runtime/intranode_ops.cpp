@@ -79,18 +79,12 @@ void get_dispatch_layout(Buffer::Impl& b, const LayoutArgs& a, const LayoutOutpu
 
 namespace intranode {
 
-DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
-                               cudaStream_t stream, const char* op) {
-  validate_config(c, b.num_nvl_ranks);
-  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
-              b.num_device_sms, " SMs");
-  validate_dispatch_args(a, b.num_ranks, false, op);
-  ring_for(b, c, dispatch_record(a).bytes, op);
+NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                                    int signature, int recv_capacity, cudaStream_t stream, const char* op) {
   EPX_REQUIRE(h.rank_prefix_matrix && h.channel_prefix_matrix && h.recv_channel_prefix_matrix, op,
               ": handle arrays rank_prefix_matrix [R, R], channel_prefix_matrix and recv_channel_prefix_matrix [R, C]"
               " must be allocated by the caller");
   EPX_REQUIRE(a.num_tokens == 0 || h.send_head != nullptr, op, ": handle.send_head [num_tokens, R] must be allocated");
-
   h.num_ranks = b.num_ranks;
   h.num_channels = num_channels(c);
   h.num_tokens = a.num_tokens;
@@ -104,9 +98,22 @@ DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Con
   p.rank_prefix_matrix = h.rank_prefix_matrix;
   p.channel_prefix_matrix = h.channel_prefix_matrix;
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
-  p.signature = op_signature(kOpDispatch, dispatch_record(a).bytes, c);
+  p.recv_capacity = recv_capacity;
+  p.signature = signature;
   launch_notify(p, stream);
   b.check_launch(cudaGetLastError(), op);
+  return p;
+}
+
+DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                               cudaStream_t stream, const char* op) {
+  validate_config(c, b.num_nvl_ranks);
+  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
+              b.num_device_sms, " SMs");
+  validate_dispatch_args(a, b.num_ranks, false, op);
+  ring_for(b, c, dispatch_record(a).bytes, op);
+  const NotifyParams p =
+      launch_dispatch_notify(b, a, c, h, op_signature(kOpDispatch, dispatch_record(a).bytes, c), 0, stream, op);
   if (a.num_worst_tokens != 0) return DispatchCounts{};  // worst-case mode: not waited for
   return wait_dispatch_counts(b, p.host_seq, p.num_experts, h, stream, op);
 }

@@ -3,6 +3,7 @@
 // runtime/low_latency_ops.cpp.
 #pragma once
 
+#include "layout/intranode_params.hpp"
 #include "layout/scales.hpp"
 #include "runtime/buffer_impl.hpp"
 
@@ -98,6 +99,10 @@ int op_signature(int op_kind, int64_t record_bytes, const Config& c);
 // A handle usable with this buffer, config and token count (else kInvalidArgument).
 void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Config& c, int num_tokens, const char* op);
 
+// Checks the handle's arrays, fills its fields and queues the notify kernel of a dispatch with a layout (recv_capacity
+// > 0: the output region's rows, checked for every rank); returns the kernel's parameters (host_seq, num_experts).
+NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                                    int signature, int recv_capacity, cudaStream_t stream, const char* op);
 DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                cudaStream_t stream, const char* op);
 void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
