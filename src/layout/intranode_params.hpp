@@ -96,6 +96,9 @@ struct DispatchParams {
   RecvRegion region;
   const int* channel_prefix_matrix;
   int in_buffer_self_warps;
+  // 1: the grid has one more block, which runs the notify of this dispatch (notify_body.cuh) and starts the others
+  // through their start words once the rows' places are known; 0: a notify kernel ran before, or (barrier) none.
+  int notify_block;
 };
 
 struct CombineParams {
@@ -129,7 +132,8 @@ struct CombineParams {
 void launch_layout(const LayoutParams& p, int num_sms, cudaStream_t stream);
 void launch_notify(const NotifyParams& p, cudaStream_t stream);
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream);
-void launch_dispatch_in_buffer(const DispatchParams& p, cudaStream_t stream);
+// notify: the notify's parameters where p.notify_block is set (ignored else).
+void launch_dispatch_in_buffer(const DispatchParams& p, const NotifyParams& notify, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
 void launch_combine_in_buffer(const CombineParams& p, cudaStream_t stream);
 

@@ -37,7 +37,7 @@ struct NvlControl {
   int32_t op_error_rank;  // rank that reported op_error
   // Start words of a high-throughput data kernel that runs the epoch barrier itself (cached dispatch, combine;
   // kernels/intranode/epoch_barrier.cuh): block 0 releases word b once the barrier is through, block b acquires it
-  // and resets it to 0.
+  // and resets it to 0. A dispatch into the buffer with a layout: its grid's last block (the notify) releases them.
   uint32_t block_start[2 * kMaxChannels];
   // Written by any rank: 1 + the rank that failed a wait; every wait of every rank checks it.
   int32_t abort;

@@ -59,9 +59,13 @@ DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const 
   }
 
   views = views_of(b, region);
+  // The notify runs as the data grid's last block where the device has an SM for it beside the data blocks (and
+  // $EPX_HT_IN_BUFFER_NOTIFY_KERNEL does not ask for a kernel of its own, which the data grid follows).
+  const bool notify_block = !cached && !b.in_buffer_notify_kernel && c.num_sms + 1 <= b.num_device_sms;
   NotifyParams notify{};  // what the host waits for (no notify for a cached dispatch)
   if (!cached) {
-    notify = launch_dispatch_notify(b, a, c, h, signature, region.capacity, stream, op);
+    notify = notify_block ? dispatch_notify_params(b, a, c, h, signature, region.capacity, op)
+                          : launch_dispatch_notify(b, a, c, h, signature, region.capacity, stream, op);
     h.recv_src_idx = views.recv_src_idx;
   }
 
@@ -84,7 +88,8 @@ DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const 
       b.num_ranks == 1 || (p.in_buffer_self_warps >= 1 && kDataWarps - p.in_buffer_self_warps >= b.num_ranks - 1), op,
       ": EPX_HT_IN_BUFFER_SELF_WARPS ", p.in_buffer_self_warps, " leaves no warp for a peer (", kDataWarps,
       " warps a block, ", b.num_ranks - 1, " peers)");
-  launch_dispatch_in_buffer(p, stream);
+  p.notify_block = notify_block ? 1 : 0;
+  launch_dispatch_in_buffer(p, notify, stream);
   b.check_launch(cudaGetLastError(), op);
   // The host waits for the counts only now, while the data kernel runs (worst-case mode: not at all).
   if (cached || a.num_worst_tokens != 0) return DispatchCounts{};

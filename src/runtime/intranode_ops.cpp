@@ -79,8 +79,8 @@ void get_dispatch_layout(Buffer::Impl& b, const LayoutArgs& a, const LayoutOutpu
 
 namespace intranode {
 
-NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
-                                    int signature, int recv_capacity, cudaStream_t stream, const char* op) {
+NotifyParams dispatch_notify_params(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                                    int signature, int recv_capacity, const char* op) {
   EPX_REQUIRE(h.rank_prefix_matrix && h.channel_prefix_matrix && h.recv_channel_prefix_matrix, op,
               ": handle arrays rank_prefix_matrix [R, R], channel_prefix_matrix and recv_channel_prefix_matrix [R, C]"
               " must be allocated by the caller");
@@ -100,6 +100,12 @@ NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, cons
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
   p.recv_capacity = recv_capacity;
   p.signature = signature;
+  return p;
+}
+
+NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                                    int signature, int recv_capacity, cudaStream_t stream, const char* op) {
+  const NotifyParams p = dispatch_notify_params(b, a, c, h, signature, recv_capacity, op);
   launch_notify(p, stream);
   b.check_launch(cudaGetLastError(), op);
   return p;

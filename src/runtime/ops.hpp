@@ -99,8 +99,11 @@ int op_signature(int op_kind, int64_t record_bytes, const Config& c);
 // A handle usable with this buffer, config and token count (else kInvalidArgument).
 void validate_handle(const DispatchHandle& h, const Buffer::Impl& b, const Config& c, int num_tokens, const char* op);
 
-// Checks the handle's arrays, fills its fields and queues the notify kernel of a dispatch with a layout (recv_capacity
-// > 0: the output region's rows, checked for every rank); returns the kernel's parameters (host_seq, num_experts).
+// Checks the handle's arrays, fills its fields and returns the notify's parameters of a dispatch with a layout
+// (recv_capacity > 0: the output region's rows, checked for every rank), which the caller runs.
+NotifyParams dispatch_notify_params(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                                    int signature, int recv_capacity, const char* op);
+// The same, with the notify kernel queued; returns its parameters (host_seq, num_experts).
 NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                     int signature, int recv_capacity, cudaStream_t stream, const char* op);
 DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
@@ -109,7 +112,8 @@ void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const Dis
               const DispatchOutputs& o, cudaStream_t stream, const char* op);
 void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
                      const DispatchOutputs& o, cudaStream_t stream, const char* op);
-// Notify (unless cached) and the data kernel into the output region, then the host's wait for the counts.
+// The data kernel into the output region with the notify as its last block (unless cached, or where the device has
+// no SM for it: then a notify kernel before it), then the host's wait for the counts.
 DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                   bool cached, RecvRegionViews& views, cudaStream_t stream, const char* op);
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,

@@ -13,12 +13,22 @@
 
 namespace epx::gpu_test {
 
-// The operations a rank may fail to call: a dispatch with a layout (its notify kernel runs the epoch barrier), and a
-// cached dispatch and a combine (their data kernels run it: kernels/intranode/epoch_barrier.cuh).
-enum class MissingOp { kDispatch, kCachedDispatch, kCombine };
+// The operations a rank may fail to call: a dispatch with a layout (its notify kernel runs the epoch barrier), the
+// same into the buffer (its data grid's last block runs the notify while the other blocks wait for their start words),
+// and a cached dispatch and a combine (their data kernels run it: kernels/intranode/epoch_barrier.cuh).
+enum class MissingOp { kDispatch, kDispatchInBuffer, kCachedDispatch, kCombine };
 
 const char* name_of(MissingOp op) {
-  return op == MissingOp::kDispatch ? "dispatch" : op == MissingOp::kCachedDispatch ? "cached dispatch" : "combine";
+  switch (op) {
+    case MissingOp::kDispatch:
+      return "dispatch";
+    case MissingOp::kDispatchInBuffer:
+      return "dispatch into the buffer";
+    case MissingOp::kCachedDispatch:
+      return "cached dispatch";
+    default:
+      return "combine";
+  }
 }
 
 // Every rank but rank 0 calls `op` only after twice the budget: rank 0's call must fail with kTimeout within the
@@ -27,7 +37,8 @@ const char* name_of(MissingOp op) {
 int missing_rank(Bootstrap& bs, Buffer& buffer, harness::HtSession& s, cudaStream_t stream, double budget, MissingOp op,
                  const std::vector<std::string>& rank0_says) {
   s.layout();
-  if (op != MissingOp::kDispatch) {  // a handle first, with every rank present
+  const bool with_layout = op == MissingOp::kDispatch || op == MissingOp::kDispatchInBuffer;
+  if (!with_layout) {  // a handle first, with every rank present
     s.dispatch();
     s.set_combine_inputs(5);
     buffer.check(stream);
@@ -38,7 +49,7 @@ int missing_rank(Bootstrap& bs, Buffer& buffer, harness::HtSession& s, cudaStrea
   const auto start = std::chrono::steady_clock::now();
   try {
     if (bs.rank() != 0) std::this_thread::sleep_for(std::chrono::duration<double>(2 * budget));
-    if (op == MissingOp::kDispatch) s.dispatch();
+    if (with_layout) s.dispatch();
     if (op == MissingOp::kCachedDispatch) s.dispatch_cached();
     if (op == MissingOp::kCombine) s.combine();
     buffer.check(stream);
@@ -70,13 +81,15 @@ int missing_rank_dispatch(Bootstrap& bs, Buffer& buffer, harness::HtSession& s, 
 int run_timeout_suite(int num_ranks) {
   constexpr double kBudget = 2.0;
   int rc = 0;
-  for (MissingOp op : {MissingOp::kDispatch, MissingOp::kCachedDispatch, MissingOp::kCombine}) {
+  for (MissingOp op :
+       {MissingOp::kDispatch, MissingOp::kDispatchInBuffer, MissingOp::kCachedDispatch, MissingOp::kCombine}) {
     const LaunchResult r = launch_local(
         num_ranks,
         [&](Bootstrap& bs) -> int {
           cudaSetDevice(bs.rank());
           BufferOptions o = default_buffer_options();
           o.num_nvl_bytes = nvl_size_hint(default_dispatch_config(num_ranks), 2048 * 2, num_ranks);
+          o.num_recv_bytes = recv_region_size_hint(128 * num_ranks, 2048, EPX_BF16, 0, 8);
           Buffer buffer(bs, o);
           buffer.set_timeout(kBudget);
           cudaStream_t stream;
@@ -85,6 +98,7 @@ int run_timeout_suite(int num_ranks) {
           c.tokens = {128};
           c.hidden = 2048;
           c.routing.num_experts = 32;
+          c.in_buffer = op == MissingOp::kDispatchInBuffer;
           harness::HtSession s(buffer, c, default_dispatch_config(num_ranks), default_combine_config(num_ranks),
                                stream);
           // Rank 0's epoch barrier names the rank it waited for.

@@ -12,6 +12,11 @@
 // channel_prefix_matrix, which the receiver's recv_channel_prefix_matrix agrees with). The scan also records
 // send_head[t][dest], as the ring dispatch does, so the combine does not know which dispatch ran.
 //
+// With a layout the grid has one more block, its last, which runs the notify (notify_body.cuh): it counts, exchanges
+// the counts and writes channel_prefix_matrix and rank_prefix_matrix, then releases every data block's start word and
+// finishes the handle and the host's counts while the rows move. A cached dispatch runs the epoch barrier first
+// (start_operation). Where the device has no SM for the extra block, a notify kernel runs before the grid instead.
+//
 // At the end block b releases dispatch_done[b][me] = the operation's epoch in every peer's buffer and waits for the
 // same word from every peer's block b: once every block has, every row written to this rank is visible, and the grid
 // ends. The next operation's epoch barrier (notify or start_operation) keeps every rank from writing a region again
@@ -25,6 +30,7 @@
 #include "device/warp_copy.cuh"
 #include "kernels/intranode/dispatch_rows.cuh"
 #include "kernels/intranode/epoch_barrier.cuh"
+#include "kernels/intranode/notify_body.cuh"
 #include "layout/intranode_params.hpp"
 
 namespace epx {
@@ -110,7 +116,8 @@ __device__ void pad_region_rows(const DispatchParams& p) {
   const int first = p.rank_prefix_matrix[(R - 1) * R + me];
   const int end = min(p.num_worst_tokens, p.region.capacity);
   const RegionRows out = RegionRows::of(p, me);
-  for (int row = first + blockIdx.x * kWarps + threadIdx.x / 32; row < end; row += gridDim.x * kWarps) {
+  const int data_blocks = 2 * p.num_channels;  // the grid's, without a notify block
+  for (int row = first + blockIdx.x * kWarps + threadIdx.x / 32; row < end; row += data_blocks * kWarps) {
     if (lane == 0) out.src_idx[row] = -1;
     if (lane < p.num_topk) {
       out.topk_idx[int64_t(row) * p.num_topk + lane] = -1;
@@ -119,13 +126,29 @@ __device__ void pad_region_rows(const DispatchParams& p) {
   }
 }
 
+// A data block of a grid whose last block runs the notify: true once its start word says go, false when the
+// operation has an error (every block of every rank returns then).
+__device__ __forceinline__ bool start_after_notify_block(const FailState& fail, NvlControl* self) {
+  __shared__ uint32_t s_start;
+  if (threadIdx.x == 0) s_start = wait_for_start(fail, self);  // acquire: the notify block's prefix matrices, epoch
+  __syncthreads();
+  return s_start == kStartGo;
+}
+
 template <int kUnroll, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 1) dispatch_in_buffer_kernel(const __grid_constant__ DispatchParams p) {
-  if (!start_operation(p.fail, p.peers, p.num_ranks, p.barrier != 0, p.signature)) return;  // every rank skips
-  const int R = p.num_ranks, me = p.peers.rank, tid = threadIdx.x;
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    dispatch_in_buffer_kernel(const __grid_constant__ DispatchParams p, const __grid_constant__ NotifyParams notify) {
   NvlControl* self = nvl_self(p.peers);
-  // This rank's epoch of the operation, the same on every rank: set by the notify kernel before this grid, or by
-  // block 0 of this grid before start_operation's block barrier (and the start word each other block acquired).
+  if (p.notify_block) {
+    if (blockIdx.x == gridDim.x - 1) return run_notify(notify, gridDim.x - 1);
+    if (!start_after_notify_block(p.fail, self)) return;  // every rank skips
+  } else if (!start_operation(p.fail, p.peers, p.num_ranks, p.barrier != 0, p.signature)) {
+    return;  // every rank skips
+  }
+  const int R = p.num_ranks, me = p.peers.rank, tid = threadIdx.x;
+  // This rank's epoch of the operation, the same on every rank: set by the notify (a kernel before this grid or this
+  // grid's last block, before the start word this block acquired), or by block 0 of this grid before
+  // start_operation's block barrier (and the start word each other block acquired).
   const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&self->epoch);
   const int self_warps = R == 1 ? kWarps : p.in_buffer_self_warps;
   const WriterPlace place = WriterPlace::of(tid / 32, blockIdx.x % 2, kWarps, R, me, self_warps);
@@ -143,8 +166,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_in_buffer_kernel(cons
 
 }  // namespace
 
-void launch_dispatch_in_buffer(const DispatchParams& p, cudaStream_t stream) {
-  dispatch_in_buffer_kernel<kInBufferUnroll, kDataWarps><<<p.num_channels * 2, kDataThreads, 0, stream>>>(p);
+void launch_dispatch_in_buffer(const DispatchParams& p, const NotifyParams& notify, cudaStream_t stream) {
+  const int blocks = p.num_channels * 2 + (p.notify_block ? 1 : 0);
+  dispatch_in_buffer_kernel<kInBufferUnroll, kDataWarps><<<blocks, kDataThreads, 0, stream>>>(p, notify);
 }
 
 }  // namespace epx

@@ -140,11 +140,12 @@ static __device__ __noinline__ void run_epoch_barrier(const FailState& fail, con
   }
 }
 
-// Thread 0 of block b > 0 of a data kernel that runs the epoch barrier: waits for block 0's release of its start
-// word, then resets it (the next kernel's block 0 sets it again only after this grid has finished, so a set word
-// always belongs to the running grid). The budget is twice the waits': when a rank does not call, block 0's wait for
-// it reports first and names it, and this wait then stops on the abort word. Not inlined, as above.
-static __device__ __noinline__ void wait_for_start(const FailState& fail, NvlControl* self) {
+// Thread 0 of block b > 0 of a data kernel that runs the epoch barrier (or of any data block of a grid whose last
+// block runs the notify, notify_body.cuh): waits for the release of its start word, then resets it (the next kernel
+// sets it again only after this grid has finished, so a set word always belongs to the running grid) and returns what
+// it held. The budget is twice the waits': when a rank does not call, the barrier's wait for it reports first and
+// names it, and this wait then stops on the abort word. Not inlined, as above.
+static __device__ __noinline__ uint32_t wait_for_start(const FailState& fail, NvlControl* self) {
   uint32_t* word = &self->block_start[blockIdx.x];
   const dev::WaitSite site{kRoleDataStart, int(blockIdx.x / 2), -1, blockIdx.x};
   const uint64_t start = dev::globaltimer_ns();
@@ -154,6 +155,7 @@ static __device__ __noinline__ void wait_for_start(const FailState& fail, NvlCon
     if (dev::globaltimer_ns() - start > 2 * fail.budget_ns) dev::fail_fatal(fail, kErrTimeout, site, seen, 1);
   }
   dev::write_word(word, 0u);
+  return seen;
 }
 
 // The first thing every block of a high-throughput data kernel does. With `barrier` (cached dispatch, combine) the
