@@ -361,7 +361,7 @@ std::vector<Case> high_throughput_cases(bool internode) {
       small_config_case("small configs: 2 SMs, chunk 2, ring 2 (chunk = ring)", Config{2, 2, 2, 2, 4}, 38, 7));
 
   cases.push_back(Case{"out-of-range topk_idx fails every rank, buffer stays usable", [](Context& ctx) {
-                         auto c = base_case({64}, 2048, 32);
+                         const auto c = harness::experts_for(base_case({64}, 2048, 32), ctx.num_ranks);
                          HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
                          const int culprit = ctx.num_ranks > 1 ? 1 : 0;
                          if (ctx.rank == culprit) {  // a layout of a corrupted topk_idx: slot [3][2] = E + 5

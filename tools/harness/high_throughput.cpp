@@ -52,32 +52,41 @@ std::string at(int row, int col = -1) {
 
 }  // namespace
 
+HtCase experts_for(HtCase c, int num_ranks) {
+  c.routing.num_experts = (c.routing.num_experts + num_ranks - 1) / num_ranks * num_ranks;
+  return c;
+}
+
 HtSession::HtSession(Buffer& buffer, const HtCase& c, const Config& dispatch_config, const Config& combine_config,
                      cudaStream_t stream)
-    : buffer_(buffer), c_(c), dispatch_config_(dispatch_config), combine_config_(combine_config), stream_(stream) {
+    : buffer_(buffer),
+      c_(experts_for(c, buffer.num_ranks())),
+      dispatch_config_(dispatch_config),
+      combine_config_(combine_config),
+      stream_(stream) {
   rank_ = buffer.rank();
   num_ranks_ = buffer.num_ranks();
   internode_ = buffer.internode();
   num_nvl_ranks_ = buffer.num_nvl_ranks();
   num_domains_ = num_ranks_ / num_nvl_ranks_;
-  num_tokens_ = c.tokens_of(rank_);
-  x_seed_ = mix(c.seed, 0x0);
-  const int R = num_ranks_, K = c.routing.num_topk, E = c.routing.num_experts;
+  num_tokens_ = c_.tokens_of(rank_);
+  x_seed_ = mix(c_.seed, 0x0);
+  const int R = num_ranks_, K = c_.routing.num_topk, E = c_.routing.num_experts;
 
   topk_.resize(R);
   weights_.resize(R);
   layouts_.resize(R);
   max_rows_ = 0;
   for (int s = 0; s < R; ++s) {
-    make_topk(c.routing, s, R, c.tokens_of(s), topk_[s], weights_[s]);
-    layouts_[s] = ref::dispatch_layout(topk_[s].data(), c.tokens_of(s), K, E, R, internode_ ? num_nvl_ranks_ : 0);
-    max_rows_ += c.tokens_of(s);
+    make_topk(c_.routing, s, R, c_.tokens_of(s), topk_[s], weights_[s]);
+    layouts_[s] = ref::dispatch_layout(topk_[s].data(), c_.tokens_of(s), K, E, R, internode_ ? num_nvl_ranks_ : 0);
+    max_rows_ += c_.tokens_of(s);
   }
   for (int s = 0; s < R; ++s) {
-    ref::Source src{c.tokens_of(s), layouts_[s].is_token_in_rank.data(), topk_[s].data(), weights_[s].data()};
+    ref::Source src{c_.tokens_of(s), layouts_[s].is_token_in_rank.data(), topk_[s].data(), weights_[s].data()};
     routing_.push_back(src);
-    if (!c.with_topk) src.topk_idx = nullptr;
-    if (!c.with_topk || !c.with_weights) src.topk_weights = nullptr;
+    if (!c_.with_topk) src.topk_idx = nullptr;
+    if (!c_.with_topk || !c_.with_weights) src.topk_weights = nullptr;
     sources_.push_back(src);
   }
   expected_rows_ = ref::recv_rows(sources_, rank_);
@@ -97,11 +106,11 @@ HtSession::HtSession(Buffer& buffer, const HtCase& c, const Config& dispatch_con
   recv_scales_.resize(size_t(max_rows_) * num_scales());
   recv_topk_idx_.resize(size_t(max_rows_) * K);
   recv_topk_weights_.resize(size_t(max_rows_) * K);
-  expert_out_.resize(size_t(max_rows_) * c.hidden);
+  expert_out_.resize(size_t(max_rows_) * c_.hidden);
   expert_weights_.resize(size_t(max_rows_) * K);
-  bias0_.resize(size_t(T) * c.hidden);
-  bias1_.resize(size_t(T) * c.hidden);
-  combined_x_.resize(size_t(T) * c.hidden);
+  bias0_.resize(size_t(T) * c_.hidden);
+  bias1_.resize(size_t(T) * c_.hidden);
+  combined_x_.resize(size_t(T) * c_.hidden);
   combined_weights_.resize(size_t(T) * K);
   num_tokens_per_rdma_rank_.resize(num_domains_);
   set_configs(dispatch_config, combine_config);

@@ -41,6 +41,10 @@ struct HtCase {
   int tokens_of(int rank) const { return tokens.size() == 1 ? tokens[0] : tokens.at(rank); }
 };
 
+// The case with its expert count rounded up to a multiple of the rank count (3 ranks: 64 experts become 66), so every
+// case runs at every rank count; HtSession runs this.
+HtCase experts_for(HtCase c, int num_ranks);
+
 class Mismatches;  // high_throughput.cpp: the first few differences a check found
 
 class HtSession {
