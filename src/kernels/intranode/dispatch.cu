@@ -100,10 +100,10 @@ __device__ void dispatch_self_copy(const DispatchParams& p, int channel, int gwa
   int routed = 0;  // stream position of the window's first routed token
   for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
     const uint32_t mask = scan_window(p, cursor, range.end, window, me, routed, gwarp, gwarps);
-    int i = routed;
-    for (uint32_t m = mask; m != 0; m &= m - 1, ++i)
-      if (i % gwarps == gwarp && row_begin + i < row_end)
-        copy_own_token<kUnroll>(p, cursor + __ffs(m) - 1, row_begin + i, lane);
+    for (uint32_t m = owned_lanes(mask, routed, gwarp, gwarps); m != 0; m &= m - 1) {
+      const int l = __ffs(m) - 1, i = window_position(mask, routed, l);
+      if (row_begin + i < row_end) copy_own_token<kUnroll>(p, cursor + l, row_begin + i, lane);
+    }
     routed += __popc(mask);
   }
 }
@@ -146,10 +146,10 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
         const int pos = int(tail - base) + taken + __popc(mask & lanemask_lt());
         p.send_head[int64_t(t) * R + dest] = in ? pos : -pos - 1;
       }
-      int i = taken;
-      for (uint32_t m = mask; m != 0; m &= m - 1, ++i) {
-        if (i % g.warps != g.warp) continue;
-        write_record<kUnroll>(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, tail + i), lane);
+      for (uint32_t m = owned_lanes(mask, taken, g.warp, g.warps); m != 0; m &= m - 1) {
+        const int l = __ffs(m) - 1;
+        write_record<kUnroll>(p, cursor + l, dest,
+                              p.ring.slot(dst, channel, me, tail + window_position(mask, taken, l)), lane);
       }
       taken += __popc(mask);
       cursor += scanned;
@@ -190,12 +190,11 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
   int routed = 0;  // stream position of the window's first routed token
   for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
     const uint32_t mask = scan_window(p, cursor, range.end, window, dest, routed, gwarp, gwarps);
-    int i = routed;
-    for (uint32_t m = mask; m != 0; m &= m - 1, ++i) {
-      if (i % gwarps != gwarp) continue;
+    for (uint32_t m = owned_lanes(mask, routed, gwarp, gwarps); m != 0; m &= m - 1) {
+      const int l = __ffs(m) - 1, i = window_position(mask, routed, l);
       head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.fail,  // the receiver's release of head
-                                kRoleDispatchSender, channel, dest, cursor + __ffs(m) - 1);
-      write_record<kUnroll>(p, cursor + __ffs(m) - 1, dest, p.ring.slot(dst, channel, me, base + i), lane);
+                                kRoleDispatchSender, channel, dest, cursor + l);
+      write_record<kUnroll>(p, cursor + l, dest, p.ring.slot(dst, channel, me, base + i), lane);
     }
     routed += __popc(mask);
     __syncwarp();                                     // every lane's stores of this window come before lane 0's release

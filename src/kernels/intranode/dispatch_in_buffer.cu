@@ -101,10 +101,10 @@ __device__ void write_channel(const DispatchParams& p, int channel, int dest, in
   int routed = 0;  // stream position of the window's first routed token
   for (int cursor = range.begin, window = 0; cursor < range.end; cursor += 32, ++window) {
     const uint32_t mask = scan_window(p, cursor, range.end, window, dest, routed, gwarp, gwarps);
-    int i = routed;
-    for (uint32_t m = mask; m != 0; m &= m - 1, ++i)
-      if (i % gwarps == gwarp && first + i < end)
-        write_row<kUnroll>(p, out, cursor + __ffs(m) - 1, dest, first + i, lane);
+    for (uint32_t m = owned_lanes(mask, routed, gwarp, gwarps); m != 0; m &= m - 1) {
+      const int l = __ffs(m) - 1, i = window_position(mask, routed, l);
+      if (first + i < end) write_row<kUnroll>(p, out, cursor + l, dest, first + i, lane);
+    }
     routed += __popc(mask);
   }
 }

@@ -74,5 +74,19 @@ __device__ __forceinline__ uint32_t scan_window(const DispatchParams& p, int cur
   return mask;
 }
 
+// The lanes of a scanned window (mask: its routed tokens, the first of them at stream position `routed`) whose token's
+// position is warp gwarp's of gwarps (position % gwarps == gwarp): one remainder a lane a window, where testing each
+// routed token in turn costs every warp of the group one remainder a token.
+__device__ __forceinline__ uint32_t owned_lanes(uint32_t mask, int routed, int gwarp, int gwarps) {
+  const int lane = threadIdx.x % 32;
+  const int pos = routed + __popc(mask & lanemask_lt());
+  return __ballot_sync(kFullMask, (mask >> lane & 1u) != 0 && pos % gwarps == gwarp);
+}
+
+// The stream position of lane l's routed token in a window (mask and routed as for owned_lanes).
+__device__ __forceinline__ int window_position(uint32_t mask, int routed, int l) {
+  return routed + __popc(mask & ((1u << l) - 1u));
+}
+
 }  // namespace
 }  // namespace epx
