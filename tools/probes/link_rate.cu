@@ -190,7 +190,8 @@ __device__ __forceinline__ void bulk_push_row(unsigned char* buf, uint64_t* bar,
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
-__global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int /*pull*/) {
+// pull: the warp reads the peer's row meant for this GPU (the bulk load crosses the link) and stores it here.
+__global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int pull) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ uint64_t bars[32];
   const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
@@ -204,7 +205,11 @@ __global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row
   uint32_t parity = 0;
   const int items = (ngpus - 1) * rows;
   for (int item = warp; item < items; item += nwarps) {
-    const PushRow r = push_row(p, self, ngpus, rows, row_int4, item);
+    PushRow r = push_row(p, self, ngpus, rows, row_int4, item);
+    if (pull) {
+      const int pi = item % (ngpus - 1), row = item / (ngpus - 1), peer = pi >= self ? pi + 1 : pi;
+      r = {p.src[peer] + (size_t(self) * rows + row) * row_int4, p.dst[self] + (size_t(peer) * rows + row) * row_int4};
+    }
     if (lane == 0) bulk_push_row(buf, bar, parity, r.s, r.d, row_bytes);
     parity ^= 1;
   }
@@ -394,7 +399,7 @@ int main(int argc, char** argv) {
       }
   };
   // SM bulk copies (bulk_push_kernel), one shape: a warp's shared buffer holds one row.
-  auto run_bulk = [&](int rows, int blocks, int threads) {
+  auto run_bulk = [&](int rows, int blocks, int threads, int pull = 0) {
     const double bytes = double(ngpus - 1) * rows * row_bytes;
     const size_t smem = size_t(threads / 32) * row_bytes;
     for (int g = 0; g < ngpus; ++g) {
@@ -403,11 +408,12 @@ int main(int argc, char** argv) {
     }
     clear_dst();
     const double us = time_all([&](int g, cudaStream_t s) {
-      bulk_push_kernel<<<blocks, threads, smem, s>>>(p, g, ngpus, rows, row_int4, 0);
+      bulk_push_kernel<<<blocks, threads, smem, s>>>(p, g, ngpus, rows, row_int4, pull);
       CHECK(cudaGetLastError());
     });
-    check_dst(rows, "bulk");
-    std::printf("%-5s %6d %6d %7d %3s | %8.1f %8.1f\n", "bulk", rows, blocks, threads, "-", us, bytes / us * 1e-3);
+    check_dst(rows, pull ? "bpull" : "bulk");
+    std::printf("%-5s %6d %6d %7d %3s | %8.1f %8.1f\n", pull ? "bpull" : "bulk", rows, blocks, threads, "-", us,
+                bytes / us * 1e-3);
   };
   std::printf("%d GPUs, rows of %d bytes; rate = bytes to/from the %d peers per GPU / slowest GPU's time\n", ngpus,
               row_bytes, ngpus - 1);
@@ -585,8 +591,9 @@ int main(int argc, char** argv) {
       check_dst(rows, "ce");
       std::printf("%-5s %6d %6s %7s %3s | %8.1f %8.1f\n", "ce", rows, "-", "-", "-", us, bytes / us * 1e-3);
     }
-    for (int blocks : {sms / 4, sms / 2, sms})
-      for (int threads : {128, 256}) run_bulk(rows, blocks, threads);
+    for (int pull : {0, 1})
+      for (int blocks : {sms / 4, sms / 2, sms})
+        for (int threads : {128, 256}) run_bulk(rows, blocks, threads, pull);
     const Kernel kernels[] = {move_kernel<1>, move_kernel<2>, move_kernel<4>, move_kernel<8>};
     const int us_[] = {1, 2, 4, 8};
     for (int pull : {0, 1})
