@@ -320,6 +320,10 @@ int main(int argc, char** argv) {
   const bool fence = argc > 2 && std::string(argv[2]) == "fence";
   if (fence) rows_list = {1024};
   const size_t max_rows = scatter || shape ? kWindow : 1024;
+  if (rows_mode && size_t(rows_list[0]) > max_rows) {
+    std::printf("link_rate: rows %d is more than the %zu rows per peer its buffers hold\n", rows_list[0], max_rows);
+    return 2;
+  }
   Peers p{};
   std::vector<cudaStream_t> streams(ngpus * kMaxGpus);
   std::vector<cudaEvent_t> ev0(ngpus), ev1(ngpus);
