@@ -164,7 +164,7 @@ __device__ void combine_reducer(const CombineParams& p, int channel, int (*s_nee
                 : kInPlace && j == me ? p.x + int64_t(own_row) * p.x_int4
                                       : reinterpret_cast<const int4*>(p.ring.slot(self, channel, j, bj + pj));
     }
-    reduce_row<kRanks, 8 / kRanks>(p, t, rows, valid, lane);
+    reduce_row<kRanks, 8 / kRanks>(p, t, rows, valid, lane, 0, p.x_int4);
     if (p.combined_topk_weights != nullptr && lane < p.num_topk) {
       float acc = 0.f;
 #pragma unroll

@@ -5,10 +5,11 @@
 //
 // The kernel runs the epoch barrier first (start_operation): once it is through, every rank has finished the work it
 // queued before this combine, so the rows are written; no rank writes a region again before the next operation's
-// barrier, which waits for this kernel on every rank. Then every warp of the grid takes tokens round robin. For
-// token t of channel c, rank j's row is where the dispatch's writer put it: the rows of the ranks before this one at
-// j, this rank's rows of channels before c (rank_prefix_matrix, channel_prefix_matrix), then send_head[t][j]. The sum
-// is reduce_row's: ascending rank order in float32, then the biases, one rounding.
+// barrier, which waits for this kernel on every rank. Then every warp of the grid takes tokens round robin, the last
+// partial round's tokens in parts (combine_in_buffer_kernel). For token t of channel c, rank j's row is where the
+// dispatch's writer put it: the rows of the ranks before this one at j, this rank's rows of channels before c
+// (rank_prefix_matrix, channel_prefix_matrix), then send_head[t][j]. The sum is reduce_row's: ascending rank order in
+// float32, then the biases, one rounding.
 #include <cuda_runtime.h>
 
 #include "device/ptx.cuh"
@@ -23,45 +24,67 @@ namespace {
 
 using namespace dev;
 
-// kRanks: the rank count rounded up to 2, 4 or 8 (reduce_row's register arrays).
+// The 16-byte positions [begin, end) of token t's combined row, and its combined weights when `weights` (the part
+// that starts the row). rank j's row is where the dispatch's writer put it: this rank's first row at j (`before`,
+// lane j), this rank's rows of channels before t's (channel_prefix_matrix), then send_head[t][j].
+template <int kRanks>
+__device__ __forceinline__ void combine_token(const CombineParams& p, int t, int before, int per_channel, int begin,
+                                              int end, bool weights, int lane) {
+  const int R = p.num_ranks, C = p.num_channels;
+  int row = -1;
+  if (lane < R) {
+    const int pos = p.send_head[int64_t(t) * R + lane];
+    const int c = t / per_channel;
+    if (pos >= 0) row = before + (c > 0 ? p.channel_prefix_matrix[lane * C + c - 1] : 0) + pos;
+  }
+  const uint32_t valid = __ballot_sync(kFullMask, row >= 0);
+  const int4* rows[kRanks];
+  int row_of[kRanks];
+#pragma unroll
+  for (int j = 0; j < kRanks; ++j) {
+    row_of[j] = __shfl_sync(kFullMask, row, j);
+    const uint8_t* region =
+        j < R ? reinterpret_cast<const uint8_t*>(nvl_control(p.peers, j)) + p.region_offset : nullptr;
+    rows[j] = (valid >> j) & 1u ? reinterpret_cast<const int4*>(region) + int64_t(row_of[j]) * p.x_int4 : nullptr;
+  }
+  // The weights first, so that row_of is dead before the row loop (registers).
+  if (weights && p.combined_topk_weights != nullptr && lane < p.num_topk) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < kRanks; ++j)
+      if ((valid >> j) & 1u) {
+        const uint8_t* region = reinterpret_cast<const uint8_t*>(nvl_control(p.peers, j)) + p.region_offset;
+        const int32_t* w = reinterpret_cast<const int32_t*>(region + p.region.weight_offset);
+        acc += __int_as_float(ld_cg(w + int64_t(row_of[j]) * p.num_topk + lane));
+      }
+    p.combined_topk_weights[int64_t(t) * p.num_topk + lane] = acc;
+  }
+  reduce_row<kRanks, 8 / kRanks>(p, t, rows, valid, lane, begin, end);
+}
+
+// kRanks: the rank count rounded up to 2, 4 or 8 (reduce_row's register arrays). Whole tokens go round robin over
+// the grid's warps while every warp gets one; the tokens of the last, partial round are cut into parts of whole
+// 32-lane steps dealt over all warps, so that the links stay busy to the end instead of a few warps finishing the
+// last tokens alone. Every part sums its positions in the same order, so the result does not depend on the cut.
 template <int kRanks>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_in_buffer_kernel(const __grid_constant__ CombineParams p) {
   if (!start_operation(p.fail, p.peers, p.num_ranks, true, p.signature)) return;  // every rank skips
-  const int lane = threadIdx.x % 32, R = p.num_ranks, C = p.num_channels, me = p.peers.rank;
-  const int per_channel = ceil_div(p.num_tokens, C);  // ChannelRange's tokens of a channel
+  const int lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
+  const int per_channel = ceil_div(p.num_tokens, p.num_channels);  // ChannelRange's tokens of a channel
   // Lane j < R: this rank's first row at rank j.
   const int before = lane < R && me > 0 ? p.rank_prefix_matrix[(me - 1) * R + lane] : 0;
-  const int warps = gridDim.x * kDataWarps;
-  for (int t = blockIdx.x * kDataWarps + threadIdx.x / 32; t < p.num_tokens; t += warps) {
-    int row = -1;
-    if (lane < R) {
-      const int pos = p.send_head[int64_t(t) * R + lane];
-      const int c = t / per_channel;
-      if (pos >= 0) row = before + (c > 0 ? p.channel_prefix_matrix[lane * C + c - 1] : 0) + pos;
-    }
-    const uint32_t valid = __ballot_sync(kFullMask, row >= 0);
-    const int4* rows[kRanks];
-    int row_of[kRanks];
-#pragma unroll
-    for (int j = 0; j < kRanks; ++j) {
-      row_of[j] = __shfl_sync(kFullMask, row, j);
-      const uint8_t* region =
-          j < R ? reinterpret_cast<const uint8_t*>(nvl_control(p.peers, j)) + p.region_offset : nullptr;
-      rows[j] = (valid >> j) & 1u ? reinterpret_cast<const int4*>(region) + int64_t(row_of[j]) * p.x_int4 : nullptr;
-    }
-    // The weights first, so that row_of is dead before the row loop (registers).
-    if (p.combined_topk_weights != nullptr && lane < p.num_topk) {
-      float acc = 0.f;
-#pragma unroll
-      for (int j = 0; j < kRanks; ++j)
-        if ((valid >> j) & 1u) {
-          const uint8_t* region = reinterpret_cast<const uint8_t*>(nvl_control(p.peers, j)) + p.region_offset;
-          const int32_t* w = reinterpret_cast<const int32_t*>(region + p.region.weight_offset);
-          acc += __int_as_float(ld_cg(w + int64_t(row_of[j]) * p.num_topk + lane));
-        }
-      p.combined_topk_weights[int64_t(t) * p.num_topk + lane] = acc;
-    }
-    reduce_row<kRanks, 8 / kRanks>(p, t, rows, valid, lane);
+  const int warps = gridDim.x * kDataWarps, warp = blockIdx.x * kDataWarps + threadIdx.x / 32;
+  const int whole = p.num_tokens / warps * warps;  // items below whole are whole tokens, the rest parts
+  const int rest = p.num_tokens - whole;
+  const int step = 32 * 8 / kRanks;  // reduce_row's 16-byte positions per step of a warp
+  const int cut = rest > 0 ? max(1, warps / rest) : 1;
+  const int part = ceil_div(ceil_div(p.x_int4, cut), step) * step;  // whole steps
+  const int parts = ceil_div(p.x_int4, part);
+  for (int item = warp; item < whole + rest * parts; item += warps) {
+    const int k = item < whole ? 0 : (item - whole) % parts;
+    const int t = item < whole ? item : whole + (item - whole) / parts;
+    const int begin = item < whole ? 0 : k * part, end = item < whole ? p.x_int4 : min(p.x_int4, (k + 1) * part);
+    combine_token<kRanks>(p, t, before, per_channel, begin, end, k == 0, lane);
   }
 }
 

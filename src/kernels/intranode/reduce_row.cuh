@@ -13,18 +13,18 @@ namespace {
 
 using namespace dev;
 
-// Sums the rows of token t from every rank in `valid` (ascending), then the biases; one rounding. kRanks is
-// the rank count rounded up to 2, 4 or 8 (register arrays are sized by it); each lane handles kVectors 16-byte
-// positions per step, so up to kVectors * kRanks loads are in flight and a row takes x_int4 / (32 * kVectors)
-// dependent steps.
+// Sums the 16-byte positions [begin, n) of token t's rows from every rank in `valid` (ascending), then the biases;
+// one rounding. kRanks is the rank count rounded up to 2, 4 or 8 (register arrays are sized by it); each lane
+// handles kVectors 16-byte positions per step, so up to kVectors * kRanks loads are in flight and a row takes
+// x_int4 / (32 * kVectors) dependent steps. n is at most x_int4 (a part of the row: begin > 0 or n < x_int4).
 template <int kRanks, int kVectors>
 __device__ __forceinline__ void reduce_row(const CombineParams& p, int t, const int4* const (&rows)[kRanks],
-                                           uint32_t valid, int lane) {
-  const int n = p.x_int4;
-  int4* out = p.combined_x + int64_t(t) * n;
-  const int4* b0 = p.bias0 != nullptr ? p.bias0 + int64_t(t) * n : nullptr;
-  const int4* b1 = p.bias1 != nullptr ? p.bias1 + int64_t(t) * n : nullptr;
-  for (int base = lane; base < n; base += 32 * kVectors) {
+                                           uint32_t valid, int lane, int begin, int n) {
+  const int64_t row = int64_t(t) * p.x_int4;
+  int4* out = p.combined_x + row;
+  const int4* b0 = p.bias0 != nullptr ? p.bias0 + row : nullptr;
+  const int4* b1 = p.bias1 != nullptr ? p.bias1 + row : nullptr;
+  for (int base = begin + lane; base < n; base += 32 * kVectors) {
     int4 v[kVectors][kRanks];
 #pragma unroll
     for (int u = 0; u < kVectors; ++u)
