@@ -6,7 +6,7 @@
 // The kernel runs the epoch barrier first (start_operation): once it is through, every rank has finished the work it
 // queued before this combine, so the rows are written; no rank writes a region again before the next operation's
 // barrier, which waits for this kernel on every rank. Then every warp of the grid takes tokens round robin, the last
-// partial round's tokens in parts (combine_in_buffer_kernel). For token t of channel c, rank j's row is where the
+// partial round's tokens in steps (combine_in_buffer_kernel). For token t of channel c, rank j's row is where the
 // dispatch's writer put it: the rows of the ranks before this one at j, this rank's rows of channels before c
 // (rank_prefix_matrix, channel_prefix_matrix), then send_head[t][j]. The sum is reduce_row's: ascending rank order in
 // float32, then the biases, one rounding.
@@ -63,9 +63,10 @@ __device__ __forceinline__ void combine_token(const CombineParams& p, int t, int
 }
 
 // kRanks: the rank count rounded up to 2, 4 or 8 (reduce_row's register arrays). Whole tokens go round robin over
-// the grid's warps while every warp gets one; the tokens of the last, partial round are cut into parts of whole
-// 32-lane steps dealt over all warps, so that the links stay busy to the end instead of a few warps finishing the
-// last tokens alone. Every part sums its positions in the same order, so the result does not depend on the cut.
+// the grid's warps while every warp gets one; the tokens of the last, partial round are cut into whole 32-lane steps
+// of reduce_row, and each warp takes an even share of those steps in order (a share may end in one token and go on in
+// the next), so that the links stay busy to the end instead of a few warps finishing the last tokens alone. Every
+// position is summed in the same order whoever takes it, so the result does not depend on the cut.
 template <int kRanks>
 __global__ void __launch_bounds__(kDataThreads, 1) combine_in_buffer_kernel(const __grid_constant__ CombineParams p) {
   if (!start_operation(p.fail, p.peers, p.num_ranks, true, p.signature)) return;  // every rank skips
@@ -74,17 +75,25 @@ __global__ void __launch_bounds__(kDataThreads, 1) combine_in_buffer_kernel(cons
   // Lane j < R: this rank's first row at rank j.
   const int before = lane < R && me > 0 ? p.rank_prefix_matrix[(me - 1) * R + lane] : 0;
   const int warps = gridDim.x * kDataWarps, warp = blockIdx.x * kDataWarps + threadIdx.x / 32;
-  const int whole = p.num_tokens / warps * warps;  // items below whole are whole tokens, the rest parts
-  const int rest = p.num_tokens - whole;
-  const int step = 32 * 8 / kRanks;  // reduce_row's 16-byte positions per step of a warp
-  const int cut = rest > 0 ? max(1, warps / rest) : 1;
-  const int part = ceil_div(ceil_div(p.x_int4, cut), step) * step;  // whole steps
-  const int parts = ceil_div(p.x_int4, part);
-  for (int item = warp; item < whole + rest * parts; item += warps) {
-    const int k = item < whole ? 0 : (item - whole) % parts;
-    const int t = item < whole ? item : whole + (item - whole) / parts;
-    const int begin = item < whole ? 0 : k * part, end = item < whole ? p.x_int4 : min(p.x_int4, (k + 1) * part);
-    combine_token<kRanks>(p, t, before, per_channel, begin, end, k == 0, lane);
+  const int whole = p.num_tokens / warps * warps;  // tokens below whole go whole, the rest in steps
+  const int step = 32 * 8 / kRanks;                // reduce_row's 16-byte positions per step of a warp
+  const int steps = ceil_div(p.x_int4, step);      // a token's
+  const int64_t tail = int64_t(p.num_tokens - whole) * steps;
+  int64_t u = tail * warp / warps;  // this warp's steps of the tail: [u, end)
+  const int64_t end = tail * (warp + 1) / warps;
+  // One call site of combine_token (two would hold both inlined copies' registers).
+  for (int next = warp;;) {
+    int t, k, n;  // token t's steps [k, k + n)
+    if (next < whole) {
+      t = next, k = 0, n = steps;
+      next += warps;
+    } else if (u < end) {
+      t = whole + int(u / steps), k = int(u % steps), n = end - u < steps - k ? int(end - u) : steps - k;
+      u += n;
+    } else {
+      break;
+    }
+    combine_token<kRanks>(p, t, before, per_channel, k * step, min(p.x_int4, (k + n) * step), k == 0, lane);
   }
 }
 
