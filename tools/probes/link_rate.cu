@@ -4,7 +4,9 @@
 // rank returns ~3/4 of its 1024 rows of 14336 bytes to 3 peers at the benchmark's defaults). Kernels on all GPUs
 // are released together by a host-mapped flag. Rate = bytes to/from peers per GPU / the slowest GPU's time
 // (CUDA events), median of 50 after 5 warm-up; copy engines (cudaMemcpyPeerAsync, one stream per peer) as a
-// reference. Not part of the build; one process, all local GPUs:
+// reference. `local` mode: what SMs copy within one GPU, and how that shares an SM with pushes and with copy engines
+// on the link (local_kernel, local_bulk_kernel, mix_kernel, push_range_kernel). Not part of the build; one process,
+// all local GPUs:
 //   nvcc -O2 -std=c++17 -arch=sm_90 -o link_rate tools/probes/link_rate.cu && ./link_rate
 #include <cuda_runtime.h>
 
@@ -216,6 +218,132 @@ __global__ void bulk_push_kernel(Peers p, int self, int ngpus, int rows, int row
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// `local` mode: how fast a few SMs copy rows within one GPU's memory (the dispatch's ring readers and own-token warps
+// copy locally). Register copy: each lane moves U int4 a round, as move_kernel.
+template <int U>
+__global__ void local_kernel(const int4* src, int4* dst, int rows, int row_int4) {
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int nwarps = gridDim.x * blockDim.x / 32;
+  for (int row = warp; row < rows; row += nwarps) {
+    const int4* s = src + size_t(row) * row_int4;
+    int4* d = dst + size_t(row) * row_int4;
+    for (int base = 0; base < row_int4; base += 32 * U) {
+      int4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * 32 + lane < row_int4) v[u] = s[base + u * 32 + lane];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * 32 + lane < row_int4) d[base + u * 32 + lane] = v[u];
+    }
+  }
+}
+
+// Bulk copy, NB rows in flight a warp: lane 0 keeps NB bulk loads into the warp's NB row buffers going; as each
+// arrives (its mbarrier), a bulk store sends it on, and once that store has read its buffer the buffer takes the
+// load NB rows ahead.
+template <int NB>
+__global__ void local_bulk_kernel(const int4* src, int4* dst, int rows, int row_int4) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ uint64_t bars[32 * NB];
+  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int nwarps = gridDim.x * blockDim.x / 32;
+  const uint32_t row_bytes = uint32_t(row_int4) * 16;
+  if (lane != 0) return;
+  unsigned char* buf[NB];
+  uint64_t* bar[NB];
+  for (int q = 0; q < NB; ++q) {
+    buf[q] = smem + (size_t(wib) * NB + q) * row_bytes;
+    bar[q] = &bars[wib * NB + q];
+    init_row_barrier(bar[q]);
+  }
+  const int n = warp < rows ? (rows - warp + nwarps - 1) / nwarps : 0;  // this warp's rows: warp + k * nwarps
+  auto load = [&](int k) {
+    const int q = k % NB;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar[q])), "r"(row_bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(buf[q])),
+                 "l"(src + size_t(warp + size_t(k) * nwarps) * row_int4), "r"(row_bytes), "r"(smem_u32(bar[q]))
+                 : "memory");
+  };
+  for (int k = 0; k < n && k < NB; ++k) load(k);
+  for (int k = 0; k < n; ++k) {
+    const int q = k % NB;
+    const uint32_t parity = (k / NB) & 1;
+    uint32_t done = 0;
+    while (!done)
+      asm volatile(
+          "{\n .reg .pred q;\n mbarrier.try_wait.parity.shared::cta.b64 q, [%1], %2;\n selp.u32 %0, 1, 0, q;\n}\n"
+          : "=r"(done)
+          : "r"(smem_u32(bar[q])), "r"(parity)
+          : "memory");
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                     dst + size_t(warp + size_t(k) * nwarps) * row_int4),
+                 "r"(smem_u32(buf[q])), "r"(row_bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (k + NB < n) {
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // this store has read buf[q]
+      load(k + NB);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// `local` mode, shared or not: the even warps of every block push `push_rows` rows to the peers (move_kernel's rows),
+// the odd ones copy `local_rows` rows locally (local_kernel's), both 4 int4 a lane; either count may be 0.
+__global__ void mix_kernel(Peers p, int self, int ngpus, int push_rows, const int4* lsrc, int4* ldst, int local_rows,
+                           int row_int4) {
+  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
+  const int half = blockDim.x / 64;  // warps a role per block
+  const int w = blockIdx.x * half + wib / 2, nw = gridDim.x * half;
+  const bool pushes = wib % 2 == 0;
+  const int items = pushes ? (ngpus - 1) * push_rows : local_rows;
+  for (int item = w; item < items; item += nw) {
+    const int4* s;
+    int4* d;
+    if (pushes) {
+      const PushRow r = push_row(p, self, ngpus, push_rows, row_int4, item);
+      s = r.s, d = r.d;
+    } else {
+      s = lsrc + size_t(item) * row_int4, d = ldst + size_t(item) * row_int4;
+    }
+    for (int base = 0; base < row_int4; base += 32 * 4) {
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (base + u * 32 + lane < row_int4) v[u] = s[base + u * 32 + lane];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (base + u * 32 + lane < row_int4) d[base + u * 32 + lane] = v[u];
+    }
+  }
+}
+
+// `local` mode, copy engines and SMs on the link at once (2 GPUs): every warp of the grid pushes rows [first, first +
+// count) of this GPU's rows for the peer (region stride `rows`), 4 int4 a lane, as move_kernel.
+__global__ void push_range_kernel(Peers p, int self, int rows, int first, int count, int row_int4) {
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+  const int peer = 1 - self;
+  for (int row = first + warp; row < first + count; row += nwarps) {
+    const int4* s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
+    int4* d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
+    for (int base = 0; base < row_int4; base += 32 * 4) {
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (base + u * 32 + lane < row_int4) v[u] = s[base + u * 32 + lane];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (base + u * 32 + lane < row_int4) d[base + u * 32 + lane] = v[u];
+    }
+  }
+}
+
 // `fence` mode: what a system-scope release costs on an SM whose other warps keep sending. Data warps of a block
 // move rows to the peers, by plain stores (mode 0/1, U 4) or by bulk copies through a row buffer per warp (mode
 // 2-4); the block's last warp (modes 1, 3, 4), until every data warp is done, times `st.release.sys` (a fence then
@@ -318,6 +446,9 @@ int main(int argc, char** argv) {
   if (few_sms) rows_list = {1024};
   // `./link_rate 14336 fence`: fence_kernel's modes at 12 and 24 blocks, 1024 rows per peer.
   const bool fence = argc > 2 && std::string(argv[2]) == "fence";
+  // `./link_rate 14336 local`: local copies only (local_kernel, local_bulk_kernel) of 8192 rows on every GPU at once,
+  // by 4-24 blocks: what the dispatch's local copies can reach on the SMs they have.
+  const bool local = argc > 2 && std::string(argv[2]) == "local";
   if (fence) rows_list = {1024};
   const size_t max_rows = scatter || shape ? kWindow : 1024;
   if (rows_mode && size_t(rows_list[0]) > max_rows) {
@@ -457,6 +588,151 @@ int main(int argc, char** argv) {
         std::printf("%-20s %6d %6d %7d | %8.1f %8.1f\n", v.name, rows, sms, 1024, us, bytes / us * 1e-3);
       }
     }
+    return 0;
+  }
+  if (local) {
+    constexpr int kRows = 8192;  // 117 MB at 14336 bytes, past the L2, as x and the outputs are
+    std::vector<int4*> lsrc(ngpus), ldst(ngpus);
+    for (int g = 0; g < ngpus; ++g) {
+      CHECK(cudaSetDevice(g));
+      CHECK(cudaMalloc(&lsrc[g], size_t(kRows) * row_bytes));
+      CHECK(cudaMalloc(&ldst[g], size_t(kRows) * row_bytes));
+      CHECK(cudaMemset(lsrc[g], 0x5a, size_t(kRows) * row_bytes));
+    }
+    const double bytes = double(kRows) * row_bytes;  // copied per GPU (read and written once each)
+    // The last row's copy of every GPU (of `rows` copied), checked after each mode.
+    auto check_local = [&](const char* mode, int rows) {
+      std::vector<unsigned char> h(row_bytes);
+      for (int g = 0; g < ngpus; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaMemcpy(h.data(), ldst[g] + size_t(rows - 1) * row_int4, row_bytes, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < row_bytes; ++i)
+          if (h[i] != 0x5a) {
+            std::printf("MISMATCH mode %s gpu %d byte %d: %d\n", mode, g, i, h[i]);
+            std::exit(1);
+          }
+        CHECK(cudaMemset(ldst[g], 0, size_t(kRows) * row_bytes));
+        CHECK(cudaDeviceSynchronize());
+      }
+    };
+    using LocalKernel = void (*)(const int4*, int4*, int, int);
+    const LocalKernel kernels[] = {local_kernel<4>, local_kernel<8>};
+    const int us_[] = {4, 8};
+    const LocalKernel bulk[] = {local_bulk_kernel<1>, local_bulk_kernel<2>, local_bulk_kernel<3>};
+    for (int g = 0; g < ngpus; ++g) {
+      CHECK(cudaSetDevice(g));
+      for (LocalKernel k : bulk)
+        CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 226 * 1024));
+    }
+    for (int blocks : {4, 8, 12, 16, 24}) {
+      for (int threads : {512, 768, 1024})
+        for (int k = 0; k < 2; ++k) {
+          const double us = time_all([&](int g, cudaStream_t s) {
+            kernels[k]<<<blocks, threads, 0, s>>>(lsrc[g], ldst[g], kRows, row_int4);
+            CHECK(cudaGetLastError());
+          });
+          check_local("regs", kRows);
+          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "lregs", kRows, blocks, threads, us_[k], us,
+                      bytes / us * 1e-3);
+        }
+      for (int nb = 1; nb <= 3; ++nb)
+        for (int threads : {128, 256, 384, 512}) {
+          const size_t smem = size_t(threads / 32) * nb * row_bytes;
+          if (smem > 226 * 1024) continue;  // and the static mbarriers
+          const double us = time_all([&](int g, cudaStream_t s) {
+            bulk[nb - 1]<<<blocks, threads, smem, s>>>(lsrc[g], ldst[g], kRows, row_int4);
+            CHECK(cudaGetLastError());
+          });
+          check_local("bulk", kRows);
+          std::printf("%-5s %6d %6d %7d %3d | %8.1f %8.1f\n", "lbulk", kRows, blocks, threads, nb, us,
+                      bytes / us * 1e-3);
+        }
+    }
+    // Shared or not: half the warps push, half copy locally, each role alone and both at once. If an SM's pushes and
+    // local copies drew on one budget, both at once would take about the sum of the two alone.
+    for (int blocks : {4, 8})
+      for (int rows : {512, 1024}) {
+        const double push_bytes = double(ngpus - 1) * rows * row_bytes, local_bytes = double(rows) * row_bytes;
+        double t[3];
+        for (int m = 0; m < 3; ++m) {
+          clear_dst();
+          t[m] = time_all([&](int g, cudaStream_t s) {
+            mix_kernel<<<blocks, 1024, 0, s>>>(p, g, ngpus, m != 1 ? rows : 0, lsrc[g], ldst[g], m != 0 ? rows : 0,
+                                               row_int4);
+            CHECK(cudaGetLastError());
+          });
+          if (m != 1) check_dst(rows, "mix");
+          if (m != 0) check_local("mix", rows);
+        }
+        std::printf(
+            "mix: %d blocks, %d rows: push alone %.1f us (%.1f GB/s), local alone %.1f us (%.1f GB/s), both %.1f us "
+            "(sum of the two %.1f)\n",
+            blocks, rows, t[0], push_bytes / t[0] * 1e-3, t[1], local_bytes / t[1] * 1e-3, t[2], t[0] + t[1]);
+      }
+    // Copy engines on the link while SMs copy locally: one cudaMemcpyPeerAsync of `rows` rows to the peer (a second
+    // stream) and local_kernel<4> on `blocks` 1024-thread blocks copying twice as many rows (the 2-rank dispatch's
+    // shape: the peer's rows cross the link once and every received row is copied locally once), each alone and
+    // both at once. If both at once take about the longer of the two, the link's bytes cost the SMs nothing.
+    if (ngpus == 2)
+      for (int blocks : {8, 16, 24}) {
+        const int rows = 1024;
+        double t[3];
+        for (int m = 0; m < 3; ++m) {
+          clear_dst();
+          t[m] = time_all([&](int g, cudaStream_t s) {
+            const int h = 1 - g;
+            if (m != 1) {
+              cudaStream_t c = streams[g * kMaxGpus + 1];
+              CHECK(cudaStreamWaitEvent(c, ev0[g], 0));
+              CHECK(cudaMemcpyPeerAsync(p.dst[h] + size_t(g) * rows * row_int4, h,
+                                        p.src[g] + size_t(h) * rows * row_int4, g, size_t(rows) * row_bytes, c));
+              cudaEvent_t done;
+              CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+              CHECK(cudaEventRecord(done, c));
+              if (m == 2) local_kernel<4><<<blocks, 1024, 0, s>>>(lsrc[g], ldst[g], 2 * rows, row_int4);
+              CHECK(cudaStreamWaitEvent(s, done, 0));
+              CHECK(cudaEventDestroy(done));
+            } else {
+              local_kernel<4><<<blocks, 1024, 0, s>>>(lsrc[g], ldst[g], 2 * rows, row_int4);
+            }
+            CHECK(cudaGetLastError());
+          });
+          if (m != 1) check_dst(rows, "ce+local");
+          if (m != 0) check_local("ce+local", 2 * rows);
+        }
+        std::printf("ce+local: %d blocks: ce alone %.1f us (%.1f GB/s), local alone (%d rows) %.1f us, both %.1f us\n",
+                    blocks, t[0], double(rows) * row_bytes / t[0] * 1e-3, 2 * rows, t[1], t[2]);
+      }
+    // Copy engines and SM pushes on the link at once: the copy engine moves rows [0, k) of the 1024 for the peer, SMs
+    // (blocks x 1024 threads) push rows [k, 1024) meanwhile; k = 0 is SMs alone, k = 1024 the copy engine alone. If the
+    // two together beat either alone, the link has room that SM stores do not reach.
+    if (ngpus == 2)
+      for (int blocks : {8, 16})
+        for (int k : {0, 256, 384, 512, 640, 1024}) {
+          const int rows = 1024;
+          clear_dst();
+          const double us = time_all([&](int g, cudaStream_t s) {
+            const int h = 1 - g;
+            if (k > 0) {
+              cudaStream_t c = streams[g * kMaxGpus + 1];
+              CHECK(cudaStreamWaitEvent(c, ev0[g], 0));
+              CHECK(cudaMemcpyPeerAsync(p.dst[h] + size_t(g) * rows * row_int4, h,
+                                        p.src[g] + size_t(h) * rows * row_int4, g, size_t(k) * row_bytes, c));
+              cudaEvent_t done;
+              CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+              CHECK(cudaEventRecord(done, c));
+              if (k < rows) push_range_kernel<<<blocks, 1024, 0, s>>>(p, g, rows, k, rows - k, row_int4);
+              CHECK(cudaStreamWaitEvent(s, done, 0));
+              CHECK(cudaEventDestroy(done));
+            } else {
+              push_range_kernel<<<blocks, 1024, 0, s>>>(p, g, rows, 0, rows, row_int4);
+            }
+            CHECK(cudaGetLastError());
+          });
+          check_dst(rows, "ce+push");
+          std::printf("ce+push: %d blocks, copy engine %4d rows, SMs %4d: %.1f us, %.1f GB/s\n", blocks, k, rows - k,
+                      us, double(rows) * row_bytes / us * 1e-3);
+        }
     return 0;
   }
   if (fence) {
