@@ -40,6 +40,20 @@ __device__ __forceinline__ size_t dst_row(int row, int rows, int window) {
   return window == rows ? size_t(row) : size_t(row) * 97 % size_t(window);
 }
 
+// A warp copies one row of row_int4 int4, U loads a lane in flight, then their stores.
+template <int U>
+__device__ __forceinline__ void copy_row(const int4* s, int4* d, int row_int4, int lane) {
+  for (int base = 0; base < row_int4; base += 32 * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * 32 + lane < row_int4) v[u] = s[base + u * 32 + lane];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * 32 + lane < row_int4) d[base + u * 32 + lane] = v[u];
+  }
+}
+
 template <int U>
 __global__ void move_kernel(Peers p, int self, int ngpus, int rows, int row_int4, int pull, int window) {
   const int lane = threadIdx.x % 32;
@@ -59,19 +73,7 @@ __global__ void move_kernel(Peers p, int self, int ngpus, int rows, int row_int4
       s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
       d = p.dst[peer] + (size_t(self) * window + dst_row(row, rows, window)) * row_int4;
     }
-    for (int base = 0; base < row_int4; base += 32 * U) {
-      int4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = base + u * 32 + lane;
-        if (i < row_int4) v[u] = s[i];
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = base + u * 32 + lane;
-        if (i < row_int4) d[i] = v[u];
-      }
-    }
+    copy_row<U>(s, d, row_int4, lane);
   }
 }
 
@@ -228,15 +230,7 @@ __global__ void local_kernel(const int4* src, int4* dst, int rows, int row_int4)
   for (int row = warp; row < rows; row += nwarps) {
     const int4* s = src + size_t(row) * row_int4;
     int4* d = dst + size_t(row) * row_int4;
-    for (int base = 0; base < row_int4; base += 32 * U) {
-      int4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (base + u * 32 + lane < row_int4) v[u] = s[base + u * 32 + lane];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (base + u * 32 + lane < row_int4) d[base + u * 32 + lane] = v[u];
-    }
+    copy_row<U>(s, d, row_int4, lane);
   }
 }
 
@@ -311,15 +305,7 @@ __global__ void mix_kernel(Peers p, int self, int ngpus, int push_rows, const in
     } else {
       s = lsrc + size_t(item) * row_int4, d = ldst + size_t(item) * row_int4;
     }
-    for (int base = 0; base < row_int4; base += 32 * 4) {
-      int4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (base + u * 32 + lane < row_int4) v[u] = s[base + u * 32 + lane];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (base + u * 32 + lane < row_int4) d[base + u * 32 + lane] = v[u];
-    }
+    copy_row<4>(s, d, row_int4, lane);
   }
 }
 
@@ -332,15 +318,7 @@ __global__ void push_range_kernel(Peers p, int self, int rows, int first, int co
   for (int row = first + warp; row < first + count; row += nwarps) {
     const int4* s = p.src[self] + (size_t(peer) * rows + row) * row_int4;
     int4* d = p.dst[peer] + (size_t(self) * rows + row) * row_int4;
-    for (int base = 0; base < row_int4; base += 32 * 4) {
-      int4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (base + u * 32 + lane < row_int4) v[u] = s[base + u * 32 + lane];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (base + u * 32 + lane < row_int4) d[base + u * 32 + lane] = v[u];
-    }
+    copy_row<4>(s, d, row_int4, lane);
   }
 }
 
@@ -669,6 +647,21 @@ int main(int argc, char** argv) {
             "(sum of the two %.1f)\n",
             blocks, rows, t[0], push_bytes / t[0] * 1e-3, t[1], local_bytes / t[1] * 1e-3, t[2], t[0] + t[1]);
       }
+    // On GPU g of 2: the copy engine moves the first ce_rows of g's rows for the peer (region stride `rows`) on a
+    // second stream, released with the gate, while sm() launches on s; s then waits for the copy too.
+    auto with_copy_engine = [&](int g, cudaStream_t s, int rows, int ce_rows, auto sm) {
+      const int h = 1 - g;
+      cudaStream_t c = streams[g * kMaxGpus + 1];
+      CHECK(cudaStreamWaitEvent(c, ev0[g], 0));
+      CHECK(cudaMemcpyPeerAsync(p.dst[h] + size_t(g) * rows * row_int4, h, p.src[g] + size_t(h) * rows * row_int4, g,
+                                size_t(ce_rows) * row_bytes, c));
+      cudaEvent_t done;
+      CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      CHECK(cudaEventRecord(done, c));
+      sm();
+      CHECK(cudaStreamWaitEvent(s, done, 0));
+      CHECK(cudaEventDestroy(done));
+    };
     // Copy engines on the link while SMs copy locally: one cudaMemcpyPeerAsync of `rows` rows to the peer (a second
     // stream) and local_kernel<4> on `blocks` 1024-thread blocks copying twice as many rows (the 2-rank dispatch's
     // shape: the peer's rows cross the link once and every received row is copied locally once), each alone and
@@ -680,21 +673,12 @@ int main(int argc, char** argv) {
         for (int m = 0; m < 3; ++m) {
           clear_dst();
           t[m] = time_all([&](int g, cudaStream_t s) {
-            const int h = 1 - g;
-            if (m != 1) {
-              cudaStream_t c = streams[g * kMaxGpus + 1];
-              CHECK(cudaStreamWaitEvent(c, ev0[g], 0));
-              CHECK(cudaMemcpyPeerAsync(p.dst[h] + size_t(g) * rows * row_int4, h,
-                                        p.src[g] + size_t(h) * rows * row_int4, g, size_t(rows) * row_bytes, c));
-              cudaEvent_t done;
-              CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-              CHECK(cudaEventRecord(done, c));
-              if (m == 2) local_kernel<4><<<blocks, 1024, 0, s>>>(lsrc[g], ldst[g], 2 * rows, row_int4);
-              CHECK(cudaStreamWaitEvent(s, done, 0));
-              CHECK(cudaEventDestroy(done));
-            } else {
+            if (m != 1)
+              with_copy_engine(g, s, rows, rows, [&] {
+                if (m == 2) local_kernel<4><<<blocks, 1024, 0, s>>>(lsrc[g], ldst[g], 2 * rows, row_int4);
+              });
+            else
               local_kernel<4><<<blocks, 1024, 0, s>>>(lsrc[g], ldst[g], 2 * rows, row_int4);
-            }
             CHECK(cudaGetLastError());
           });
           if (m != 1) check_dst(rows, "ce+local");
@@ -712,21 +696,12 @@ int main(int argc, char** argv) {
           const int rows = 1024;
           clear_dst();
           const double us = time_all([&](int g, cudaStream_t s) {
-            const int h = 1 - g;
-            if (k > 0) {
-              cudaStream_t c = streams[g * kMaxGpus + 1];
-              CHECK(cudaStreamWaitEvent(c, ev0[g], 0));
-              CHECK(cudaMemcpyPeerAsync(p.dst[h] + size_t(g) * rows * row_int4, h,
-                                        p.src[g] + size_t(h) * rows * row_int4, g, size_t(k) * row_bytes, c));
-              cudaEvent_t done;
-              CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-              CHECK(cudaEventRecord(done, c));
-              if (k < rows) push_range_kernel<<<blocks, 1024, 0, s>>>(p, g, rows, k, rows - k, row_int4);
-              CHECK(cudaStreamWaitEvent(s, done, 0));
-              CHECK(cudaEventDestroy(done));
-            } else {
+            if (k > 0)
+              with_copy_engine(g, s, rows, k, [&] {
+                if (k < rows) push_range_kernel<<<blocks, 1024, 0, s>>>(p, g, rows, k, rows - k, row_int4);
+              });
+            else
               push_range_kernel<<<blocks, 1024, 0, s>>>(p, g, rows, 0, rows, row_int4);
-            }
             CHECK(cudaGetLastError());
           });
           check_dst(rows, "ce+push");
