@@ -5,7 +5,8 @@
 // are released together by a host-mapped flag. Rate = bytes to/from peers per GPU / the slowest GPU's time
 // (CUDA events), median of 50 after 5 warm-up; copy engines (cudaMemcpyPeerAsync, one stream per peer) as a
 // reference. `local` mode: what SMs copy within one GPU, and how that shares an SM with pushes and with copy engines
-// on the link (local_kernel, local_bulk_kernel, mix_kernel, push_range_kernel). Not part of the build; one process,
+// on the link (local_kernel, local_bulk_kernel, mix_kernel, push_range_kernel); `ce` mode: device-to-device
+// cudaMemcpyAsync within one GPU, alone and beside SMs that push and copy. Not part of the build; one process,
 // all local GPUs:
 //   nvcc -O2 -std=c++17 -arch=sm_90 -o link_rate tools/probes/link_rate.cu && ./link_rate
 #include <cuda_runtime.h>
@@ -396,6 +397,7 @@ __global__ void fence_kernel(Peers p, int self, int ngpus, int rows, int row_int
 using Kernel = void (*)(Peers, int, int, int, int, int, int);
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines show up as they are printed, also through a pipe
   int ngpus = 0;
   CHECK(cudaGetDeviceCount(&ngpus));
   if (ngpus < 2) {
@@ -426,7 +428,10 @@ int main(int argc, char** argv) {
   const bool fence = argc > 2 && std::string(argv[2]) == "fence";
   // `./link_rate 14336 local`: local copies only (local_kernel, local_bulk_kernel) of 8192 rows on every GPU at once,
   // by 4-24 blocks: what the dispatch's local copies can reach on the SMs they have.
-  const bool local = argc > 2 && std::string(argv[2]) == "local";
+  // `./link_rate 14336 ce`: copies within one GPU by cudaMemcpyAsync (one copy, or two or four on as many streams),
+  // alone and beside SMs that push and copy (mix_kernel).
+  const bool ce = argc > 2 && std::string(argv[2]) == "ce";
+  const bool local = (argc > 2 && std::string(argv[2]) == "local") || ce;
   if (fence) rows_list = {1024};
   const size_t max_rows = scatter || shape ? kWindow : 1024;
   if (rows_mode && size_t(rows_list[0]) > max_rows) {
@@ -593,6 +598,61 @@ int main(int argc, char** argv) {
         CHECK(cudaDeviceSynchronize());
       }
     };
+    if (ce) {
+      // Device-to-device cudaMemcpyAsync within one GPU: rows [0, n) of lsrc to ldst in `parts` copies on
+      // streams 1..parts, released with the gate; the kernel stream waits for them.
+      auto ce_local = [&](int g, cudaStream_t s, int n, int parts) {
+        std::vector<cudaEvent_t> done(parts);
+        for (int k = 0; k < parts; ++k) {
+          cudaStream_t c = streams[g * kMaxGpus + 1 + k];
+          CHECK(cudaStreamWaitEvent(c, ev0[g], 0));
+          const int a = n * k / parts, b = n * (k + 1) / parts;
+          CHECK(cudaMemcpyAsync(ldst[g] + size_t(a) * row_int4, lsrc[g] + size_t(a) * row_int4,
+                                size_t(b - a) * row_bytes, cudaMemcpyDeviceToDevice, c));
+          CHECK(cudaEventCreateWithFlags(&done[k], cudaEventDisableTiming));
+          CHECK(cudaEventRecord(done[k], c));
+        }
+        return done;
+      };
+      auto join = [&](cudaStream_t s, std::vector<cudaEvent_t>& done) {
+        for (cudaEvent_t e : done) {
+          CHECK(cudaStreamWaitEvent(s, e, 0));
+          CHECK(cudaEventDestroy(e));
+        }
+      };
+      for (int parts : {1, 2, 4})
+        for (int n : {2048, 8192}) {
+          const double us = time_all([&](int g, cudaStream_t s) {
+            auto done = ce_local(g, s, n, parts);
+            join(s, done);
+          });
+          check_local("ce", n);
+          std::printf("ce local: %d rows in %d copies: %.1f us, %.1f GB/s\n", n, parts, us,
+                      double(n) * row_bytes / us * 1e-3);
+        }
+      // Beside SMs: mix_kernel on 16 blocks (1024 rows pushed, 1024 copied locally into ldst's upper half) and the
+      // copies of rows [0, 4096).
+      for (int parts : {1, 4}) {
+        double t[3];
+        for (int m = 0; m < 3; ++m) {
+          clear_dst();
+          t[m] = time_all([&](int g, cudaStream_t s) {
+            std::vector<cudaEvent_t> done;
+            if (m != 1) done = ce_local(g, s, 4096, parts);
+            if (m != 0)
+              mix_kernel<<<16, 1024, 0, s>>>(p, g, ngpus, 1024, lsrc[g] + size_t(4096) * row_int4,
+                                             ldst[g] + size_t(4096) * row_int4, 1024, row_int4);
+            CHECK(cudaGetLastError());
+            join(s, done);
+          });
+          if (m != 1) check_local("ce+mix", 4096);
+          if (m != 0) check_dst(1024, "ce+mix");
+        }
+        std::printf("ce+mix: %d copies of 4096 rows alone %.1f us, mix (16 blocks) alone %.1f us, both %.1f us\n",
+                    parts, t[0], t[1], t[2]);
+      }
+      return 0;
+    }
     using LocalKernel = void (*)(const int4*, int4*, int, int);
     const LocalKernel kernels[] = {local_kernel<4>, local_kernel<8>};
     const int us_[] = {4, 8};
