@@ -20,6 +20,9 @@ enum DeviceError : int32_t {
   kErrShapeMismatch = 6,        // a = first rank whose operation signature differs, b = its signature, c = ours
   kErrExpertRowsExceeded = 7,   // a = expert, b = rows this rank sends it (at least), c = M (low-latency dispatch)
   kErrRecvRegionExceeded = 8,   // a = receiving rank, b = rows it would receive, c = rows its output region holds
+  // Not an error: a rank's rows exceed the outputs it sized by a guess (NotifyMsg::kRowBound < 0). The data kernels of
+  // every rank skip, no diagnostic is written, and every rank's host repeats the count exchange without a guess.
+  kVerdictResize = 9,
 };
 
 enum DeviceRole : int32_t {

@@ -47,6 +47,7 @@ struct NotifyParams {
   int num_channels;
   int expert_alignment;
   int num_worst_tokens;
+  int row_bound;                    // this rank's NotifyMsg::kRowBound (> 0 num_worst_tokens, < 0 a guess, 0 none)
   int* rank_prefix_matrix;          // [R, R]
   int* channel_prefix_matrix;       // [R, C] inclusive over channels, of what this rank sends
   int* recv_channel_prefix_matrix;  // [R, C] first recv row of (source, channel)

@@ -21,7 +21,11 @@ struct NotifyMsg {
   static constexpr int kErrorRank = 1;  // rank that saw it
   static constexpr int kNumTokens = 2;  // sender's token count (diagnostics)
   static constexpr int kSignature = 3;  // hash of the operation's shape: every rank must send the same
-  static constexpr int kHeader = 4;
+  // Rows the sender can receive: > 0 a hard bound (num_worst_tokens: more is an input error), < 0 -(guess + 1) for the
+  // rows of outputs it sized before the counts (more makes every rank repeat the count exchange: kVerdictResize), 0
+  // none.
+  static constexpr int kRowBound = 4;
+  static constexpr int kHeader = 5;
   EPX_HD static constexpr int tokens_per_rank(int j) { return kHeader + j; }        // sender's row
   EPX_HD static constexpr int expert(int i) { return kHeader + kMaxNvlRanks + i; }  // receiver's expert i
   EPX_HD static constexpr int channel(int c) { return kHeader + kMaxNvlRanks + kMaxLocalExperts + c; }

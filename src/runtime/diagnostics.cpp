@@ -29,6 +29,8 @@ const char* error_name(int code) {
       return "num_worst_tokens too small";
     case kErrRecvRegionExceeded:
       return "output region too small";
+    case kVerdictResize:
+      return "outputs sized by a guess too small (every rank repeats the count exchange)";
     case kErrTimeout:
       return "timeout";
     case kErrAbortedByPeer:

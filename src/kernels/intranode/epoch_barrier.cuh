@@ -53,10 +53,12 @@ __device__ __forceinline__ EpochEntry enter_epoch(NvlControl* self, int me) {
 }
 
 // Field `field` (< NotifyMsg::kHeader) of the header this rank sends.
-__device__ __forceinline__ int header_field(int field, const EpochEntry& e, int num_tokens, int signature) {
+__device__ __forceinline__ int header_field(int field, const EpochEntry& e, int num_tokens, int signature,
+                                            int row_bound) {
   if (field == NotifyMsg::kErrorCode) return e.error;
   if (field == NotifyMsg::kErrorRank) return e.error ? e.error_rank : -1;
   if (field == NotifyMsg::kNumTokens) return num_tokens;
+  if (field == NotifyMsg::kRowBound) return row_bound;
   return signature;  // NotifyMsg::kSignature
 }
 
@@ -111,7 +113,7 @@ static __device__ __noinline__ void run_epoch_barrier(const FailState& fail, con
   // Headers to every rank (this one included), then the epoch flags.
   for (int i = lane; i < R * NotifyMsg::kHeader; i += 32) {
     const int j = i / NotifyMsg::kHeader, field = i % NotifyMsg::kHeader;
-    dev::write_word(&nvl_control(peers, j)->notify_msg[parity][me][field], header_field(field, e, 0, signature));
+    dev::write_word(&nvl_control(peers, j)->notify_msg[parity][me][field], header_field(field, e, 0, signature, 0));
   }
   // Every lane's header stores precede the flag stores through __syncwarp; one release per peer carries them.
   __syncwarp();

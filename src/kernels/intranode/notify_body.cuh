@@ -61,7 +61,7 @@ __device__ void count_channels(const NotifyParams& p, int (*s_counts)[kMaxChanne
 __device__ int message_field(const NotifyParams& p, int j, int field, const EpochEntry& e,
                              int (*s_counts)[kMaxChannels]) {
   const int R = p.num_ranks;
-  if (field < NotifyMsg::kHeader) return header_field(field, e, p.num_tokens, p.signature);
+  if (field < NotifyMsg::kHeader) return header_field(field, e, p.num_tokens, p.signature, p.row_bound);
   if (field < NotifyMsg::tokens_per_rank(R)) return p.num_tokens_per_rank[field - NotifyMsg::tokens_per_rank(0)];
   if (field < NotifyMsg::expert(kMaxLocalExperts)) {
     const int L = p.num_experts / R;
@@ -79,10 +79,12 @@ static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_b
   __shared__ int s_counts[kMaxNvlRanks][kMaxChannels];       // [j][c]: what this rank sends to j in channel c
   __shared__ int s_recv_counts[kMaxNvlRanks][kMaxChannels];  // [s][c]: what s sends this rank in channel c
   __shared__ int s_sent[kMaxNvlRanks][kMaxNvlRanks];         // [i][j]: tokens rank i sends to rank j
+  __shared__ int s_bound[kMaxNvlRanks];                      // [i]: rank i's NotifyMsg::kRowBound
   __shared__ int s_error;
   __shared__ int s_error_rank;
   __shared__ int s_worst_rank;
   __shared__ int s_region_rank;
+  __shared__ int s_resize_rank;
   __shared__ uint32_t s_epoch;
   const int tid = threadIdx.x;
   const int R = p.num_ranks, C = p.num_channels, me = p.peers.rank;
@@ -96,6 +98,7 @@ static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_b
     s_error_rank = e.error_rank;
     s_worst_rank = R;
     s_region_rank = R;
+    s_resize_rank = R;
   }
   __syncthreads();
   const uint32_t epoch = s_epoch;
@@ -153,27 +156,31 @@ static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_b
       s_sent[i / R][i % R] = msg(i / R, NotifyMsg::tokens_per_rank(i % R));
     for (int i = tid - 32; i < R * C; i += blockDim.x - 32)
       s_recv_counts[i / C][i % C] = msg(i / C, NotifyMsg::channel(i % C));
+    for (int i = tid - 32; i < R; i += blockDim.x - 32) s_bound[i] = msg(i, NotifyMsg::kRowBound);
   }
   __syncthreads();
   const int collective_error = s_error;
   const int collective_error_rank = s_error_rank;
 
   if (!p.barrier_only && tid < R) {
-    // Column tid of rank_prefix_matrix; the worst-case bound is checked for every rank, by every rank.
+    // Column tid of rank_prefix_matrix; rank tid's row bound (from its header) is checked for every rank, by every
+    // rank, so all reach the same verdict.
     int acc = 0;
     for (int i = 0; i < R; ++i) {
       acc += s_sent[i][tid];
       p.rank_prefix_matrix[i * R + tid] = acc;
     }
-    if (p.num_worst_tokens > 0 && acc > p.num_worst_tokens) atomicMin(&s_worst_rank, tid);
+    const int bound = s_bound[tid];
+    if (bound > 0 && acc > bound) atomicMin(&s_worst_rank, tid);
+    if (bound < 0 && acc > -bound - 1) atomicMin(&s_resize_rank, tid);
     if (p.recv_capacity > 0 && acc > p.recv_capacity) atomicMin(&s_region_rank, tid);
   }
   if (data_blocks > 0) {
     // The prefix matrices' stores (threads tid < R, here and after the counts) precede the releases through the
     // block barrier; each release is cumulative over them. The word says whether the operation has an error (the
-    // verdict, a rank's rows past the worst-case bound or the output region), the same on every rank.
+    // verdict, a rank's rows past its row bound or the output region), the same on every rank.
     __syncthreads();
-    const bool fails = collective_error != 0 || s_worst_rank < R || s_region_rank < R;
+    const bool fails = collective_error != 0 || s_worst_rank < R || s_region_rank < R || s_resize_rank < R;
     const uint32_t start = fails ? kStartSkip : kStartGo;
     for (int b = tid; b < data_blocks; b += blockDim.x)
       publish(&self->block_start[b], start);  // pairs with wait_for_start
@@ -209,13 +216,16 @@ static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_b
       rank = s_worst_rank;
       int rows = 0;
       for (int s = 0; s < R; ++s) rows += msg(s, NotifyMsg::tokens_per_rank(rank));
-      write_diag(&p.fail.host->input, kErrWorstTokensExceeded, rank, kRoleNotify, rank, rows, p.num_worst_tokens);
+      write_diag(&p.fail.host->input, kErrWorstTokensExceeded, rank, kRoleNotify, rank, rows, s_bound[rank]);
     } else if (code == 0 && s_region_rank < R) {
       code = kErrRecvRegionExceeded;
       rank = s_region_rank;
       int rows = 0;
       for (int s = 0; s < R; ++s) rows += msg(s, NotifyMsg::tokens_per_rank(rank));
       write_diag(&p.fail.host->input, kErrRecvRegionExceeded, rank, kRoleNotify, rank, rows, p.recv_capacity);
+    } else if (code == 0 && s_resize_rank < R) {
+      code = kVerdictResize;  // no diagnostic: every rank's host repeats the count exchange
+      rank = s_resize_rank;
     }
     self->op_error = code;
     self->op_error_rank = rank;
