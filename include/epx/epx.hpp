@@ -153,6 +153,10 @@ class Buffer {
   // waits (bounded) for the counts. handle.num_recv_tokens is set from the result.
   DispatchCounts notify_dispatch(const DispatchArgs& args, const Config& config, DispatchHandle& handle,
                                  cudaStream_t stream);
+  // Both steps into outputs of outputs.num_rows rows, sized by a guess (epx_dispatch_sized); num_recv_tokens -1 in
+  // the result: some rank's rows did not fit, and this rank repeats the dispatch with notify_dispatch and dispatch.
+  DispatchCounts dispatch_sized(const DispatchArgs& args, const Config& config, DispatchHandle& handle,
+                                const DispatchOutputs& outputs, cudaStream_t stream);
   // Dispatch step 2: data.
   void dispatch(const DispatchArgs& args, const Config& config, const DispatchHandle& handle,
                 const DispatchOutputs& outputs, cudaStream_t stream);

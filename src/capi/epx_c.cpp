@@ -217,6 +217,19 @@ epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args
   });
 }
 
+epx_status epx_dispatch_sized(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                              epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs,
+                              epx_dispatch_counts* counts, void* stream) {
+  return guarded([&] {
+    require_non_null(args, "args");
+    require_non_null(config, "config");
+    require_non_null(handle, "handle");
+    require_non_null(outputs, "outputs");
+    require_non_null(counts, "counts");
+    report_counts(buffer, live(buffer).dispatch_sized(*args, *config, *handle, *outputs, as_stream(stream)), counts);
+  });
+}
+
 epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
                         const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream) {
   return guarded([&] {

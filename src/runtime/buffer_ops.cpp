@@ -18,6 +18,16 @@ DispatchCounts Buffer::notify_dispatch(const DispatchArgs& a, const Config& c, D
   return intranode::notify_dispatch(*impl_, a, c, h, stream, op);
 }
 
+DispatchCounts Buffer::dispatch_sized(const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                                      const DispatchOutputs& o, cudaStream_t stream) {
+  const char* op = "dispatch_sized";
+  impl_->enter(op);
+  if (impl_->internode)
+    raise(Status::kNotSupported, op, ": a dispatch into outputs sized by a guess runs inside one NVLink domain; this ",
+          "buffer spans ", impl_->num_domains, " domains (or the internode mode was forced)");
+  return intranode::dispatch_sized(*impl_, a, c, h, o, stream, op);
+}
+
 void Buffer::dispatch(const DispatchArgs& a, const Config& c, const DispatchHandle& h, const DispatchOutputs& o,
                       cudaStream_t stream) {
   const char* op = "dispatch";

@@ -99,6 +99,7 @@ NotifyParams dispatch_notify_params(Buffer::Impl& b, const DispatchArgs& a, cons
   p.channel_prefix_matrix = h.channel_prefix_matrix;
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;
   p.recv_capacity = recv_capacity;
+  p.row_bound = a.num_worst_tokens;  // a hard bound, or none
   p.signature = signature;
   return p;
 }
@@ -111,6 +112,30 @@ NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, cons
   return p;
 }
 
+// The ring dispatch's signature. It tells worst-case mode (no host wait) from the rest: a rank that sized its outputs
+// by a guess may need every rank to repeat the count exchange (kVerdictResize), which only a waiting host can do.
+int dispatch_signature(const DispatchArgs& a, const Config& c) {
+  return op_signature(kOpDispatch, dispatch_record(a).bytes ^ (int64_t(a.num_worst_tokens > 0) << 40), c);
+}
+
+namespace {
+
+// After the host's wait for a notify: true when its verdict is kVerdictResize (some rank's rows exceed the outputs
+// it sized by a guess; no rank's data kernel moved rows). Clears the verdict, as raise_if_input_error clears an
+// error, so that the next operation's epoch barrier does not report it.
+bool take_resize_verdict(Buffer::Impl& b, cudaStream_t stream) {
+  volatile HostShared* host = b.host;
+  if (host->op_error != kVerdictResize) return false;
+  host->op_error = 0;
+  cudaMemsetAsync(&b.control()->op_error, 0, sizeof(int32_t) * 2, stream);
+  return true;
+}
+
+// Count exchanges one dispatch may repeat: a rank whose guess was too small repeats its own without a guess.
+constexpr int kMaxCountExchanges = 4;
+
+}  // namespace
+
 DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                cudaStream_t stream, const char* op) {
   validate_config(c, b.num_nvl_ranks);
@@ -118,25 +143,37 @@ DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Con
               b.num_device_sms, " SMs");
   validate_dispatch_args(a, b.num_ranks, false, op);
   ring_for(b, c, dispatch_record(a).bytes, op);
-  const NotifyParams p =
-      launch_dispatch_notify(b, a, c, h, op_signature(kOpDispatch, dispatch_record(a).bytes, c), 0, stream, op);
-  if (a.num_worst_tokens != 0) return DispatchCounts{};  // worst-case mode: not waited for
-  return wait_dispatch_counts(b, p.host_seq, p.num_experts, h, stream, op);
+  for (int exchange = 1;; ++exchange) {
+    const NotifyParams p = launch_dispatch_notify(b, a, c, h, dispatch_signature(a, c), 0, stream, op);
+    if (a.num_worst_tokens != 0) return DispatchCounts{};  // worst-case mode: not waited for
+    b.wait_notify(p.host_seq, op, stream);
+    if (!take_resize_verdict(b, stream)) return read_dispatch_counts(b, p.num_experts, h, stream, op);
+    // A peer's guessed outputs were too small: every rank's data kernel skips, and every rank exchanges again.
+    if (exchange == kMaxCountExchanges)
+      raise(Status::kInternal, op, ": the count exchange was repeated ", exchange,
+            " times because a rank's outputs sized by a guess were too small each time; a rank keeps guessing");
+  }
 }
 
 }  // namespace intranode
 
 namespace {
 
-// cached: the kernel runs the epoch barrier first (a cached dispatch has no notify in front of it).
-void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
-                          const DispatchOutputs& o, bool cached, cudaStream_t stream, const char* op) {
-  const DispatchRecord record = dispatch_record(a);
-  const RingLayout ring = ring_for(b, c, record.bytes, op);
+// The rows a dispatch's outputs need: num_worst_tokens in worst-case mode, else the counts the handle was given.
+int dispatch_rows(const DispatchArgs& a, const DispatchHandle& h, const char* op) {
   const int rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : h.num_recv_tokens;
   EPX_REQUIRE(rows >= 0, op,
               ": the handle does not know how many tokens arrive (notify_dispatch not waited for);"
               " pass num_worst_tokens");
+  return rows;
+}
+
+// cached: the kernel runs the epoch barrier first (a cached dispatch has no notify in front of it). rows: what the
+// outputs must hold.
+void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
+                          const DispatchOutputs& o, int rows, bool cached, cudaStream_t stream, const char* op) {
+  const DispatchRecord record = dispatch_record(a);
+  const RingLayout ring = ring_for(b, c, record.bytes, op);
   check_dispatch_outputs(a, o, rows, h.recv_src_idx, ": handle.recv_src_idx [rows] must be allocated", op);
   DispatchParams p{};
   fill_dispatch_params(p, b, a, h, o, record.x_bytes);
@@ -166,12 +203,40 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
 
 namespace intranode {
 
+DispatchCounts dispatch_sized(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                              const DispatchOutputs& o, cudaStream_t stream, const char* op) {
+  validate_config(c, b.num_nvl_ranks);
+  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
+              b.num_device_sms, " SMs");
+  validate_dispatch_args(a, b.num_ranks, false, op);
+  EPX_REQUIRE(a.num_worst_tokens == 0, op,
+              ": num_worst_tokens must be 0 (the outputs' rows are the guess; worst-case mode is notify_dispatch's)");
+  EPX_REQUIRE(o.num_rows >= 0 && o.num_rows < (1 << 30), op, ": outputs.num_rows must be in [0, 2^30), got ",
+              o.num_rows);
+  ring_for(b, c, dispatch_record(a).bytes, op);
+  // Every check of the data kernel's launch before the notify is queued: a rank must not leave its peers waiting.
+  check_dispatch_outputs(a, o, o.num_rows, h.recv_src_idx, ": handle.recv_src_idx [outputs.num_rows] must be allocated",
+                         op);
+  NotifyParams p = dispatch_notify_params(b, a, c, h, dispatch_signature(a, c), 0, op);
+  p.row_bound = -(o.num_rows + 1);
+  launch_notify(p, stream);
+  b.check_launch(cudaGetLastError(), op);
+  launch_dispatch_data(b, a, c, h, o, o.num_rows, false, stream, op);
+  // The host waits for the counts only now, while the data kernel runs.
+  b.wait_notify(p.host_seq, op, stream);
+  if (take_resize_verdict(b, stream)) {
+    DispatchCounts none;  // num_recv_tokens -1: the caller repeats the dispatch with notify_dispatch and dispatch
+    return none;
+  }
+  return read_dispatch_counts(b, p.num_experts, h, stream, op);
+}
+
 void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
               const DispatchOutputs& o, cudaStream_t stream, const char* op) {
   validate_config(c, b.num_nvl_ranks);
   validate_dispatch_args(a, b.num_ranks, false, op);
   validate_handle(h, b, c, a.num_tokens, op);
-  launch_dispatch_data(b, a, c, h, o, false, stream, op);
+  launch_dispatch_data(b, a, c, h, o, dispatch_rows(a, h, op), false, stream, op);
 }
 
 void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
@@ -180,7 +245,7 @@ void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, co
   validate_dispatch_args(a, b.num_ranks, true, op);
   validate_handle(h, b, c, a.num_tokens, op);
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms exceeds the device's SMs");
-  launch_dispatch_data(b, a, c, h, o, true, stream, op);
+  launch_dispatch_data(b, a, c, h, o, dispatch_rows(a, h, op), true, stream, op);
 }
 
 void combine(Buffer::Impl& b, const CombineArgs& a, const Config& c, const DispatchHandle& h, const CombineOutputs& o,
@@ -229,6 +294,11 @@ void check_dispatch_outputs(const DispatchArgs& a, const DispatchOutputs& o, int
 DispatchCounts wait_dispatch_counts(Buffer::Impl& b, int host_seq, int num_experts, DispatchHandle& h,
                                     cudaStream_t stream, const char* op) {
   b.wait_notify(host_seq, op, stream);
+  return read_dispatch_counts(b, num_experts, h, stream, op);
+}
+
+DispatchCounts read_dispatch_counts(Buffer::Impl& b, int num_experts, DispatchHandle& h, cudaStream_t stream,
+                                    const char* op) {
   b.raise_if_input_error(op, stream);
   const volatile HostShared* host = b.host;
   DispatchCounts counts;

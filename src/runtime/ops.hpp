@@ -87,6 +87,9 @@ void check_dispatch_outputs(const DispatchArgs& a, const DispatchOutputs& o, int
 // (num_experts: the notify's, 0 without per-expert counts).
 DispatchCounts wait_dispatch_counts(Buffer::Impl& b, int host_seq, int num_experts, DispatchHandle& h,
                                     cudaStream_t stream, const char* op);
+// The same once the host has seen the counts (Buffer::Impl::wait_notify).
+DispatchCounts read_dispatch_counts(Buffer::Impl& b, int num_experts, DispatchHandle& h, cudaStream_t stream,
+                                    const char* op);
 // The collective barrier kernel (the notify kernel without the count exchange: the epoch barrier alone): every
 // rank's earlier operations on its stream are done, and every rank agrees on the operation's signature. Cached
 // dispatch and combine run the same barrier inside their data kernel instead (kernels/intranode/epoch_barrier.cuh).
@@ -106,8 +109,17 @@ NotifyParams dispatch_notify_params(Buffer::Impl& b, const DispatchArgs& a, cons
 // The same, with the notify kernel queued; returns its parameters (host_seq, num_experts).
 NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                     int signature, int recv_capacity, cudaStream_t stream, const char* op);
+// The ring dispatch's signature (with a layout): the record, the config and whether it is in worst-case mode.
+int dispatch_signature(const DispatchArgs& a, const Config& c);
+// The count exchange, with the host's wait unless worst-case mode. Repeats the exchange while a peer's guess was too
+// small (kVerdictResize).
 DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                cudaStream_t stream, const char* op);
+// The count exchange and the data kernel queued back to back into outputs of o.num_rows rows (a guess), then the
+// host's wait. num_recv_tokens -1 in the result: some rank's rows did not fit, no rank moved data, and the caller
+// repeats the dispatch with notify_dispatch and dispatch (its peers repeat their count exchange by themselves).
+DispatchCounts dispatch_sized(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
+                              const DispatchOutputs& o, cudaStream_t stream, const char* op);
 void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
               const DispatchOutputs& o, cudaStream_t stream, const char* op);
 void dispatch_cached(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,

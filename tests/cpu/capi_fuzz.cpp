@@ -256,6 +256,7 @@ class Fuzzer {
     add("epx_config_internode_size_hints", &Fuzzer::internode_size_hints);
     add("epx_get_dispatch_layout", &Fuzzer::get_dispatch_layout);
     add("epx_notify_dispatch", &Fuzzer::notify_dispatch);
+    add("epx_dispatch_sized", &Fuzzer::dispatch_sized);
     add("epx_dispatch", &Fuzzer::dispatch);
     add("epx_dispatch_cached", &Fuzzer::dispatch_cached);
     add("epx_dispatch_in_buffer", &Fuzzer::dispatch_in_buffer);
@@ -750,6 +751,16 @@ class Fuzzer {
     epx_dispatch_outputs o = random_outputs(r);
     check_is(epx_dispatch(nullptr, maybe(r, a), maybe(r, c), maybe(r, h), maybe(r, o), fake_stream(r)),
              {EPX_ERR_INVALID_ARGUMENT}, "epx_dispatch(NULL, ...)");
+  }
+  void dispatch_sized(Rng& r) {
+    epx_dispatch_args a = random_dispatch_args(r);
+    epx_config c = random_config(r);
+    epx_dispatch_handle h = random_handle(r);
+    epx_dispatch_outputs o = random_outputs(r);
+    epx_dispatch_counts n{};
+    check_is(
+        epx_dispatch_sized(nullptr, maybe(r, a), maybe(r, c), maybe(r, h), maybe(r, o), maybe(r, n), fake_stream(r)),
+        {EPX_ERR_INVALID_ARGUMENT}, "epx_dispatch_sized(NULL, ...)");
   }
   void dispatch_cached(Rng& r) {
     epx_dispatch_args a = random_dispatch_args(r);

@@ -184,6 +184,7 @@ TEST(CApi, EveryOperationRejectsANullBuffer) {
       {"check", epx_buffer_check(nullptr, nullptr)},
       {"layout", epx_get_dispatch_layout(nullptr, &layout, &layout_out, nullptr)},
       {"notify", epx_notify_dispatch(nullptr, &dargs, &config, &handle, &counts, nullptr)},
+      {"dispatch_sized", epx_dispatch_sized(nullptr, &dargs, &config, &handle, &dout, &counts, nullptr)},
       {"dispatch", epx_dispatch(nullptr, &dargs, &config, &handle, &dout, nullptr)},
       {"dispatch_cached", epx_dispatch_cached(nullptr, &dargs, &config, &handle, &dout, nullptr)},
       {"combine", epx_combine(nullptr, &cargs, &config, &handle, &combine_out, nullptr)},
