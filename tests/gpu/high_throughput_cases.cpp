@@ -61,6 +61,79 @@ Case scenario(std::string name, std::function<HtCase(Context&)> make) {
   return Case{std::move(name), [make](Context& ctx) { return run_full(ctx, make(ctx)); }};
 }
 
+// Ring dispatches into outputs sized by a guess (Buffer::dispatch_sized): each case runs two dispatches and combines,
+// every one checked, and checks on every sized rank whether the first call repeated (a rank's guess too small) as
+// the case expects; the second call, with every guess large enough, must not.
+std::vector<Case> sized_cases() {
+  const auto sized = [](std::string name, bool resized, std::function<HtCase(Context&)> make) {
+    return Case{"sized dispatch: " + name, [make, resized](Context& ctx) {
+                  HtCase c = make(ctx);
+                  c.sized = true;
+                  const bool sized_rank = c.sized_offset_of(ctx.rank) != HtCase::kTwoStep;
+                  std::string err;
+                  {
+                    HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                    err = dispatch_and_combine(s, c.seed * 7 + 1);
+                    if (sized_rank && s.last_dispatch_resized() != resized)
+                      err += resized ? "expected every rank to repeat the dispatch, it did not\n"
+                                     : "the dispatch repeated, but every guess was large enough\n";
+                  }
+                  c.sized_offset = {HtCase::kLargest};
+                  c.seed += 1000;
+                  HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                  err += dispatch_and_combine(s, c.seed * 7 + 2);
+                  if (s.last_dispatch_resized()) err += "the second dispatch repeated with the largest guess\n";
+                  return err;
+                }};
+  };
+  std::vector<Case> cases;
+  cases.push_back(sized("the guess is exact, bf16 h2048, 10% empty slots", false,
+                        [](Context&) { return base_case({600}, 2048, 130); }));
+  cases.push_back(sized("64 rows to spare, fp8 h7168, top-8 of 256", false, [](Context&) {
+    auto c = base_case({1024}, 7168, 131);
+    c.dtype = EPX_FP8_E4M3;
+    c.routing.num_experts = 256;
+    c.sized_offset = {64};
+    return c;
+  }));
+  cases.push_back(sized("one token on rank 0, none on the others", false,
+                        [](Context& ctx) { return base_case(per_rank(ctx.num_ranks, {1}, 0), 4096, 132); }));
+  cases.push_back(sized("skewed experts, uneven tokens", false, [](Context& ctx) {
+    auto c = base_case(per_rank(ctx.num_ranks, {700, 0, 33}, 250), 2048, 133);
+    c.routing.kind = Routing::kSkewed;
+    return c;
+  }));
+  cases.push_back(sized("the last rank receives nothing (a guess of 0 rows)", false, [](Context&) {
+    auto c = base_case({256}, 2048, 138);
+    c.routing.kind = Routing::kLastIdle;
+    return c;
+  }));
+  cases.push_back(sized("rank 0's guess one row short: every rank repeats", true, [](Context& ctx) {
+    auto c = base_case({500}, 2048, 134);
+    c.sized_offset = per_rank(ctx.num_ranks, {-1}, 16);
+    return c;
+  }));
+  cases.push_back(sized("the last rank's guess short, the others dispatch in two steps", true, [](Context& ctx) {
+    auto c = base_case({300}, 4096, 135);
+    c.dtype = EPX_FP8_E4M3;
+    c.sized_offset = per_rank(ctx.num_ranks, {}, HtCase::kTwoStep);
+    c.sized_offset[ctx.num_ranks - 1] = -40;
+    return c;
+  }));
+  cases.push_back(sized("sized and two-step ranks mixed, every guess enough", false, [](Context& ctx) {
+    auto c = base_case({400}, 2048, 136);
+    c.sized_offset = per_rank(ctx.num_ranks, {HtCase::kTwoStep}, 0);
+    return c;
+  }));
+  cases.push_back(Case{"sized dispatch: its handle serves cached dispatches and combine", [](Context& ctx) {
+                         auto c = base_case({800}, 7168, 137);
+                         c.sized = true;
+                         c.sized_offset = {HtCase::kLargest};
+                         return cached_dispatches(ctx, c, 2, 3000, 99);
+                       }});
+  return cases;
+}
+
 // Dispatches into the Buffer's output region (semantics.md section 2): the same checks on the region's views, and a
 // combine after each, on the suite's buffer (its num_recv_bytes: 4096 tokens a rank of BF16 h7168, top-8).
 std::vector<Case> in_buffer_cases() {
@@ -465,6 +538,8 @@ std::vector<Case> high_throughput_cases(bool internode) {
   if (!internode) {
     std::vector<Case> in_buffer = in_buffer_cases();
     cases.insert(cases.end(), in_buffer.begin(), in_buffer.end());
+    std::vector<Case> sized = sized_cases();
+    cases.insert(cases.end(), sized.begin(), sized.end());
   }
 
   cases.push_back(Case{"1000 back-to-back dispatch + combine iterations", [](Context& ctx) {

@@ -111,6 +111,8 @@ HtCase make_case(const HtOptions& o, epx_dtype dtype) {
   c.combine_weights = true;
   c.worst_case = o.worst_case;  // num_worst_tokens = the sum of all ranks' tokens
   c.in_buffer = o.in_buffer;
+  c.sized = !o.two_step && !o.worst_case && !o.in_buffer;  // the harness runs sized dispatches inside one domain only
+  c.sized_offset = {HtCase::kLargest};
   c.seed = o.seed;
   return c;
 }
@@ -228,6 +230,7 @@ RunInfo make_run_info(const char* benchmark, const HtOptions& o, int num_ranks, 
   info.routing = "uniform";
   info.worst_case = o.worst_case;
   info.in_buffer = o.in_buffer;
+  info.two_step = o.two_step;
   info.iters = o.iters, info.warmup = o.warmup, info.seed = o.seed;
   info.nccl = "NCCL: skipped (--no-nccl)";
   return info;

@@ -131,6 +131,10 @@ const char* intranode_usage() {
          "  --in-buffer        dispatch into the buffer's output region (dispatch_in_buffer: senders write rows\n"
          "                     to their final place at the receiver, the host waits for counts after the launch)\n"
          "                     and combine from it (combine_in_buffer: the source rank reads every row in place)\n"
+         "  --two-step         dispatch with a layout as notify_dispatch (the host waits for the counts), then\n"
+         "                     dispatch; by default dispatch_sized queues both kernels at once into outputs sized\n"
+         "                     by a guess (the sum of all ranks' tokens), as the Python package does from its\n"
+         "                     second call with a token count on\n"
          "  --check-all        check results against the reference model for every swept config, not only\n"
          "                     the default one\n"
          "  --seed S           routing and data seed (1)\n"
@@ -172,6 +176,8 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
           o.check_all = true;
         else if (a == "--in-buffer")
           o.in_buffer = true;
+        else if (a == "--two-step")
+          o.two_step = true;
         else
           return false;
         return true;

@@ -36,6 +36,7 @@ struct HtOptions {
   bool nccl = true;
   bool worst_case = false;  // dispatch with num_worst_tokens: no host wait for the counts
   bool in_buffer = false;   // intranode: dispatch into the buffer's output region, combine from it (--in-buffer)
+  bool two_step = false;    // intranode: notify_dispatch, then dispatch (--two-step), not dispatch_sized
   uint64_t seed = 1;
 };
 

@@ -60,6 +60,7 @@ struct RunInfo {
   std::string routing;
   bool worst_case = false;  // the dispatches ran with num_worst_tokens (no host wait)
   bool in_buffer = false;   // the dispatches wrote into the buffer's output region
+  bool two_step = false;    // dispatches with a layout ran as notify_dispatch, then dispatch
   int iters = 0, warmup = 0;
   uint64_t seed = 0;
   std::string check;  // "PASS", or what failed

@@ -37,8 +37,16 @@ struct HtCase {
   bool combine_weights = true;
   int reduction = EPX_REDUCE_DEFAULT;  // the combine's order (internode: two-level by default, or flat)
   bool in_buffer = false;              // dispatch into the Buffer's output region, combine from it
+  // Ring dispatch with a layout into outputs sized by a guess (Buffer::dispatch_sized), then notify_dispatch and
+  // dispatch if a rank's rows did not fit. The guess is this rank's rows + sized_offset_of(rank), within [0, the sum of
+  // all ranks' tokens]; kTwoStep: this rank calls notify_dispatch and dispatch (ranks may mix the two).
+  bool sized = false;
+  std::vector<int> sized_offset{0};  // per rank; one value means the same on every rank
+  static constexpr int kTwoStep = -(1 << 30);
+  static constexpr int kLargest = 1 << 30;  // the guess is the sum of all ranks' tokens
   uint64_t seed = 1;
   int tokens_of(int rank) const { return tokens.size() == 1 ? tokens[0] : tokens.at(rank); }
+  int sized_offset_of(int rank) const { return sized_offset.size() == 1 ? sized_offset[0] : sized_offset.at(rank); }
 };
 
 // The case with its expert count rounded up to a multiple of the rank count (3 ranks: 64 experts become 66), so every
@@ -72,6 +80,8 @@ class HtSession {
   std::string check_combine() const;
 
   int num_recv_tokens() const { return int(expected_rows_.size()); }
+  // The last dispatch went through dispatch_sized and a rank's rows did not fit (this rank then repeated it).
+  bool last_dispatch_resized() const { return resized_; }
   bool internode() const { return internode_; }
   // Internode: records this rank's network rings receive, and rows of them that came from another domain.
   int num_rdma_recv_tokens() const { return int(net_handle_.send_nvl_head.size()) / num_nvl_ranks_; }
@@ -141,6 +151,7 @@ class HtSession {
 
   DispatchHandle handle_{};
   DispatchCounts counts_;
+  bool resized_ = false;
   RecvRegionViews region_{};  // in_buffer: where the last dispatch wrote its outputs
 
   // The last dispatch's outputs: region_'s views in in_buffer mode, else this session's arrays.
