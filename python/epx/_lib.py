@@ -192,6 +192,8 @@ SIGNATURES = {
     "epx_get_dispatch_layout": (c_int, [_buffer_p, _P(LayoutArgs), _P(LayoutOutputs), _stream]),
     "epx_notify_dispatch": (c_int, [_buffer_p, _P(DispatchArgs), _P(Config), _P(DispatchHandle),
                                     _P(DispatchCounts), _stream]),
+    "epx_dispatch_sized": (c_int, [_buffer_p, _P(DispatchArgs), _P(Config), _P(DispatchHandle),
+                                   _P(DispatchOutputs), _P(DispatchCounts), _stream]),
     "epx_dispatch": (c_int, [_buffer_p, _P(DispatchArgs), _P(Config), _P(DispatchHandle), _P(DispatchOutputs),
                              _stream]),
     "epx_dispatch_cached": (c_int, [_buffer_p, _P(DispatchArgs), _P(Config), _P(DispatchHandle),

@@ -27,7 +27,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import _checks, _lib
+from . import _checks, _env, _lib
 from ._memory import Views, itemsize
 from ._streams import Streams
 from .bootstrap import AllGather, from_mpi_comm, from_torch_group
@@ -210,6 +210,10 @@ class Buffer(HighThroughputMixin, LowLatencyMixin):
         self._default_configs = {}  # (kind, num_sms or None) -> epx_config of the default config
         self._configs = {}          # the field values of a Config passed in -> its epx_config
         self._last_handle = None    # _HandleCache of the last handle checked
+        # The ring dispatch with a layout sizes its outputs by a guess from the rows of the last calls with the same
+        # token count (high_throughput.py, _sized_rows), so its data kernel need not wait for the host.
+        self._sized_dispatch = _env.switch("EPX_HT_SIZED_DISPATCH", True)
+        self._recv_rows = {}        # token count -> rows received by the last few dispatches with a layout
         self._ll_dispatch_state = None  # low-latency dispatch: the last arguments that passed (low_latency.py)
         self._ll_combine_last = None    # low-latency combine: the last handle that passed, its x shape, the
         # reduction argument and its code

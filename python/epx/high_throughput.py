@@ -43,6 +43,8 @@ _REDUCE_DEFAULT = _lib.EPX_REDUCE_DEFAULT
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 _ROW_MAJOR = (0, 0)  # epx_dispatch_args' scale strides of row-major scales (and of none)
 _SOURCE_META_BYTES = 8  # a row of an internode handle's recv_src_meta: two int32 (source domain, rank mask)
+_SIZED_HISTORY = 4  # received rows remembered per token count (Buffer._recv_rows)
+_SIZED_TOKEN_COUNTS = 8  # token counts remembered
 # combine's reduction argument -> epx_combine_args.reduction
 _REDUCTIONS = {"flat": _lib.EPX_REDUCE_FLAT, "two_level": _lib.EPX_REDUCE_TWO_LEVEL}
 
@@ -76,6 +78,35 @@ class HighThroughputMixin:
         # new_empty of a prototype, with the sizes as separate ints: about half a microsecond cheaper than
         # torch.empty(shape, dtype=, device=), whose keywords and tuple cost more to parse.
         return self._protos[dtype].new_empty(*shape)
+
+    def _sized_rows(self, T: int) -> Optional[int]:
+        """The rows to size a ring dispatch's outputs by before its counts are known: the most the last dispatches
+        with a layout and T tokens received, plus 1/16 and 8 rows; None (the counts first) without such a call or with
+        EPX_HT_SIZED_DISPATCH=0."""
+        rows = self._recv_rows.get(T) if self._sized_dispatch else None
+        if not rows:
+            return None
+        n = max(rows)
+        return n + (n >> 4) + 8
+
+    def _note_recv_rows(self, T: int, N: int) -> None:
+        rows = self._recv_rows.get(T)
+        if rows is None:
+            if len(self._recv_rows) >= _SIZED_TOKEN_COUNTS:
+                self._recv_rows.pop(next(iter(self._recv_rows)))  # the token count seen first
+            rows = self._recv_rows[T] = []
+        rows.append(N)
+        if len(rows) > _SIZED_HISTORY:
+            del rows[0]
+
+    def _dispatch_outputs(self, N: int, H: int, dtype, scales, K: int, topk_idx, topk_weights):
+        """recv_x, recv_scales, recv_topk_idx, recv_topk_weights (None where the call has none) and recv_src_idx
+        of N rows."""
+        return (self._empty((N, H), dtype),
+                self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None,
+                self._empty((N, K), _INT64) if topk_idx is not None else None,
+                self._empty((N, K), _FP32) if topk_weights is not None else None,
+                self._empty((N,), _INT32))
 
     def _finish(self, compute, async_finish: bool, allocate_on_comm_stream: bool, tensors) -> EventOverlap:
         if async_finish:
@@ -477,12 +508,39 @@ class HighThroughputMixin:
             with torch.cuda.stream(streams.comm):
                 recv_src_idx.copy_(self._views.tensor(region.recv_src_idx, N * 4, _INT32, (N,), d, self))
         else:
-            lib.check(lib.epx_notify_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(counts), stream))
-            # The counts live in library memory that the next call reuses: copy them now.
-            per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
-            N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
+            sized = None
+            guess = self._sized_rows(T) if not internode and num_worst_tokens == 0 else None
+            if guess is not None:
+                # Outputs of `guess` rows first, then the count exchange and the data kernel back to back.
+                with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
+                    sized = self._dispatch_outputs(guess, H, data.dtype, scales, K, topk_idx, topk_weights)
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = sized
+                h.recv_src_idx = recv_src_idx.data_ptr()
+                outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales),
+                                            _ptr_or_none(recv_topk_idx), _ptr_or_none(recv_topk_weights), guess)
+                lib.check(lib.epx_dispatch_sized(ptr, byref(args), byref(c_config), byref(h), byref(outs),
+                                                 byref(counts), stream))
+                if counts.num_recv_tokens < 0:
+                    sized = None  # a rank's rows did not fit: every rank repeats the dispatch below
+            if sized is not None:
+                per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
+                N = counts.num_recv_tokens
+                recv_x, recv_src_idx = recv_x[:N], recv_src_idx[:N]
+                if recv_scales is not None:
+                    recv_scales = recv_scales[:N]
+                if recv_topk_idx is not None:
+                    recv_topk_idx = recv_topk_idx[:N]
+                if recv_topk_weights is not None:
+                    recv_topk_weights = recv_topk_weights[:N]
+            else:
+                lib.check(lib.epx_notify_dispatch(ptr, byref(args), byref(c_config), byref(h), byref(counts), stream))
+                # The counts live in library memory that the next call reuses: copy them now.
+                per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
+                N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
+            if not internode and num_worst_tokens == 0:
+                self._note_recv_rows(T, N)
+        if not outputs_in_buffer and sized is None:
             N_rdma = num_worst_tokens if num_worst_tokens > 0 else counts.num_rdma_recv_tokens  # internode
-
             with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
                 recv_x = self._empty((N, H), data.dtype)
                 recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None

@@ -95,6 +95,15 @@ epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args
   counts->num_recv_tokens_per_expert = g_counts;
   return EPX_OK;
 }
+/* Every token arrives once (num_recv_tokens = num_tokens), as the stub's notify says: outputs of fewer rows make the
+ * caller repeat in two steps. */
+epx_status epx_dispatch_sized(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
+                              epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs,
+                              epx_dispatch_counts* counts, void* stream) {
+  epx_status s = epx_notify_dispatch(buffer, args, config, handle, counts, stream);
+  if (outputs->num_rows < args->num_tokens) counts->num_recv_tokens = -1;
+  return s;
+}
 epx_status epx_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
                         const epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs, void* stream) {
   (void)buffer, (void)args, (void)config, (void)handle, (void)outputs, (void)stream;

@@ -439,18 +439,58 @@ def case_in_buffer_region_too_small(ctx):
     check_recv_x(recv_x, ref, all_inputs)
 
 
+def case_sized_dispatch(ctx):
+    """From the second dispatch with a token count on, the outputs are sized by a guess from the earlier calls' rows
+    and the data kernel follows the count exchange at once (high_throughput.py, _sized_rows). The outputs are the
+    first N rows of the guessed ones, bit-exact; a call whose rows exceed a rank's guess repeats on every rank (two
+    steps, exact sizes) and is exact too; the handle serves combine. Token counts of its own (170 + rank), so no
+    other case's calls feed the guesses."""
+    buf = ctx.buffer
+    counts = [170 + s for s in range(ctx.world)]
+    T = counts[ctx.rank]
+    buf._recv_rows.pop(T, None)
+    sparse = inputs(ctx, 40, counts, empty_prob=0.9)
+    dense = inputs(ctx, 41, counts, empty_prob=0.0)
+    # (inputs, whether the outputs are views of guessed rows): the first call has no guess; a dense call after a
+    # sparse one finds every rank's guess from the sparse rows too small and repeats in two steps.
+    steps = [(sparse, False), (sparse, True), (dense, False), (dense, True), (dense, None)]
+    for step, (all_inputs, sized) in enumerate(steps):
+        if sized is None:
+            buf._sized_dispatch = False  # EPX_HT_SIZED_DISPATCH=0: two steps
+        try:
+            (recv_x, recv_idx, recv_w, per_expert, handle, _), ref = layout_and_dispatch(ctx, all_inputs)
+        finally:
+            buf._sized_dispatch = True
+        N = len(ref.src)
+        assert recv_x.shape == (N, H) and recv_x.is_contiguous() and handle[3].shape == (N,), (step, recv_x.shape)
+        exact = recv_x.untyped_storage().nbytes() == N * H * 2
+        assert exact != bool(sized), (step, N, recv_x.untyped_storage().nbytes())
+        check_recv_x(recv_x, ref, all_inputs)
+        assert_bitwise(f"recv_topk_idx (call {step})", recv_idx, ref.recv_topk_idx)
+        assert_bitwise(f"recv_topk_weights (call {step})", recv_w, ref.recv_topk_weights)
+        assert per_expert == ref.per_expert, (step, per_expert, ref.per_expert)
+        assert_bitwise(f"handle[0] (call {step})", handle[0], ref.rank_prefix_matrix)
+        assert_bitwise(f"handle[3] recv_src_idx (call {step})", handle[3], ref.recv_src_idx)
+        combined, _, _ = buf.combine(expert_outputs(ctx, recv_x), handle, topk_weights=recv_w)
+        assert_bitwise(f"combined_x (call {step})", combined, combine_reference(ctx, all_inputs)[0])
+
+
 def case_profiler_one_kernel_per_call(ctx):
     """torch.profiler shows one kernel whose name contains "dispatch" per dispatch (normal and cached) and one
     with "combine" per combine, and neither word for the layout: users time the calls by kernel name. Every
     collective call comes before the checks."""
     mine = inputs(ctx, 31, tokens_of(ctx, 31))[ctx.rank]
     idx, w, x = cuda(mine.topk_idx, ctx), cuda(mine.topk_weights, ctx), cuda(mine.x, ctx)
+    # A guess from earlier cases' calls with this token count could be too small, and the repeat would add a dispatch
+    # kernel: two steps here.
+    ctx.buffer._sized_dispatch = False
     (ntr, _, nte, itr, _), layout = profiled_kernels(lambda: ctx.buffer.get_dispatch_layout(idx, E))
     out, normal = profiled_kernels(lambda: ctx.buffer.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
                                                                num_tokens_per_expert=nte, topk_idx=idx,
                                                                topk_weights=w))
     recv_x, _, recv_w, _, handle, _ = out
     _, cached = profiled_kernels(lambda: ctx.buffer.dispatch(x, handle=handle))
+    ctx.buffer._sized_dispatch = True
     y = expert_outputs(ctx, recv_x)
     _, combine = profiled_kernels(lambda: ctx.buffer.combine(y, handle, topk_weights=recv_w))
     assert_one_kernel("dispatch", normal, "dispatch")

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 from _fake_cuda import FakeCuda, after, fake_buffer, struct_of, stub_library  # noqa: E402
 
 R, E, T, H, K, M = 2, 8, 6, 128, 2, 8
-LAUNCHES = {"epx_get_dispatch_layout", "epx_notify_dispatch", "epx_dispatch", "epx_dispatch_cached", "epx_combine",
-            "epx_ll_dispatch", "epx_ll_combine"}
+LAUNCHES = {"epx_get_dispatch_layout", "epx_notify_dispatch", "epx_dispatch_sized", "epx_dispatch",
+            "epx_dispatch_cached", "epx_combine", "epx_ll_dispatch", "epx_ll_combine"}
 
 
 @pytest.fixture
@@ -426,3 +426,41 @@ def test_low_latency_shape_checks_still_reject_after_a_good_call(env):
     with pytest.raises(ValueError):
         buf.low_latency_dispatch(x, idx, 0, E, use_fp8=False)
     buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)  # and the good shape still passes
+
+
+def test_sized_dispatch_guesses_from_earlier_rows_and_repeats_when_short(env):
+    """The ring dispatch with a layout sizes its outputs by a guess once a call with the same token count has run
+    (high_throughput.py, _sized_rows): one epx_dispatch_sized on the comm stream, outputs the first N rows of the
+    guessed ones. A guess below the rows received (the stub receives every token once) makes the call repeat as
+    epx_notify_dispatch + epx_dispatch, with outputs of exactly N rows; EPX_HT_SIZED_DISPATCH=0 keeps two steps."""
+    cuda, new_buffer = env
+    buf = new_buffer()
+    n = 40
+    x, idx, w = torch.ones(n, H, dtype=torch.bfloat16), torch.zeros(n, K, dtype=torch.int64), torch.ones(n, K)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, E)
+    args = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
+                topk_weights=w)
+    comm = buf.get_comm_stream()
+
+    def dispatch_ops():
+        _, out, ops, _ = launches_of(cuda, lambda: buf.dispatch(x, **args))
+        assert all(op.stream is comm for op in ops)
+        return [op.name for op in ops], out
+
+    names, out = dispatch_ops()
+    assert names == ["epx_notify_dispatch", "epx_dispatch"], names
+    assert buf._recv_rows[n] == [n]
+    names, out = dispatch_ops()
+    assert names == ["epx_dispatch_sized"], names
+    recv_x, recv_idx, recv_w, _, handle, _ = out
+    guess = n + (n >> 4) + 8
+    assert recv_x.shape == (n, H) and recv_x.untyped_storage().nbytes() == guess * H * 2
+    assert recv_idx.shape == recv_w.shape == (n, K) and handle[3].shape == (n,)
+    buf._recv_rows[n] = [20]  # a guess of 29 rows: short
+    names, out = dispatch_ops()
+    assert names == ["epx_dispatch_sized", "epx_notify_dispatch", "epx_dispatch"], names
+    assert out[0].shape == (n, H) and out[0].untyped_storage().nbytes() == n * H * 2
+    assert buf._recv_rows[n] == [20, n]
+    buf._sized_dispatch = False
+    names, _ = dispatch_ops()
+    assert names == ["epx_notify_dispatch", "epx_dispatch"], names
