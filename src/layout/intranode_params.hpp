@@ -132,8 +132,8 @@ struct CombineParams {
 
 void launch_layout(const LayoutParams& p, int num_sms, cudaStream_t stream);
 void launch_notify(const NotifyParams& p, cudaStream_t stream);
-void launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 // notify: the notify's parameters where p.notify_block is set (ignored else).
+void launch_dispatch(const DispatchParams& p, const NotifyParams& notify, cudaStream_t stream);
 void launch_dispatch_in_buffer(const DispatchParams& p, const NotifyParams& notify, cudaStream_t stream);
 void launch_combine(const CombineParams& p, cudaStream_t stream);
 void launch_combine_in_buffer(const CombineParams& p, cudaStream_t stream);

@@ -210,6 +210,7 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   in_buffer_self_warps = parse_in_buffer_self_warps(std::getenv("EPX_HT_IN_BUFFER_SELF_WARPS"));
   in_buffer_notify_kernel =
       parse_env_switch("EPX_HT_IN_BUFFER_NOTIFY_KERNEL", std::getenv("EPX_HT_IN_BUFFER_NOTIFY_KERNEL"));
+  sized_notify_kernel = parse_env_switch("EPX_HT_SIZED_NOTIFY_KERNEL", std::getenv("EPX_HT_SIZED_NOTIFY_KERNEL"));
   // With NVSHMEM the low-latency region is a symmetric allocation of its own (attach_low_latency_region).
   alloc_bytes = ll_offset + (ll_transport == LowLatencyTransport::kCudaIpc ? 2 * ll_set_bytes : 0);
   EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));

@@ -169,9 +169,10 @@ int dispatch_rows(const DispatchArgs& a, const DispatchHandle& h, const char* op
 }
 
 // cached: the kernel runs the epoch barrier first (a cached dispatch has no notify in front of it). rows: what the
-// outputs must hold.
+// outputs must hold. notify: the notify the grid runs as its last block (a sized dispatch), or null.
 void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
-                          const DispatchOutputs& o, int rows, bool cached, cudaStream_t stream, const char* op) {
+                          const DispatchOutputs& o, int rows, bool cached, cudaStream_t stream, const char* op,
+                          const NotifyParams* notify = nullptr) {
   const DispatchRecord record = dispatch_record(a);
   const RingLayout ring = ring_for(b, c, record.bytes, op);
   check_dispatch_outputs(a, o, rows, h.recv_src_idx, ": handle.recv_src_idx [rows] must be allocated", op);
@@ -195,7 +196,8 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
               warps, "-warp blocks of this dispatch (S <= ", warps - 2, ", W <= ", warps - 1, ")");
   p.self_sender_warps = split.self_sender_warps;
   p.ring_receiver_warps = split.ring_receiver_warps;
-  launch_dispatch(p, stream);
+  p.notify_block = notify != nullptr ? 1 : 0;
+  launch_dispatch(p, notify != nullptr ? *notify : NotifyParams{}, stream);
   b.check_launch(cudaGetLastError(), op);
 }
 
@@ -219,9 +221,14 @@ DispatchCounts dispatch_sized(Buffer::Impl& b, const DispatchArgs& a, const Conf
                          op);
   NotifyParams p = dispatch_notify_params(b, a, c, h, dispatch_signature(a, c), 0, op);
   p.row_bound = -(o.num_rows + 1);
-  launch_notify(p, stream);
-  b.check_launch(cudaGetLastError(), op);
-  launch_dispatch_data(b, a, c, h, o, o.num_rows, false, stream, op);
+  // The notify runs as the data grid's last block where the device has an SM for it beside the data blocks (and
+  // $EPX_HT_SIZED_NOTIFY_KERNEL does not ask for a kernel of its own, which the data grid follows).
+  const bool notify_block = !b.sized_notify_kernel && c.num_sms + 1 <= b.num_device_sms;
+  if (!notify_block) {
+    launch_notify(p, stream);
+    b.check_launch(cudaGetLastError(), op);
+  }
+  launch_dispatch_data(b, a, c, h, o, o.num_rows, false, stream, op, notify_block ? &p : nullptr);
   // The host waits for the counts only now, while the data kernel runs.
   b.wait_notify(p.host_seq, op, stream);
   if (take_resize_verdict(b, stream)) {

@@ -20,6 +20,7 @@
 #include "kernels/intranode/chunk_publisher.cuh"
 #include "kernels/intranode/dispatch_rows.cuh"
 #include "kernels/intranode/epoch_barrier.cuh"
+#include "kernels/intranode/notify_body.cuh"
 #include "kernels/intranode/peer_groups.cuh"
 #include "kernels/intranode/sender_coordinator.cuh"
 #include "layout/intranode_params.hpp"
@@ -277,11 +278,18 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
   }
 }
 
-// kWarps warps per block: kDataWarps, or kWideDispatchWarps for the wide 2-rank blocks (wide_dispatch).
+// kWarps warps per block: kDataWarps, or kWideDispatchWarps for the wide 2-rank blocks (wide_dispatch). With
+// p.notify_block (a sized dispatch) the grid's last block runs the notify and starts the others.
 template <int kUnroll, bool kCoordinated, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    dispatch_kernel(const __grid_constant__ DispatchParams p, const __grid_constant__ NotifyParams notify) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
-  if (!start_operation(p.fail, p.peers, p.num_ranks, p.barrier != 0, p.signature)) return;  // every rank skips
+  if (p.notify_block) {
+    if (blockIdx.x == gridDim.x - 1) return run_notify(notify, gridDim.x - 1);
+    if (!start_after_notify_block(p.fail, nvl_self(p.peers))) return;  // every rank skips
+  } else if (!start_operation(p.fail, p.peers, p.num_ranks, p.barrier != 0, p.signature)) {
+    return;  // every rank skips
+  }
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
     run_sender_block<kCoordinated, kWarps>(
@@ -300,14 +308,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) dispatch_kernel(const __grid_c
 // ranks the chunked one, which is faster there: the coordinator's fences each wait for every store in flight
 // from its SM (docs/bench-notes.md). At 2 ranks, rows that are a whole number of wide copy rounds go in the wide
 // blocks (fewer warps, more in flight each; layout/limits.hpp).
-void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
-  const int blocks = p.num_channels * 2;
+void launch_dispatch(const DispatchParams& p, const NotifyParams& notify, cudaStream_t stream) {
+  const int blocks = p.num_channels * 2 + (p.notify_block ? 1 : 0);
   if (wide_dispatch(p.num_ranks, p.x_int4))
-    dispatch_kernel<kWideDispatchUnroll, true, kWideDispatchWarps><<<blocks, kWideDispatchWarps * 32, 0, stream>>>(p);
+    dispatch_kernel<kWideDispatchUnroll, true, kWideDispatchWarps>
+        <<<blocks, kWideDispatchWarps * 32, 0, stream>>>(p, notify);
   else if (p.num_ranks <= 2)
-    dispatch_kernel<kCopyUnroll, true, kDataWarps><<<blocks, kDataThreads, 0, stream>>>(p);
+    dispatch_kernel<kCopyUnroll, true, kDataWarps><<<blocks, kDataThreads, 0, stream>>>(p, notify);
   else
-    dispatch_kernel<kCopyUnroll, false, kDataWarps><<<blocks, kDataThreads, 0, stream>>>(p);
+    dispatch_kernel<kCopyUnroll, false, kDataWarps><<<blocks, kDataThreads, 0, stream>>>(p, notify);
 }
 
 }  // namespace epx

@@ -126,15 +126,6 @@ __device__ void pad_region_rows(const DispatchParams& p) {
   }
 }
 
-// A data block of a grid whose last block runs the notify: true once its start word says go, false when the
-// operation has an error (every block of every rank returns then).
-__device__ __forceinline__ bool start_after_notify_block(const FailState& fail, NvlControl* self) {
-  __shared__ uint32_t s_start;
-  if (threadIdx.x == 0) s_start = wait_for_start(fail, self);  // acquire: the notify block's prefix matrices, epoch
-  __syncthreads();
-  return s_start == kStartGo;
-}
-
 template <int kUnroll, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     dispatch_in_buffer_kernel(const __grid_constant__ DispatchParams p, const __grid_constant__ NotifyParams notify) {

@@ -1,8 +1,8 @@
 // The count exchange in front of a dispatch with a layout, with the epoch barrier (epoch_barrier.cuh), and the barrier
-// alone in front of the low-latency buffer clean: one block's work. Two kernels run it: the notify kernel (notify.cu),
-// a grid of this one block in front of the data kernel, and the dispatch into the buffer
-// (dispatch_in_buffer.cu), whose grid's last block runs it and starts the data blocks of the same grid as soon as
-// their rows' places are known.
+// alone in front of the low-latency buffer clean: one block's work. Three kernels run it: the notify kernel
+// (notify.cu), a grid of this one block in front of the data kernel, and the dispatch into the buffer
+// (dispatch_in_buffer.cu) and the sized ring dispatch (dispatch.cu), whose grid's last block runs it and starts the
+// data blocks of the same grid as soon as their rows' places are known.
 //
 // Every rank writes one message into every peer's buffer (the barrier's header, then its tokens-per-rank row and the
 // counts for that peer's experts and channels), then publishes the operation's epoch in the peer's notify_flag.
@@ -72,9 +72,9 @@ __device__ int message_field(const NotifyParams& p, int j, int field, const Epoc
 }
 
 // The whole block. With data_blocks > 0 the block is the last of a data grid: once the verdict and the rows' places
-// (channel_prefix_matrix, rank_prefix_matrix) are written it releases the start words of blocks [0, data_blocks) of
-// its grid (kStartGo or kStartSkip), and finishes the rest (the receiver's prefix, the expert counts, the host's words)
-// while they run. Not inlined: the data roles' registers stay as they were.
+// (the three prefix matrices) are written it releases the start words of blocks [0, data_blocks) of its grid
+// (kStartGo or kStartSkip), and finishes the rest (the expert counts, the host's words) while they run. Not inlined:
+// the data roles' registers stay as they were.
 static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_blocks) {
   __shared__ int s_counts[kMaxNvlRanks][kMaxChannels];       // [j][c]: what this rank sends to j in channel c
   __shared__ int s_recv_counts[kMaxNvlRanks][kMaxChannels];  // [s][c]: what s sends this rank in channel c
@@ -174,9 +174,16 @@ static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_b
     if (bound > 0 && acc > bound) atomicMin(&s_worst_rank, tid);
     if (bound < 0 && acc > -bound - 1) atomicMin(&s_resize_rank, tid);
     if (p.recv_capacity > 0 && acc > p.recv_capacity) atomicMin(&s_region_rank, tid);
+    // Row tid of recv_channel_prefix_matrix: where tokens from source tid, channel c, start (a ring receiver's rows).
+    int row = 0;
+    for (int i = 0; i < tid; ++i) row += s_sent[i][me];
+    for (int c = 0; c < C; ++c) {
+      p.recv_channel_prefix_matrix[tid * C + c] = row;
+      row += s_recv_counts[tid][c];
+    }
   }
   if (data_blocks > 0) {
-    // The prefix matrices' stores (threads tid < R, here and after the counts) precede the releases through the
+    // The three prefix matrices' stores (threads tid < R, here and after the counts) precede the releases through the
     // block barrier; each release is cumulative over them. The word says whether the operation has an error (the
     // verdict, a rank's rows past its row bound or the output region), the same on every rank.
     __syncthreads();
@@ -188,15 +195,6 @@ static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_b
 
   int num_recv = 0;
   if (!p.barrier_only) {
-    if (tid < R) {
-      // Row tid of recv_channel_prefix_matrix: where tokens from source tid, channel c, start.
-      int row = 0;
-      for (int i = 0; i < tid; ++i) row += s_sent[i][me];
-      for (int c = 0; c < C; ++c) {
-        p.recv_channel_prefix_matrix[tid * C + c] = row;
-        row += s_recv_counts[tid][c];
-      }
-    }
     const int L = p.num_experts / R;
     for (int i = tid; i < L; i += blockDim.x) {
       int n = 0;
@@ -238,6 +236,15 @@ static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_b
     // threads' stores before it), or in worst-case mode (no host_seq) only once the stream has synchronized.
     if (p.host_seq > 0) publish(&host->notify_seq, p.host_seq);  // pairs with the host's acquire poll
   }
+}
+
+// A data block of a grid whose last block runs the notify: true once its start word says go, false when the
+// operation has an error (every block of every rank returns then).
+__device__ __forceinline__ bool start_after_notify_block(const FailState& fail, NvlControl* self) {
+  __shared__ uint32_t s_start;
+  if (threadIdx.x == 0) s_start = wait_for_start(fail, self);  // acquire: the notify block's prefix matrices, epoch
+  __syncthreads();
+  return s_start == kStartGo;
 }
 
 }  // namespace
