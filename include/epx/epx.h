@@ -340,13 +340,15 @@ epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args
                                epx_dispatch_handle* handle, epx_dispatch_counts* counts, void* stream);
 /* Both steps at once into outputs the caller sized before the counts are known: outputs->num_rows rows (a guess) in
  * recv_x and the other outputs, handle->recv_src_idx included. The count exchange and the data kernel are queued back
- * to back, and the host waits for the counts after both, so the rows start moving without a host round trip. If every
- * rank's rows fit, it fills handle and counts as epx_notify_dispatch does, and the outputs' first
- * counts->num_recv_tokens rows are the received ones (rows past them are left as they were). If any rank's did not,
- * counts->num_recv_tokens is -1, no rank moved data, and this rank repeats the dispatch with epx_notify_dispatch and
- * epx_dispatch; every other rank's call repeats its count exchange by itself. num_worst_tokens must be 0, and every
- * rank must wait for its counts (no rank in worst-case mode, which the ranks' signatures tell apart). One NVLink domain
- * only; collective, like the other dispatches. */
+ * to back (one grid, whose last block runs the count exchange, where the device has an SM beside config->num_sms), and
+ * the host waits for the counts after both, so the rows start moving without a host round trip. If every rank's rows
+ * fit, it fills handle and counts as epx_notify_dispatch does, and the outputs' first counts->num_recv_tokens rows are
+ * the received ones (rows past them are left as they were). If any rank's did not, counts->num_recv_tokens is -1, no
+ * rank moved data, and this rank repeats the dispatch with epx_notify_dispatch and epx_dispatch; every other rank's
+ * call repeats its count exchange by itself. Ranks may mix this call and the two steps, but not worst-case mode with
+ * the rest (the ranks' signatures tell them apart: only a waiting host can repeat). With num_worst_tokens > 0 it is
+ * worst-case mode in one launch: outputs of at least num_worst_tokens rows, no host wait, counts as
+ * epx_notify_dispatch gives them in that mode. One NVLink domain only; collective, like the other dispatches. */
 epx_status epx_dispatch_sized(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
                               epx_dispatch_handle* handle, const epx_dispatch_outputs* outputs,
                               epx_dispatch_counts* counts, void* stream);

@@ -508,10 +508,11 @@ class HighThroughputMixin:
             with torch.cuda.stream(streams.comm):
                 recv_src_idx.copy_(self._views.tensor(region.recv_src_idx, N * 4, _INT32, (N,), d, self))
         else:
+            # Inside one domain, outputs sized first (num_worst_tokens rows, or a guess), then the count exchange and
+            # the data kernel at once (in one grid where the device has an SM to spare).
             sized = None
-            guess = self._sized_rows(T) if not internode and num_worst_tokens == 0 else None
+            guess = None if internode else num_worst_tokens if num_worst_tokens > 0 else self._sized_rows(T)
             if guess is not None:
-                # Outputs of `guess` rows first, then the count exchange and the data kernel back to back.
                 with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
                     sized = self._dispatch_outputs(guess, H, data.dtype, scales, K, topk_idx, topk_weights)
                 recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = sized
@@ -520,9 +521,11 @@ class HighThroughputMixin:
                                             _ptr_or_none(recv_topk_idx), _ptr_or_none(recv_topk_weights), guess)
                 lib.check(lib.epx_dispatch_sized(ptr, byref(args), byref(c_config), byref(h), byref(outs),
                                                  byref(counts), stream))
-                if counts.num_recv_tokens < 0:
+                if num_worst_tokens == 0 and counts.num_recv_tokens < 0:
                     sized = None  # a rank's rows did not fit: every rank repeats the dispatch below
-            if sized is not None:
+            if sized is not None and num_worst_tokens > 0:
+                per_expert, N = [], num_worst_tokens
+            elif sized is not None:
                 per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
                 N = counts.num_recv_tokens
                 recv_x, recv_src_idx = recv_x[:N], recv_src_idx[:N]

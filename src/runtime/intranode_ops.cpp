@@ -211,16 +211,16 @@ DispatchCounts dispatch_sized(Buffer::Impl& b, const DispatchArgs& a, const Conf
   EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
               b.num_device_sms, " SMs");
   validate_dispatch_args(a, b.num_ranks, false, op);
-  EPX_REQUIRE(a.num_worst_tokens == 0, op,
-              ": num_worst_tokens must be 0 (the outputs' rows are the guess; worst-case mode is notify_dispatch's)");
   EPX_REQUIRE(o.num_rows >= 0 && o.num_rows < (1 << 30), op, ": outputs.num_rows must be in [0, 2^30), got ",
               o.num_rows);
   ring_for(b, c, dispatch_record(a).bytes, op);
+  // Worst-case mode: num_worst_tokens rows, a hard bound, and no host wait; else the outputs' rows, a guess.
+  const bool worst_case = a.num_worst_tokens > 0;
+  const int rows = worst_case ? a.num_worst_tokens : o.num_rows;
   // Every check of the data kernel's launch before the notify is queued: a rank must not leave its peers waiting.
-  check_dispatch_outputs(a, o, o.num_rows, h.recv_src_idx, ": handle.recv_src_idx [outputs.num_rows] must be allocated",
-                         op);
+  check_dispatch_outputs(a, o, rows, h.recv_src_idx, ": handle.recv_src_idx [rows] must be allocated", op);
   NotifyParams p = dispatch_notify_params(b, a, c, h, dispatch_signature(a, c), 0, op);
-  p.row_bound = -(o.num_rows + 1);
+  if (!worst_case) p.row_bound = -(o.num_rows + 1);
   // The notify runs as the data grid's last block where the device has an SM for it beside the data blocks (and
   // $EPX_HT_SIZED_NOTIFY_KERNEL does not ask for a kernel of its own, which the data grid follows).
   const bool notify_block = !b.sized_notify_kernel && c.num_sms + 1 <= b.num_device_sms;
@@ -228,7 +228,8 @@ DispatchCounts dispatch_sized(Buffer::Impl& b, const DispatchArgs& a, const Conf
     launch_notify(p, stream);
     b.check_launch(cudaGetLastError(), op);
   }
-  launch_dispatch_data(b, a, c, h, o, o.num_rows, false, stream, op, notify_block ? &p : nullptr);
+  launch_dispatch_data(b, a, c, h, o, rows, false, stream, op, notify_block ? &p : nullptr);
+  if (worst_case) return DispatchCounts{};  // not waited for
   // The host waits for the counts only now, while the data kernel runs.
   b.wait_notify(p.host_seq, op, stream);
   if (take_resize_verdict(b, stream)) {

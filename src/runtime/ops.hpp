@@ -115,9 +115,11 @@ int dispatch_signature(const DispatchArgs& a, const Config& c);
 // small (kVerdictResize).
 DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                cudaStream_t stream, const char* op);
-// The count exchange and the data kernel queued back to back into outputs of o.num_rows rows (a guess), then the
-// host's wait. num_recv_tokens -1 in the result: some rank's rows did not fit, no rank moved data, and the caller
-// repeats the dispatch with notify_dispatch and dispatch (its peers repeat their count exchange by themselves).
+// The count exchange and the data kernel queued back to back (one grid where the device has an SM for the notify)
+// into outputs of o.num_rows rows (a guess), then the host's wait. num_recv_tokens -1 in the result: some rank's rows
+// did not fit, no rank moved data, and the caller repeats the dispatch with notify_dispatch and dispatch (its peers
+// repeat their count exchange by themselves). In worst-case mode (num_worst_tokens > 0, at most o.num_rows) the same
+// launch without the host's wait: empty counts, as notify_dispatch gives.
 DispatchCounts dispatch_sized(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                               const DispatchOutputs& o, cudaStream_t stream, const char* op);
 void dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,

@@ -125,6 +125,24 @@ std::vector<Case> sized_cases() {
     c.sized_offset = per_rank(ctx.num_ranks, {HtCase::kTwoStep}, 0);
     return c;
   }));
+  cases.push_back(sized("worst-case mode in one launch, fp8, uneven tokens", false, [](Context& ctx) {
+    auto c = base_case(per_rank(ctx.num_ranks, {1, 333, 0}, 57), 4096, 139);
+    c.dtype = EPX_FP8_E4M3;
+    c.worst_case = true;
+    return c;
+  }));
+  cases.push_back(sized("worst-case mode, one launch on rank 0, two steps on the others", false, [](Context& ctx) {
+    auto c = base_case({600}, 2048, 140);
+    c.worst_case = true;
+    c.sized_offset = per_rank(ctx.num_ranks, {0}, HtCase::kTwoStep);
+    return c;
+  }));
+  cases.push_back(
+      Case{"sized dispatch: num_worst_tokens too small in one launch: check() fails every rank", [](Context& ctx) {
+             auto c = base_case({200}, 2048, 141);
+             c.sized = true;
+             return worst_tokens_overflow(ctx, c, /*every_rank=*/true);
+           }});
   cases.push_back(Case{"sized dispatch: its handle serves cached dispatches and combine", [](Context& ctx) {
                          auto c = base_case({800}, 7168, 137);
                          c.sized = true;

@@ -11,7 +11,7 @@ from _fake_cuda import FakeCuda, fake_buffer, struct_of, stub_library  # noqa: E
 
 R, E, T, H, K = 2, 8, 6, 512, 2
 S = H // 128
-CALLS = ("epx_notify_dispatch", "epx_dispatch", "epx_dispatch_cached")
+CALLS = ("epx_notify_dispatch", "epx_dispatch_sized", "epx_dispatch", "epx_dispatch_cached")
 
 
 @pytest.fixture

@@ -111,7 +111,7 @@ HtCase make_case(const HtOptions& o, epx_dtype dtype) {
   c.combine_weights = true;
   c.worst_case = o.worst_case;  // num_worst_tokens = the sum of all ranks' tokens
   c.in_buffer = o.in_buffer;
-  c.sized = !o.two_step && !o.worst_case && !o.in_buffer;  // the harness runs sized dispatches inside one domain only
+  c.sized = !o.two_step && !o.in_buffer;  // the harness runs sized dispatches inside one domain only
   c.sized_offset = {HtCase::kLargest};
   c.seed = o.seed;
   return c;

@@ -213,11 +213,10 @@ void print_header(std::FILE* out, const RunInfo& i) {
   if (i.worst_case)
     std::fprintf(out, "dispatch in worst-case mode: num_worst_tokens = %d (all ranks' tokens), no host wait\n",
                  i.tokens * i.num_ranks);
-  if (i.benchmark == "intranode" && !i.worst_case && !i.in_buffer)
-    std::fprintf(out, i.two_step
-                          ? "dispatch with a layout: notify_dispatch (host waits for the counts), then dispatch\n"
-                          : "dispatch with a layout: dispatch_sized (count exchange and data kernel queued at "
-                            "once, outputs sized by a guess: all ranks' tokens)\n");
+  if (i.benchmark == "intranode" && !i.in_buffer)
+    std::fprintf(out, i.two_step ? "dispatch with a layout: notify_dispatch, then dispatch\n"
+                                 : "dispatch with a layout: dispatch_sized (count exchange and data kernel in one "
+                                   "launch, outputs sized by a guess: all ranks' tokens)\n");
   if (i.in_buffer)
     std::fprintf(out,
                  "outputs in the buffer: the dispatch's senders write rows to their output rows in the receiver's "

@@ -286,9 +286,9 @@ void HtSession::dispatch() {
   if (c_.sized && !internode_ && offset != HtCase::kTwoStep) {
     DispatchOutputs o = dispatch_outputs();
     const int64_t guess = int64_t(expected_rows_.size()) + offset;
-    o.num_rows = int(std::min<int64_t>(std::max<int64_t>(guess, 0), max_rows_));
+    if (!c_.worst_case) o.num_rows = int(std::min<int64_t>(std::max<int64_t>(guess, 0), max_rows_));
     counts_ = buffer_.dispatch_sized(a, dispatch_config_, handle_, o, stream_);
-    if (counts_.num_recv_tokens >= 0) return;
+    if (counts_.num_recv_tokens >= 0 || c_.worst_case) return;  // worst-case mode: no host wait
     resized_ = true;  // every rank repeats: sized ranks here, the others inside notify_dispatch
   }
   counts_ = buffer_.notify_dispatch(a, dispatch_config_, handle_, stream_);

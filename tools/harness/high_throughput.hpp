@@ -39,7 +39,8 @@ struct HtCase {
   bool in_buffer = false;              // dispatch into the Buffer's output region, combine from it
   // Ring dispatch with a layout into outputs sized by a guess (Buffer::dispatch_sized), then notify_dispatch and
   // dispatch if a rank's rows did not fit. The guess is this rank's rows + sized_offset_of(rank), within [0, the sum of
-  // all ranks' tokens]; kTwoStep: this rank calls notify_dispatch and dispatch (ranks may mix the two).
+  // all ranks' tokens]; kTwoStep: this rank calls notify_dispatch and dispatch (ranks may mix the two). With
+  // worst_case, dispatch_sized runs worst-case mode in one launch (the offset only tells kTwoStep).
   bool sized = false;
   std::vector<int> sized_offset{0};  // per rank; one value means the same on every rank
   static constexpr int kTwoStep = -(1 << 30);
