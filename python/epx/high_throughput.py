@@ -329,7 +329,10 @@ class HighThroughputMixin:
                  allocate_on_comm_stream: bool = False, *, outputs_in_buffer: bool = False):
         """Collective: sends each token to the ranks that hold its experts (semantics.md section 2; section 6 in the
         internode mode). Runs on the communication stream; without handle and num_worst_tokens, the CPU waits for
-        the received counts (the outputs' sizes) before it returns.
+        the received counts (the outputs' sizes) before it returns. Inside one NVLink domain a call with a layout
+        sizes its outputs first (num_worst_tokens rows, or from the second call with T tokens on a guess from the
+        last such calls) and queues the count exchange and the data in one launch; the outputs are then the first
+        N rows of the guessed ones (python/README.md; EPX_HT_SIZED_DISPATCH=0: two steps).
 
         Arguments:
             x: the T tokens of this rank (T may be 0 and differ between ranks), on the Buffer's device: a bf16
