@@ -335,7 +335,8 @@ epx_status epx_get_dispatch_layout(epx_buffer* buffer, const epx_layout_args* ar
                                    void* stream);
 
 /* Step 1 of dispatch: exchanges counts, fills the handle's prefix matrices and, unless num_worst_tokens > 0,
- * waits (bounded) for the counts and returns them. */
+ * waits (bounded) for the counts and returns them. When a peer's epx_dispatch_sized guessed too few rows, every rank
+ * repeats the exchange: this call does so by itself. */
 epx_status epx_notify_dispatch(epx_buffer* buffer, const epx_dispatch_args* args, const epx_config* config,
                                epx_dispatch_handle* handle, epx_dispatch_counts* counts, void* stream);
 /* Both steps at once into outputs the caller sized before the counts are known: outputs->num_rows rows (a guess) in
