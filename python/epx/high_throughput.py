@@ -45,6 +45,7 @@ _ROW_MAJOR = (0, 0)  # epx_dispatch_args' scale strides of row-major scales (and
 _SOURCE_META_BYTES = 8  # a row of an internode handle's recv_src_meta: two int32 (source domain, rank mask)
 _SIZED_HISTORY = 4  # received rows remembered per token count (Buffer._recv_rows)
 _SIZED_TOKEN_COUNTS = 8  # token counts remembered
+_SIZED_MAX_RANKS = 2  # sized dispatches run inside one domain of at most this many ranks (measured there only)
 # combine's reduction argument -> epx_combine_args.reduction
 _REDUCTIONS = {"flat": _lib.EPX_REDUCE_FLAT, "two_level": _lib.EPX_REDUCE_TWO_LEVEL}
 
@@ -511,10 +512,12 @@ class HighThroughputMixin:
             with torch.cuda.stream(streams.comm):
                 recv_src_idx.copy_(self._views.tensor(region.recv_src_idx, N * 4, _INT32, (N,), d, self))
         else:
-            # Inside one domain, outputs sized first (num_worst_tokens rows, or a guess), then the count exchange and
-            # the data kernel at once (in one grid where the device has an SM to spare).
+            # Inside one domain of at most 2 ranks (not measured at more yet), outputs sized first (num_worst_tokens
+            # rows, or a guess), then the count exchange and the data kernel at once (in one grid where the device
+            # has an SM to spare).
             sized = None
-            guess = None if internode else num_worst_tokens if num_worst_tokens > 0 else self._sized_rows(T)
+            sizable = not internode and R <= _SIZED_MAX_RANKS
+            guess = (num_worst_tokens if num_worst_tokens > 0 else self._sized_rows(T)) if sizable else None
             if guess is not None:
                 with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
                     sized = self._dispatch_outputs(guess, H, data.dtype, scales, K, topk_idx, topk_weights)
@@ -543,7 +546,7 @@ class HighThroughputMixin:
                 # The counts live in library memory that the next call reuses: copy them now.
                 per_expert = counts.num_recv_tokens_per_expert[:counts.num_local_experts]
                 N = num_worst_tokens if num_worst_tokens > 0 else counts.num_recv_tokens
-            if not internode and num_worst_tokens == 0:
+            if sizable and num_worst_tokens == 0:
                 self._note_recv_rows(T, N)
         if not outputs_in_buffer and sized is None:
             N_rdma = num_worst_tokens if num_worst_tokens > 0 else counts.num_rdma_recv_tokens  # internode

@@ -94,7 +94,7 @@ void say(const std::string& text) {
   std::fflush(stdout);
 }
 
-HtCase make_case(const HtOptions& o, epx_dtype dtype) {
+HtCase make_case(const HtOptions& o, epx_dtype dtype, int num_ranks) {
   HtCase c;
   c.name = dtype == EPX_BF16 ? "bench bf16" : "bench fp8";
   c.tokens = {o.tokens};
@@ -111,7 +111,8 @@ HtCase make_case(const HtOptions& o, epx_dtype dtype) {
   c.combine_weights = true;
   c.worst_case = o.worst_case;  // num_worst_tokens = the sum of all ranks' tokens
   c.in_buffer = o.in_buffer;
-  c.sized = !o.two_step && !o.in_buffer;  // the harness runs sized dispatches inside one domain only
+  // As the Python package: sized at 2 ranks or fewer (not measured at more yet); the harness sizes inside one domain.
+  c.sized = !o.two_step && !o.in_buffer && num_ranks <= 2;
   c.sized_offset = {HtCase::kLargest};
   c.seed = o.seed;
   return c;
@@ -256,7 +257,8 @@ std::unique_ptr<NcclLibrary> open_run(Bench& b, RunInfo& info) {
 
 HtSession default_session(Bench& b, epx_dtype dtype) {
   const int R = b.bs.size();
-  return HtSession(b.buffer, make_case(b.opt, dtype), default_dispatch_config(R), default_combine_config(R), b.stream);
+  return HtSession(b.buffer, make_case(b.opt, dtype, R), default_dispatch_config(R), default_combine_config(R),
+                   b.stream);
 }
 
 bool check_before_timing(Bench& b, HtSession& bf16, HtSession& fp8,

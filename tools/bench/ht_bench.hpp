@@ -50,8 +50,9 @@ struct Bench {
 // Rank 0's lines on stdout, flushed at once: the ranks' stdout and stderr interleave.
 void say(const std::string& text);
 
-// The benchmark's case: uniform top-k routing of the options' shape, top-k and weights passed, no biases.
-harness::HtCase make_case(const HtOptions& o, epx_dtype dtype);
+// The benchmark's case: uniform top-k routing of the options' shape, top-k and weights passed, no biases; dispatches
+// with a layout sized (dispatch_sized) at 2 ranks or fewer unless --two-step.
+harness::HtCase make_case(const HtOptions& o, epx_dtype dtype, int num_ranks);
 
 // Runs a check and turns an exception into its failure text, so that every rank reaches the gather.
 std::string guarded(const std::function<std::string()>& check);
