@@ -22,6 +22,17 @@ __device__ __forceinline__ void write_diag(volatile DeviceDiag* d, int code, int
   d->code = code;
 }
 
+// The end of a count exchange, one thread: the operation's verdict (code, rank) in this rank's control words, which
+// its data kernels read, and in the host's words with the rows this rank receives. No ordering of its own: the
+// caller's release of the host's sequence number carries these stores to the host.
+__device__ __forceinline__ void write_verdict(NvlControl* self, HostShared* host, int code, int rank, int num_recv) {
+  self->op_error = code;
+  self->op_error_rank = rank;
+  host->op_error = code;
+  host->op_error_rank = rank;
+  host->num_recv_tokens = num_recv;
+}
+
 __device__ __forceinline__ void report_input_error(NvlControl* self, HostShared* host, int code, int role, int64_t a,
                                                    int64_t b, int64_t c) {
   if (atomicCAS(&self->local_error, 0, code) != 0) return;

@@ -270,12 +270,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     if (code == 0 && p.num_worst_tokens > 0 && (num_recv > p.num_worst_tokens || num_rdma_recv > p.num_worst_tokens))
       report_input_error(self, p.fail.host, kErrWorstTokensExceeded, kRoleNotifyNvl, me,
                          num_recv > num_rdma_recv ? num_recv : num_rdma_recv, p.num_worst_tokens);
-    self->op_error = code;
-    self->op_error_rank = rank;
     HostShared* host = p.fail.host;
-    host->op_error = code;
-    host->op_error_rank = rank;
-    host->num_recv_tokens = num_recv;
+    write_verdict(self, host, code, rank, num_recv);
     host->num_rdma_recv_tokens = num_rdma_recv;
     __threadfence_system();
     if (p.host_seq > 0) publish(&host->notify_seq, p.host_seq);  // pairs with the host's acquire poll

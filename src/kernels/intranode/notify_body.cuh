@@ -225,12 +225,8 @@ static __device__ __noinline__ void run_notify(const NotifyParams& p, int data_b
       code = kVerdictResize;  // no diagnostic: every rank's host repeats the count exchange
       rank = s_resize_rank;
     }
-    self->op_error = code;
-    self->op_error_rank = rank;
     HostShared* host = p.fail.host;
-    host->op_error = code;
-    host->op_error_rank = rank;
-    host->num_recv_tokens = num_recv;
+    write_verdict(self, host, code, rank, num_recv);
     // No system fence: the host reads these words, and the per-expert counts above, after its acquire of
     // notify_seq, whose release store here is cumulative over them (the block barrier above orders the other
     // threads' stores before it), or in worst-case mode (no host_seq) only once the stream has synchronized.
