@@ -124,6 +124,20 @@ void Buffer::Impl::raise_if_input_error(const char* op, cudaStream_t stream) {
   raise(status, op, ": ", msg);
 }
 
+void Buffer::Impl::require_not_capturing(cudaStream_t stream, const char* op) const {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();  // a query that failed leaves no error behind; the launch reports a bad stream
+    return;
+  }
+  if (status != cudaStreamCaptureStatusNone)
+    raise(
+        Status::kInvalidArgument, op,
+        ": the stream is being captured into a CUDA graph, but this dispatch waits on the host for its counts, which "
+        "a captured count exchange never delivers; pass num_worst_tokens (worst-case mode: no host wait) to capture a "
+        "dispatch with a layout, or a handle (cached dispatch)");
+}
+
 void Buffer::Impl::wait_notify(int seq, const char* op, cudaStream_t stream) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();

@@ -119,6 +119,9 @@ struct Buffer::Impl {
   void raise_if_input_error(const char* op, cudaStream_t stream);
   // Polls the host-mapped block until notify with sequence `seq` has published its counts (bounded).
   void wait_notify(int seq, const char* op, cudaStream_t stream);
+  // Before queueing an operation whose host waits for its counts: kInvalidArgument if the stream is being captured
+  // into a CUDA graph (the captured notify never runs, so the wait could only time out).
+  void require_not_capturing(cudaStream_t stream, const char* op) const;
 
   void create(Bootstrap& bs, const BufferOptions& opts);
   void destroy();

@@ -58,6 +58,7 @@ DispatchCounts dispatch_in_buffer(Buffer::Impl& b, const DispatchArgs& a, const 
                 ": the handle does not know how many tokens arrive (made in worst-case mode); pass num_worst_tokens");
   }
 
+  if (!cached && a.num_worst_tokens == 0) b.require_not_capturing(stream, op);
   views = views_of(b, region);
   // The notify runs as the data grid's last block where the device has an SM for it beside the data blocks (and
   // $EPX_HT_IN_BUFFER_NOTIFY_KERNEL does not ask for a kernel of its own, which the data grid follows).

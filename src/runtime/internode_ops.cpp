@@ -158,6 +158,7 @@ DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Con
   require_matrices(h, op);
   EPX_REQUIRE(a.num_tokens == 0 || h.send_rdma_head != nullptr, op,
               ": handle.send_rdma_head [num_tokens, D] must be allocated");
+  if (a.num_worst_tokens == 0) b.require_not_capturing(stream, op);
   h.num_ranks = b.num_ranks;
   h.num_channels = num_channels(c);
   h.num_tokens = a.num_tokens;

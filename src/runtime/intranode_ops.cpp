@@ -143,6 +143,7 @@ DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Con
               b.num_device_sms, " SMs");
   validate_dispatch_args(a, b.num_ranks, false, op);
   ring_for(b, c, dispatch_record(a).bytes, op);
+  if (a.num_worst_tokens == 0) b.require_not_capturing(stream, op);
   for (int exchange = 1;; ++exchange) {
     const NotifyParams p = launch_dispatch_notify(b, a, c, h, dispatch_signature(a, c), 0, stream, op);
     if (a.num_worst_tokens != 0) return DispatchCounts{};  // worst-case mode: not waited for
@@ -217,6 +218,7 @@ DispatchCounts dispatch_sized(Buffer::Impl& b, const DispatchArgs& a, const Conf
   // Worst-case mode: num_worst_tokens rows, a hard bound, and no host wait; else the outputs' rows, a guess.
   const bool worst_case = a.num_worst_tokens > 0;
   const int rows = worst_case ? a.num_worst_tokens : o.num_rows;
+  if (!worst_case) b.require_not_capturing(stream, op);
   // Every check of the data kernel's launch before the notify is queued: a rank must not leave its peers waiting.
   check_dispatch_outputs(a, o, rows, h.recv_src_idx, ": handle.recv_src_idx [rows] must be allocated", op);
   NotifyParams p = dispatch_notify_params(b, a, c, h, dispatch_signature(a, c), 0, op);

@@ -10,6 +10,7 @@
 namespace epx::gpu_test {
 namespace {
 
+using harness::cuda_check;
 using harness::HtCase;
 using harness::HtSession;
 using harness::Routing;
@@ -559,6 +560,35 @@ std::vector<Case> high_throughput_cases(bool internode) {
     std::vector<Case> sized = sized_cases();
     cases.insert(cases.end(), sized.begin(), sized.end());
   }
+
+  // A dispatch whose host waits for its counts cannot run inside a CUDA graph capture: every rank's call fails at
+  // once (nothing is queued, so no rank waits for another), and the buffer stays usable. Two steps, and sized where
+  // the suite runs inside one domain.
+  cases.push_back(
+      Case{"a dispatch that waits for its counts refuses a stream being captured", [](Context& ctx) {
+             std::string err;
+             for (const bool sized : {false, true}) {
+               HtCase c = base_case({64}, 2048, 142);
+               c.sized = sized;
+               c.sized_offset = {HtCase::kLargest};
+               HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+               s.layout();
+               cuda_check(cudaStreamSynchronize(ctx.stream), "layout before the capture");
+               cuda_check(cudaStreamBeginCapture(ctx.stream, cudaStreamCaptureModeRelaxed), "begin capture");
+               std::string outcome = "expected kInvalidArgument, the dispatch was queued\n";
+               try {
+                 s.dispatch();
+               } catch (const Error& e) {
+                 outcome = wrong_error(e, Status::kInvalidArgument, "captured");
+               }
+               cudaGraph_t graph = nullptr;
+               cuda_check(cudaStreamEndCapture(ctx.stream, &graph), "end capture");
+               if (graph != nullptr) cudaGraphDestroy(graph);
+               if (!outcome.empty()) err += (sized ? "sized: " : "two steps: ") + outcome;
+             }
+             HtSession s(ctx.buffer, base_case({64}, 2048, 143), ctx.dispatch_config, ctx.combine_config, ctx.stream);
+             return err + dispatch_and_combine(s, 11);
+           }});
 
   cases.push_back(Case{"1000 back-to-back dispatch + combine iterations", [](Context& ctx) {
                          auto c = base_case({96}, 1024, 35);
