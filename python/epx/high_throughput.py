@@ -101,13 +101,11 @@ class HighThroughputMixin:
             del rows[0]
 
     def _dispatch_outputs(self, N: int, H: int, dtype, scales, K: int, topk_idx, topk_weights):
-        """recv_x, recv_scales, recv_topk_idx, recv_topk_weights (None where the call has none) and recv_src_idx
-        of N rows."""
+        """recv_x, recv_scales, recv_topk_idx and recv_topk_weights (None where the call has none) of N rows."""
         return (self._empty((N, H), dtype),
                 self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None,
                 self._empty((N, K), _INT64) if topk_idx is not None else None,
-                self._empty((N, K), _FP32) if topk_weights is not None else None,
-                self._empty((N,), _INT32))
+                self._empty((N, K), _FP32) if topk_weights is not None else None)
 
     def _finish(self, compute, async_finish: bool, allocate_on_comm_stream: bool, tensors) -> EventOverlap:
         if async_finish:
@@ -521,7 +519,8 @@ class HighThroughputMixin:
             if guess is not None:
                 with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
                     sized = self._dispatch_outputs(guess, H, data.dtype, scales, K, topk_idx, topk_weights)
-                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = sized
+                    recv_src_idx = self._empty((guess,), _INT32)
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights = sized
                 h.recv_src_idx = recv_src_idx.data_ptr()
                 outs = _lib.DispatchOutputs(recv_x.data_ptr(), _ptr_or_none(recv_scales),
                                             _ptr_or_none(recv_topk_idx), _ptr_or_none(recv_topk_weights), guess)
@@ -551,10 +550,8 @@ class HighThroughputMixin:
         if not outputs_in_buffer and sized is None:
             N_rdma = num_worst_tokens if num_worst_tokens > 0 else counts.num_rdma_recv_tokens  # internode
             with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:
-                recv_x = self._empty((N, H), data.dtype)
-                recv_scales = self._empty((N, scales.shape[1]), scales.dtype) if scales is not None else None
-                recv_topk_idx = self._empty((N, K), _INT64) if topk_idx is not None else None
-                recv_topk_weights = self._empty((N, K), _FP32) if topk_weights is not None else None
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights = self._dispatch_outputs(
+                    N, H, data.dtype, scales, K, topk_idx, topk_weights)
                 if internode:
                     recv_src_meta = self._empty((N, 2), _INT32)
                     send_nvl_head = self._empty((N_rdma, G), _INT32)

@@ -112,13 +112,22 @@ NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, cons
   return p;
 }
 
+namespace {
+
 // The ring dispatch's signature. It tells worst-case mode (no host wait) from the rest: a rank that sized its outputs
 // by a guess may need every rank to repeat the count exchange (kVerdictResize), which only a waiting host can do.
 int dispatch_signature(const DispatchArgs& a, const Config& c) {
   return op_signature(kOpDispatch, dispatch_record(a).bytes ^ (int64_t(a.num_worst_tokens > 0) << 40), c);
 }
 
-namespace {
+// What a ring dispatch with a layout checks before it queues anything (notify_dispatch, dispatch_sized).
+void check_dispatch_with_layout(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const char* op) {
+  validate_config(c, b.num_nvl_ranks);
+  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
+              b.num_device_sms, " SMs");
+  validate_dispatch_args(a, b.num_ranks, false, op);
+  ring_for(b, c, dispatch_record(a).bytes, op);
+}
 
 // After the host's wait for a notify: true when its verdict is kVerdictResize (some rank's rows exceed the outputs
 // it sized by a guess; no rank's data kernel moved rows). Clears the verdict, as raise_if_input_error clears an
@@ -138,11 +147,7 @@ constexpr int kMaxCountExchanges = 4;
 
 DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                cudaStream_t stream, const char* op) {
-  validate_config(c, b.num_nvl_ranks);
-  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
-              b.num_device_sms, " SMs");
-  validate_dispatch_args(a, b.num_ranks, false, op);
-  ring_for(b, c, dispatch_record(a).bytes, op);
+  check_dispatch_with_layout(b, a, c, op);
   if (a.num_worst_tokens == 0) b.require_not_capturing(stream, op);
   for (int exchange = 1;; ++exchange) {
     const NotifyParams p = launch_dispatch_notify(b, a, c, h, dispatch_signature(a, c), 0, stream, op);
@@ -208,13 +213,9 @@ namespace intranode {
 
 DispatchCounts dispatch_sized(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                               const DispatchOutputs& o, cudaStream_t stream, const char* op) {
-  validate_config(c, b.num_nvl_ranks);
-  EPX_REQUIRE(c.num_sms <= b.num_device_sms, op, ": config.num_sms (", c.num_sms, ") exceeds the device's ",
-              b.num_device_sms, " SMs");
-  validate_dispatch_args(a, b.num_ranks, false, op);
+  check_dispatch_with_layout(b, a, c, op);
   EPX_REQUIRE(o.num_rows >= 0 && o.num_rows < (1 << 30), op, ": outputs.num_rows must be in [0, 2^30), got ",
               o.num_rows);
-  ring_for(b, c, dispatch_record(a).bytes, op);
   // Worst-case mode: num_worst_tokens rows, a hard bound, and no host wait; else the outputs' rows, a guess.
   const bool worst_case = a.num_worst_tokens > 0;
   const int rows = worst_case ? a.num_worst_tokens : o.num_rows;

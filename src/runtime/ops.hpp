@@ -109,8 +109,6 @@ NotifyParams dispatch_notify_params(Buffer::Impl& b, const DispatchArgs& a, cons
 // The same, with the notify kernel queued; returns its parameters (host_seq, num_experts).
 NotifyParams launch_dispatch_notify(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
                                     int signature, int recv_capacity, cudaStream_t stream, const char* op);
-// The ring dispatch's signature (with a layout): the record, the config and whether it is in worst-case mode.
-int dispatch_signature(const DispatchArgs& a, const Config& c);
 // The count exchange, with the host's wait unless worst-case mode. Repeats the exchange while a peer's guess was too
 // small (kVerdictResize).
 DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Config& c, DispatchHandle& h,
