@@ -45,7 +45,6 @@ _ROW_MAJOR = (0, 0)  # epx_dispatch_args' scale strides of row-major scales (and
 _SOURCE_META_BYTES = 8  # a row of an internode handle's recv_src_meta: two int32 (source domain, rank mask)
 _SIZED_HISTORY = 4  # received rows remembered per token count (Buffer._recv_rows)
 _SIZED_TOKEN_COUNTS = 8  # token counts remembered
-_SIZED_MAX_RANKS = 2  # sized dispatches run inside one domain of at most this many ranks (measured there only)
 # combine's reduction argument -> epx_combine_args.reduction
 _REDUCTIONS = {"flat": _lib.EPX_REDUCE_FLAT, "two_level": _lib.EPX_REDUCE_TWO_LEVEL}
 
@@ -510,11 +509,10 @@ class HighThroughputMixin:
             with torch.cuda.stream(streams.comm):
                 recv_src_idx.copy_(self._views.tensor(region.recv_src_idx, N * 4, _INT32, (N,), d, self))
         else:
-            # Inside one domain of at most 2 ranks (not measured at more yet), outputs sized first (num_worst_tokens
-            # rows, or a guess), then the count exchange and the data kernel at once (in one grid where the device
-            # has an SM to spare).
+            # Inside one domain, outputs sized first (num_worst_tokens rows, or a guess), then the count exchange and
+            # the data kernel at once (in one grid where the device has an SM to spare).
             sized = None
-            sizable = not internode and R <= _SIZED_MAX_RANKS
+            sizable = not internode
             guess = (num_worst_tokens if num_worst_tokens > 0 else self._sized_rows(T)) if sizable else None
             if guess is not None:
                 with streams.allocating() if allocate_on_comm_stream else _NO_CONTEXT:

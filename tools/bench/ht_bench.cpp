@@ -111,8 +111,7 @@ HtCase make_case(const HtOptions& o, epx_dtype dtype, int num_ranks) {
   c.combine_weights = true;
   c.worst_case = o.worst_case;  // num_worst_tokens = the sum of all ranks' tokens
   c.in_buffer = o.in_buffer;
-  // As the Python package: sized at 2 ranks or fewer (not measured at more yet); the harness sizes inside one domain.
-  c.sized = !o.two_step && !o.in_buffer && num_ranks <= 2;
+  c.sized = runs_sized(o);  // the harness sizes inside one domain only
   c.sized_offset = {HtCase::kLargest};
   c.seed = o.seed;
   return c;

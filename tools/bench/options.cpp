@@ -132,7 +132,7 @@ const char* intranode_usage() {
          "                     to their final place at the receiver, the host waits for counts after the launch)\n"
          "                     and combine from it (combine_in_buffer: the source rank reads every row in place)\n"
          "  --two-step         dispatch with a layout as notify_dispatch (the host waits for the counts, unless\n"
-         "                     --worst-case), then dispatch; by default at 2 ranks dispatch_sized runs both in\n"
+         "                     --worst-case), then dispatch; by default dispatch_sized runs both in\n"
          "                     one launch into outputs sized by a guess (the sum of all ranks' tokens), as the\n"
          "                     Python package does there from its second call with a token count on\n"
          "  --check-all        check results against the reference model for every swept config, not only\n"
@@ -185,6 +185,8 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
 }
 
 void validate_intranode_options(const IntranodeOptions& o, int num_ranks) { check_experts_split(o, num_ranks); }
+
+bool runs_sized(const HtOptions& o) { return !o.two_step && !o.in_buffer; }
 
 std::vector<Config> sweep_configs(const IntranodeOptions& o, int num_ranks, std::vector<std::string>* skipped) {
   const Config d = default_dispatch_config(num_ranks), dc = default_combine_config(num_ranks);

@@ -55,6 +55,9 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help);
 // Checks that need the rank count (experts per rank, FP8 groups). Throws UsageError.
 void validate_intranode_options(const IntranodeOptions& o, int num_ranks);
 
+// Whether dispatches with a layout run as dispatch_sized, as the Python package's do: unless --two-step or --in-buffer.
+bool runs_sized(const HtOptions& o);
+
 // The configs to time, in order. With no --sms/--chunks/--ring: sms {16, 24, 32} x chunk {d, 2d} x ring {256}
 // (d = the default chunk for num_ranks). With any of them: the lists given, the missing ones at their single
 // default value. Combinations the library rejects (ring < chunk, ...) are dropped and named in *skipped.
