@@ -46,7 +46,6 @@ struct NotifyParams {
   int num_experts;  // 0 when num_tokens_per_expert is null
   int num_channels;
   int expert_alignment;
-  int num_worst_tokens;
   int row_bound;                    // this rank's NotifyMsg::kRowBound (> 0 num_worst_tokens, < 0 a guess, 0 none)
   int* rank_prefix_matrix;          // [R, R]
   int* channel_prefix_matrix;       // [R, C] inclusive over channels, of what this rank sends

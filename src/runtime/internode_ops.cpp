@@ -170,6 +170,7 @@ DispatchCounts notify_dispatch(Buffer::Impl& b, const DispatchArgs& a, const Con
 
   InternodeNotifyParams p{};
   fill_notify_params(p, b, a, h.num_channels);
+  p.num_worst_tokens = a.num_worst_tokens;
   p.h = view_of(h);
   p.signature = op_signature(kOpDispatch, record.bytes, c, 0);
   launch_internode_notify(p, stream);

@@ -13,7 +13,8 @@ namespace epx {
 // with these fields under the same names); each mode sets the rest.
 
 // A notify with counts (NotifyParams, InternodeNotifyParams): the buffer, the caller's counts and options, and the
-// host sequence number it publishes the counts under (worst-case mode: 0, not waited for).
+// host sequence number it publishes the counts under (worst-case mode: 0, not waited for). Each caller sets its own
+// row bound (intranode NotifyParams.row_bound, internode num_worst_tokens).
 template <typename NotifyParamsT>
 void fill_notify_params(NotifyParamsT& p, Buffer::Impl& b, const DispatchArgs& a, int num_channels) {
   p.fail = b.fail_state();
@@ -25,7 +26,6 @@ void fill_notify_params(NotifyParamsT& p, Buffer::Impl& b, const DispatchArgs& a
   p.num_experts = a.num_tokens_per_expert != nullptr ? a.num_experts : 0;
   p.num_channels = num_channels;
   p.expert_alignment = a.expert_alignment > 0 ? a.expert_alignment : 1;
-  p.num_worst_tokens = a.num_worst_tokens;
   p.host_seq = a.num_worst_tokens == 0 ? ++b.host_seq : 0;
   if (b.host_seq == (1 << 30)) b.host_seq = 0;
 }
