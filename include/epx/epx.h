@@ -100,7 +100,9 @@ typedef struct epx_limits {
 typedef struct epx_config {
   int num_sms;             /* even, >= 2 */
   int num_max_send_tokens; /* tokens a sender publishes per tail update (chunk); unused by the senders at 2 ranks or
-                              fewer, which publish progress continuously (still validated) */
+                              fewer, which publish progress continuously (still validated). The dispatch's senders
+                              publish sooner where a chunk's records pass 180 KiB, never below two tokens per warp of a
+                              peer group (docs/tuning.md) */
   int num_max_recv_tokens; /* ring capacity per (channel, source rank), in tokens; >= num_max_send_tokens. Internode:
                               the NVLink ring per (channel, forwarder), split into one sub-ring per source domain */
   int num_max_rdma_send_tokens; /* internode: records per network chunk (one put and one signal) */

@@ -31,8 +31,8 @@ int default_chunk(int num_ranks) {
 }
 
 // Dispatch senders also scan the routing once per chunk, so a longer chunk pays off sooner: at 4 ranks 24 tokens
-// (the best of a sweep; the combine stays at two tokens per warp). Other rank counts keep two tokens per warp
-// (8 ranks not measured). The sweep is in docs/bench-notes.md.
+// (the best of a sweep for FP8 rows; dispatch_send_chunk caps BF16 rows at 12; the combine stays at two tokens per
+// warp). Other rank counts keep two tokens per warp (8 ranks not measured). The sweep is in docs/bench-notes.md.
 int default_dispatch_chunk(int num_ranks) { return num_ranks == 4 ? 24 : default_chunk(num_ranks); }
 
 // The defaults are for the rank counts a Buffer can have: any other is an error here, not a config.
@@ -59,7 +59,17 @@ InternodeRecordBytes internode_record_bytes(int64_t hidden_bytes, int num_nvl_ra
           align_up(dispatch > combine_nvl ? dispatch : combine_nvl, kAlign)};
 }
 
+// A chunked sender publishes its tail after at most this many bytes of records (7,472-byte FP8 records: 24 tokens;
+// 14,416-byte BF16 records: 12).
+constexpr int64_t kSendChunkBytes = 180 << 10;
+
 }  // namespace
+
+int dispatch_send_chunk(const Config& config, int64_t record_bytes, int num_ranks) {
+  const int64_t floor = 2 * (kDataWarps / num_ranks), by_bytes = kSendChunkBytes / record_bytes;
+  const int64_t chunk = by_bytes > floor ? by_bytes : floor;
+  return int(chunk < config.num_max_send_tokens ? chunk : config.num_max_send_tokens);
+}
 
 Limits limits() {
   Limits l{};

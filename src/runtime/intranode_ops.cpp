@@ -4,6 +4,7 @@
 
 #include "layout/intranode_params.hpp"
 #include "runtime/buffer_impl.hpp"
+#include "runtime/config.hpp"
 #include "runtime/cuda_check.hpp"
 #include "runtime/ops.hpp"
 #include "runtime/validate.hpp"
@@ -188,7 +189,7 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   p.signature = intranode::op_signature(intranode::kOpDispatch, record.bytes, c);
   p.ring = ring;
   p.record = record;
-  p.num_send_chunk = c.num_max_send_tokens;
+  p.num_send_chunk = dispatch_send_chunk(c, record.bytes, b.num_ranks);
   p.is_token_in_rank = h.is_token_in_rank;
   p.rank_prefix_matrix = h.rank_prefix_matrix;
   p.recv_channel_prefix_matrix = h.recv_channel_prefix_matrix;

@@ -158,6 +158,31 @@ TEST(Config, NvlSizeHintRejectsBadInput) {
   EXPECT_THAT(invalid_argument_message([&] { epx::nvl_size_hint(valid_config(), 8192, 9); }), HasSubstr("ranks"));
 }
 
+// The dispatch's chunk per tail update (runtime/config.hpp): at the 4-rank default 24, BF16 rows of hidden 7168
+// publish every 12 tokens and FP8 rows every 24; the defaults of other rank counts are kept; a config's smaller chunk
+// is kept; no chunk goes below two tokens per warp of a peer group unless the config asks for it.
+TEST(Config, DispatchSendChunkCapsBytesAboveTwoTokensPerWarp) {
+  const int64_t bf16 = epx::DispatchRecord::make(7168 * 2, 0, 8).bytes;
+  const int64_t fp8 = epx::DispatchRecord::make(7168, 7168 / 128, 8).bytes;
+  EXPECT_EQ(bf16, 14416);
+  EXPECT_EQ(fp8, 7472);
+  const epx::Config four = epx::default_dispatch_config(4);
+  ASSERT_EQ(four.num_max_send_tokens, 24);
+  EXPECT_EQ(epx::dispatch_send_chunk(four, bf16, 4), 12);
+  EXPECT_EQ(epx::dispatch_send_chunk(four, fp8, 4), 24);
+  EXPECT_EQ(epx::dispatch_send_chunk(four, epx::DispatchRecord::make(4096 * 2, 0, 8).bytes, 4), 22);
+  for (int r : {1, 2, 3, 5, 6, 7, 8}) {
+    const epx::Config d = epx::default_dispatch_config(r);
+    for (int64_t bytes : {bf16, fp8}) EXPECT_EQ(epx::dispatch_send_chunk(d, bytes, r), d.num_max_send_tokens) << r;
+  }
+  epx::Config small = four;
+  small.num_max_send_tokens = 2;
+  EXPECT_EQ(epx::dispatch_send_chunk(small, bf16, 4), 2);
+  small.num_max_send_tokens = 64;  // a wide row: the floor, 2 x (24 / 4) warps
+  EXPECT_EQ(epx::dispatch_send_chunk(small, epx::DispatchRecord::make(32768 * 2, 0, 8).bytes, 4), 12);
+  EXPECT_EQ(epx::dispatch_send_chunk(small, epx::DispatchRecord::make(2048 * 2, 0, 8).bytes, 4), 44);
+}
+
 // The 2-rank combine's coordinated senders (kernels/intranode/sender_groups.hpp): one group, for the peer, of the
 // first kCombinePeerWarps warps; no group for this rank (its rows are read in place); the other warps idle. One
 // rank alone has no group.
