@@ -140,6 +140,7 @@ int run_internode(int argc, char** argv) {
   }
   int R = 0;
   if (const int rc = choose_ranks(opt, &R); rc != 0) return rc;
+  fit_experts(opt, R);
   int D = 0;
   std::vector<std::string> skipped;
   std::vector<Config> sweep;

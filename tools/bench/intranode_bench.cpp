@@ -96,6 +96,7 @@ int run_intranode(int argc, char** argv) {
     return *done;
   int R = 0;
   if (const int rc = choose_ranks(opt, &R); rc != 0) return rc;
+  fit_experts(opt, R);
   std::vector<std::string> skipped;
   std::vector<Config> sweep;
   try {

@@ -34,6 +34,7 @@ bool parse_ht_option(const std::string& a, const std::function<std::string()>& v
     o->topk = parse_int(a, value(), 1, epx::limits().max_topk);
   } else if (a == "--experts") {
     o->experts = parse_int(a, value(), 1, 1 << 16);
+    o->experts_given = true;
   } else if (a == "--sms") {
     o->sms = parse_int_list(a, value(), 2, 1024);
   } else if (a == "--iters") {
@@ -69,13 +70,17 @@ void check_ht_options(const HtOptions& o) {
                      "): a token's experts are distinct"};
 }
 
-void check_experts_split(const HtOptions& o, int num_ranks) {
+void check_experts_split(const HtOptions& o, int num_ranks) {  // after fit_experts
   if (o.experts % num_ranks != 0)
     throw UsageError{"--experts (" + std::to_string(o.experts) + ") must be a multiple of the rank count (" +
                      std::to_string(num_ranks) + ")"};
 }
 
 }  // namespace
+
+void fit_experts(HtOptions& o, int num_ranks) {
+  if (!o.experts_given && o.experts % num_ranks != 0) o.experts = o.experts / num_ranks * num_ranks;
+}
 
 int parse_int(const std::string& name, const std::string& text, int lo, int hi) {
   long long v = 0;
@@ -115,7 +120,8 @@ const char* intranode_usage() {
          "  --tokens T         tokens per rank (4096)\n"
          "  --hidden H         hidden size, a multiple of 128 (7168)\n"
          "  --topk K           experts per token (8)\n"
-         "  --experts E        experts in total, a multiple of the rank count (256)\n"
+         "  --experts E        experts in total, a multiple of the rank count (256, or the largest multiple\n"
+         "                     of the rank count below it)\n"
          "  --sms LIST         num_sms values to sweep, e.g. 24 or 16,24,32\n"
          "  --chunks LIST      num_max_send_tokens values to sweep\n"
          "  --ring LIST        num_max_recv_tokens values to sweep\n"
@@ -228,7 +234,8 @@ const char* internode_usage() {
          "  --tokens T         tokens per rank (4096)\n"
          "  --hidden H         hidden size, a multiple of 128 (7168)\n"
          "  --topk K           experts per token (8)\n"
-         "  --experts E        experts in total, a multiple of the rank count (256)\n"
+         "  --experts E        experts in total, a multiple of the rank count (256, or the largest multiple\n"
+         "                     of the rank count below it)\n"
          "  --sms LIST         num_sms values to time, e.g. 24 or 16,24 (the default config's, 24); chunks and\n"
          "                     rings are the default configs' (dispatch's for dispatch, combine's for combine)\n"
          "  --iters N          timed iterations per measurement (30)\n"
@@ -254,7 +261,10 @@ InternodeOptions parse_internode_options(int argc, char** argv, bool* help) {
         o.domains = parse_int(a, value(), 1, epx::limits().max_ranks);
         return true;
       });
-  if (!*help && o.gpus > 0) internode_domains(o, o.gpus);  // the split is known already: say now what is wrong
+  if (!*help && o.gpus > 0) {  // the split is known already: say now what is wrong
+    fit_experts(o, o.gpus);
+    internode_domains(o, o.gpus);
+  }
   return o;
 }
 

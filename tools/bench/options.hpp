@@ -28,7 +28,8 @@ struct HtOptions {
   int hidden = 7168;
   int topk = 8;
   int experts = 256;
-  std::vector<int> sms;  // empty: the mode's default
+  bool experts_given = false;  // --experts: used as given (else fit_experts rounds 256 down to the rank count)
+  std::vector<int> sms;        // empty: the mode's default
   int iters = 30;
   int warmup = 5;
   int refresh_every = 1;  // timed iterations between two refreshes of x (0: once per series)
@@ -53,6 +54,10 @@ const char* intranode_usage();
 // Throws UsageError. Sets *help when --help was asked for.
 IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help);
 // Checks that need the rank count (experts per rank, FP8 groups). Throws UsageError.
+// Without --experts, the default 256 experts rounded down to a multiple of the rank count (255 at 3 ranks), as the
+// low-latency mode does with its 288; an --experts that is not a multiple stays an error (check_experts_split).
+void fit_experts(HtOptions& o, int num_ranks);
+
 void validate_intranode_options(const IntranodeOptions& o, int num_ranks);
 
 // Whether dispatches with a layout run as dispatch_sized, as the Python package's do: unless --two-step or --in-buffer.
