@@ -14,9 +14,9 @@ from . import _env, _lib
 
 class Config:
     """Kernel tuning: num_sms blocks (num_sms / 2 channels), tokens per send chunk (unused by the senders at 2 ranks
-    or fewer; the dispatch's senders publish sooner where a chunk's records pass 180 KiB), ring capacity in tokens; internode mode: records per network chunk
-    (num_max_rdma_chunked_send_tokens) and network ring capacity per (channel, domain)
-    (num_max_rdma_chunked_recv_tokens, 2 to 64 chunks)."""
+    or fewer; the dispatch's senders publish sooner where a chunk's records pass 180 KiB), ring capacity in tokens;
+    internode mode: records per network chunk (num_max_rdma_chunked_send_tokens) and network ring capacity per
+    (channel, domain) (num_max_rdma_chunked_recv_tokens, 2 to 64 chunks)."""
 
     __slots__ = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                  "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")

@@ -66,7 +66,7 @@ constexpr int64_t kSendChunkBytes = 180 << 10;
 }  // namespace
 
 int dispatch_send_chunk(const Config& config, int64_t record_bytes, int num_ranks) {
-  const int64_t floor = 2 * (kDataWarps / num_ranks), by_bytes = kSendChunkBytes / record_bytes;
+  const int64_t floor = default_chunk(num_ranks), by_bytes = kSendChunkBytes / record_bytes;
   const int64_t chunk = by_bytes > floor ? by_bytes : floor;
   return int(chunk < config.num_max_send_tokens ? chunk : config.num_max_send_tokens);
 }

@@ -94,7 +94,7 @@ void say(const std::string& text) {
   std::fflush(stdout);
 }
 
-HtCase make_case(const HtOptions& o, epx_dtype dtype, int num_ranks) {
+HtCase make_case(const HtOptions& o, epx_dtype dtype) {
   HtCase c;
   c.name = dtype == EPX_BF16 ? "bench bf16" : "bench fp8";
   c.tokens = {o.tokens};
@@ -256,8 +256,7 @@ std::unique_ptr<NcclLibrary> open_run(Bench& b, RunInfo& info) {
 
 HtSession default_session(Bench& b, epx_dtype dtype) {
   const int R = b.bs.size();
-  return HtSession(b.buffer, make_case(b.opt, dtype, R), default_dispatch_config(R), default_combine_config(R),
-                   b.stream);
+  return HtSession(b.buffer, make_case(b.opt, dtype), default_dispatch_config(R), default_combine_config(R), b.stream);
 }
 
 bool check_before_timing(Bench& b, HtSession& bf16, HtSession& fp8,

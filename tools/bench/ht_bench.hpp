@@ -52,7 +52,7 @@ void say(const std::string& text);
 
 // The benchmark's case: uniform top-k routing of the options' shape, top-k and weights passed, no biases; dispatches
 // with a layout sized (dispatch_sized) where runs_sized says.
-harness::HtCase make_case(const HtOptions& o, epx_dtype dtype, int num_ranks);
+harness::HtCase make_case(const HtOptions& o, epx_dtype dtype);
 
 // Runs a check and turns an exception into its failure text, so that every rank reaches the gather.
 std::string guarded(const std::function<std::string()>& check);
