@@ -150,6 +150,40 @@ std::vector<Case> sized_cases() {
                          c.sized_offset = {HtCase::kLargest};
                          return cached_dispatches(ctx, c, 2, 3000, 99);
                        }});
+  // Back to back, each operation with other channels and ring sizes than the one before: a ring's slots under one
+  // config are other slots under the next, so a sender that starts before its start word (2 ranks,
+  // kernels/intranode/early_senders.cuh) must know the peer has read every record of every earlier config. Small
+  // rings wrap many times in every channel.
+  cases.push_back(Case{"sized dispatch: channels and ring sizes change between operations", [](Context& ctx) {
+                         auto c = base_case({1500}, 2048, 144);
+                         c.sized = true;
+                         c.sized_offset = {HtCase::kLargest};
+                         HtSession s(ctx.buffer, c, ctx.dispatch_config, ctx.combine_config, ctx.stream);
+                         s.layout();
+                         const int sms[] = {24, 2, 16, 8, 20, 4};
+                         const int rings[] = {4, 64, 9, 256, 16, 33};
+                         std::string err;
+                         for (int i = 0; i < 12 && err.empty(); ++i) {
+                           Config d = ctx.dispatch_config, k = ctx.combine_config;
+                           d.num_sms = k.num_sms = sms[i % 6];
+                           d.num_max_send_tokens = std::min(d.num_max_send_tokens, rings[i % 6]);
+                           d.num_max_recv_tokens = rings[i % 6];
+                           k.num_max_send_tokens = std::min(k.num_max_send_tokens, rings[(i + 3) % 6]);
+                           k.num_max_recv_tokens = rings[(i + 3) % 6];
+                           s.set_configs(d, k);
+                           s.set_x(4000 + i);
+                           s.dispatch();
+                           err += s.check_dispatch();
+                           s.set_combine_inputs(5000 + i);
+                           s.combine();
+                           err += s.check_combine();
+                           s.set_x(6000 + i);
+                           s.dispatch_cached();
+                           err += s.check_dispatch();
+                           if (!err.empty()) err = "operation round " + std::to_string(i) + ":\n" + err;
+                         }
+                         return err;
+                       }});
   return cases;
 }
 

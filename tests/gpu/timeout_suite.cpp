@@ -14,14 +14,18 @@
 namespace epx::gpu_test {
 
 // The operations a rank may fail to call: a dispatch with a layout (its notify kernel runs the epoch barrier), the
-// same into the buffer (its data grid's last block runs the notify while the other blocks wait for their start words),
-// and a cached dispatch and a combine (their data kernels run it: kernels/intranode/epoch_barrier.cuh).
-enum class MissingOp { kDispatch, kDispatchInBuffer, kCachedDispatch, kCombine };
+// same sized (Buffer::dispatch_sized: its data grid's last block runs the notify; at 2 ranks the sender blocks write
+// records meanwhile, kernels/intranode/early_senders.cuh) and into the buffer (its last block runs the notify while
+// the other blocks wait for their start words), and a cached dispatch and a combine (their data kernels run it:
+// kernels/intranode/epoch_barrier.cuh).
+enum class MissingOp { kDispatch, kSizedDispatch, kDispatchInBuffer, kCachedDispatch, kCombine };
 
 const char* name_of(MissingOp op) {
   switch (op) {
     case MissingOp::kDispatch:
       return "dispatch";
+    case MissingOp::kSizedDispatch:
+      return "sized dispatch";
     case MissingOp::kDispatchInBuffer:
       return "dispatch into the buffer";
     case MissingOp::kCachedDispatch:
@@ -37,7 +41,8 @@ const char* name_of(MissingOp op) {
 int missing_rank(Bootstrap& bs, Buffer& buffer, harness::HtSession& s, cudaStream_t stream, double budget, MissingOp op,
                  const std::vector<std::string>& rank0_says) {
   s.layout();
-  const bool with_layout = op == MissingOp::kDispatch || op == MissingOp::kDispatchInBuffer;
+  const bool with_layout =
+      op == MissingOp::kDispatch || op == MissingOp::kSizedDispatch || op == MissingOp::kDispatchInBuffer;
   if (!with_layout) {  // a handle first, with every rank present
     s.dispatch();
     s.set_combine_inputs(5);
@@ -81,8 +86,8 @@ int missing_rank_dispatch(Bootstrap& bs, Buffer& buffer, harness::HtSession& s, 
 int run_timeout_suite(int num_ranks) {
   constexpr double kBudget = 2.0;
   int rc = 0;
-  for (MissingOp op :
-       {MissingOp::kDispatch, MissingOp::kDispatchInBuffer, MissingOp::kCachedDispatch, MissingOp::kCombine}) {
+  for (MissingOp op : {MissingOp::kDispatch, MissingOp::kSizedDispatch, MissingOp::kDispatchInBuffer,
+                       MissingOp::kCachedDispatch, MissingOp::kCombine}) {
     const LaunchResult r = launch_local(
         num_ranks,
         [&](Bootstrap& bs) -> int {
@@ -99,6 +104,8 @@ int run_timeout_suite(int num_ranks) {
           c.hidden = 2048;
           c.routing.num_experts = 32;
           c.in_buffer = op == MissingOp::kDispatchInBuffer;
+          c.sized = op == MissingOp::kSizedDispatch;
+          c.sized_offset = {harness::HtCase::kLargest};
           harness::HtSession s(buffer, c, default_dispatch_config(num_ranks), default_combine_config(num_ranks),
                                stream);
           // Rank 0's epoch barrier names the rank it waited for.
