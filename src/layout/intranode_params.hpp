@@ -99,6 +99,9 @@ struct DispatchParams {
   // 1: the grid has one more block, which runs the notify of this dispatch (notify_body.cuh) and starts the others
   // through their start words once the rows' places are known; 0: a notify kernel ran before, or (barrier) none.
   int notify_block;
+  // 1 (exactly 2 ranks, with notify_block): the sender blocks write ring records before their start word and publish
+  // them after it (kernels/intranode/early_senders.cuh); 0: every block waits for its start first.
+  int early_senders;
 };
 
 struct CombineParams {

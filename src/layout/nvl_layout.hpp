@@ -6,7 +6,9 @@
 // The output region (num_recv_bytes, layout/recv_region.hpp) holds the outputs of a dispatch into the buffer; the
 // low-latency sets (runtime/buffer_impl.hpp) are there only with CUDA IPC transport.
 // The ring data is reused by dispatch and combine (never active at once: every operation starts with the epoch
-// barrier, which no rank passes before all ranks finished their previous operation).
+// barrier, which no rank passes before all ranks finished their previous operation; the early senders of a 2-rank
+// sized dispatch write before it only once the peer has read every record they published,
+// kernels/intranode/early_senders.cuh).
 #pragma once
 
 #include <cstdint>

@@ -225,6 +225,8 @@ void Buffer::Impl::create(Bootstrap& bs, const BufferOptions& opts) {
   in_buffer_notify_kernel =
       parse_env_switch("EPX_HT_IN_BUFFER_NOTIFY_KERNEL", std::getenv("EPX_HT_IN_BUFFER_NOTIFY_KERNEL"));
   sized_notify_kernel = parse_env_switch("EPX_HT_SIZED_NOTIFY_KERNEL", std::getenv("EPX_HT_SIZED_NOTIFY_KERNEL"));
+  if (const char* early = std::getenv("EPX_HT_EARLY_SENDERS"); early != nullptr)
+    early_senders = parse_env_switch("EPX_HT_EARLY_SENDERS", early);
   // With NVSHMEM the low-latency region is a symmetric allocation of its own (attach_low_latency_region).
   alloc_bytes = ll_offset + (ll_transport == LowLatencyTransport::kCudaIpc ? 2 * ll_set_bytes : 0);
   EPX_CUDA_CHECK(cudaMalloc(&local, alloc_bytes));

@@ -79,6 +79,7 @@ struct Buffer::Impl {
   int in_buffer_self_warps = 0;          // $EPX_HT_IN_BUFFER_SELF_WARPS at creation; 0: default_in_buffer_self_warps
   bool in_buffer_notify_kernel = false;  // $EPX_HT_IN_BUFFER_NOTIFY_KERNEL at creation (in_buffer_ops.cpp)
   bool sized_notify_kernel = false;      // $EPX_HT_SIZED_NOTIFY_KERNEL at creation (intranode_ops.cpp)
+  bool early_senders = true;             // $EPX_HT_EARLY_SENDERS at creation, default on (intranode_ops.cpp)
   // Per set: the call sent there and not yet received (0 none, 1 dispatch, 2 combine). A rank receives a call
   // before it sends the next one on the same set (docs/semantics.md); the kernels rely on it (their epochs).
   int ll_waiting[2] = {0, 0};

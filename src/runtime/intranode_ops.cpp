@@ -175,6 +175,10 @@ int dispatch_rows(const DispatchArgs& a, const DispatchHandle& h, const char* op
   return rows;
 }
 
+// The sender blocks of a sized ring dispatch start before their start word (kernels/intranode/early_senders.cuh): at
+// exactly 2 ranks, unless $EPX_HT_EARLY_SENDERS=0 turned it off when the buffer was created.
+bool early_senders(const Buffer::Impl& b) { return b.num_ranks == 2 && b.early_senders; }
+
 // cached: the kernel runs the epoch barrier first (a cached dispatch has no notify in front of it). rows: what the
 // outputs must hold. notify: the notify the grid runs as its last block (a sized dispatch), or null.
 void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& c, const DispatchHandle& h,
@@ -204,6 +208,7 @@ void launch_dispatch_data(Buffer::Impl& b, const DispatchArgs& a, const Config& 
   p.self_sender_warps = split.self_sender_warps;
   p.ring_receiver_warps = split.ring_receiver_warps;
   p.notify_block = notify != nullptr ? 1 : 0;
+  p.early_senders = early_senders(b) && p.notify_block ? 1 : 0;
   launch_dispatch(p, notify != nullptr ? *notify : NotifyParams{}, stream);
   b.check_launch(cudaGetLastError(), op);
 }

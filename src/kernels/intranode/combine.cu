@@ -101,7 +101,7 @@ __device__ void combine_sender_coordinated(const CombineParams& p, int channel, 
   int32_t* progress = s_progress + warp;
 
   for (int i = gwarp; i < n; i += gwarps) {
-    head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.fail,  // the receiver coordinator's head
+    head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, nullptr, p.fail,  // the reducers' head
                               kRoleCombineSender, channel, dest, row_begin + i);
     uint8_t* slot = p.ring.slot(dst, channel, me, base + i);
     const int row = row_begin + i;

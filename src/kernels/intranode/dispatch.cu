@@ -9,7 +9,8 @@
 // order, so rows from source s, channel c land at consecutive rows starting at recv_channel_prefix_matrix[s][c]. Ring
 // indices never reset (64-bit, monotonic): an operation starts where the last one ended, and the epoch barrier
 // guarantees the ring is idle then (the notify kernel's in front of a dispatch with a layout, the kernel's own in a
-// cached dispatch: start_operation).
+// cached dispatch: start_operation). A sized dispatch at 2 ranks lets its senders write before the notify block's
+// start word once they have seen the peer's ring idle themselves (early_senders.cuh).
 #include <cuda_runtime.h>
 
 #include "device/ptx.cuh"
@@ -169,16 +170,19 @@ __device__ void dispatch_sender(const DispatchParams& p, int channel, ChunkGrant
 // barrier and no system fence here: the coordinator turns progress into ring tails. Also records send_head[t][dest] as
 // the chunked sender does (windows dealt round-robin over the group).
 template <int kUnroll, int kWarps>
-__device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress) {
+__device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel, int32_t* s_progress,
+                                            const EarlyStart* early) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, R = p.num_ranks, me = p.peers.rank;
   const SenderGroups groups = SenderGroups::dispatch(R, p.self_sender_warps, kWarps - 1);
   if (R == 2 && warp >= groups.each) {  // a warp of the own-token group (its receiver-block part comes first)
+    if (early != nullptr && !await_go(*early, p.fail, kRoleDispatchSender, channel)) return;  // the rows' places
     const int own = kWarps - p.ring_receiver_warps;
     dispatch_self_copy<kUnroll>(p, channel, own + warp - groups.each, own + p.self_sender_warps);
     return;
   }
   const SenderGroups::Place place = groups.place(warp, R, me);
   if (place.index >= place.warps) return;  // idle: no group (the coordinator reads group warps' words only)
+  if (early != nullptr && !await_slots(*early, p.fail, kRoleDispatchSender, channel)) return;
   const int dest = place.dest, gwarp = place.index, gwarps = place.warps;
   const ChannelRange range = ChannelRange::of(p.num_tokens, p.num_channels, channel);
   NvlControl* dst = nvl_control(p.peers, dest);
@@ -193,8 +197,9 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
     const uint32_t mask = scan_window(p, cursor, range.end, window, dest, routed, gwarp, gwarps);
     for (uint32_t m = owned_lanes(mask, routed, gwarp, gwarps); m != 0; m &= m - 1) {
       const int l = __ffs(m) - 1, i = window_position(mask, routed, l);
-      head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, p.fail,  // the receiver's release of head
+      head_seen = wait_for_slot(i, base, cap, head_seen, head_ptr, progress, early, p.fail,  // the receiver's head
                                 kRoleDispatchSender, channel, dest, cursor + l);
+      if (head_seen == kSlotSkipped) return;
       write_record<kUnroll>(p, cursor + l, dest, p.ring.slot(dst, channel, me, base + i), lane);
     }
     routed += __popc(mask);
@@ -205,9 +210,12 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
   if (lane == 0) st_release_cta(progress, -routed - 1);  // done: the final count, negated
 }
 
-// Sender coordinator (the sender block's last warp): see coordinate_sender_tails.
+// Sender coordinator (the sender block's last warp): see coordinate_sender_tails. With early senders it first takes
+// the block's start (take_start) and publishes nothing when the operation skips.
 template <int kWarps>
-__device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel, const int32_t* s_progress) {
+__device__ void dispatch_sender_coordinator(const DispatchParams& p, int channel, const int32_t* s_progress,
+                                            EarlyStart* early) {
+  if (early != nullptr && !take_start(*early, p.peers, p.fail)) return;
   const int lane = threadIdx.x % 32, me = p.peers.rank;
   uint64_t* tail_j = lane < p.num_ranks ? &nvl_control(p.peers, lane)->dispatch_tail[channel][me] : nullptr;
   coordinate_sender_tails(tail_j, s_progress, SenderGroups::dispatch(p.num_ranks, p.self_sender_warps, kWarps - 1),
@@ -279,22 +287,29 @@ __device__ void pad_rows(const DispatchParams& p, int channel) {
 }
 
 // kWarps warps per block: kDataWarps, or kWideDispatchWarps for the wide 2-rank blocks (wide_dispatch). With
-// p.notify_block (a sized dispatch) the grid's last block runs the notify and starts the others.
+// p.notify_block (a sized dispatch) the grid's last block runs the notify and starts the others. With
+// p.early_senders the sender blocks take their start in their coordinator warp (kernels/intranode/early_senders.cuh).
 template <int kUnroll, bool kCoordinated, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     dispatch_kernel(const __grid_constant__ DispatchParams p, const __grid_constant__ NotifyParams notify) {
   __shared__ uint64_t s_tail[kMaxNvlRanks];
+  __shared__ EarlyStart s_early;
+  const bool early = kCoordinated && p.notify_block && p.early_senders && blockIdx.x % 2 == 0;
   if (p.notify_block) {
     if (blockIdx.x == gridDim.x - 1) return run_notify(notify, gridDim.x - 1);
-    if (!start_after_notify_block(p.fail, nvl_self(p.peers))) return;  // every rank skips
+    if (early)
+      s_early.init();  // run_sender_block's block barrier orders it before every read
+    else if (!start_after_notify_block(p.fail, nvl_self(p.peers)))
+      return;  // every rank skips
   } else if (!start_operation(p.fail, p.peers, p.num_ranks, p.barrier != 0, p.signature)) {
     return;  // every rank skips
   }
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
+    EarlyStart* e = early ? &s_early : nullptr;
     run_sender_block<kCoordinated, kWarps>(
-        [&](int32_t* progress) { dispatch_sender_coordinated<kUnroll, kWarps>(p, channel, progress); },
-        [&](const int32_t* progress) { dispatch_sender_coordinator<kWarps>(p, channel, progress); },
+        [&](int32_t* progress) { dispatch_sender_coordinated<kUnroll, kWarps>(p, channel, progress, e); },
+        [&](const int32_t* progress) { dispatch_sender_coordinator<kWarps>(p, channel, progress, e); },
         [&](ChunkGrants& grants) { dispatch_sender<kUnroll>(p, channel, grants); });
   } else {
     if (p.num_worst_tokens > 0) pad_rows<kWarps>(p, channel);

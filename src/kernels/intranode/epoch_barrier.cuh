@@ -93,6 +93,12 @@ __device__ __forceinline__ Verdict collective_verdict(const NvlControl* self, in
   return Verdict{kErrShapeMismatch, s};
 }
 
+// The start word's values for the data blocks of a grid whose last block runs the notify (kStartGo: write the rows;
+// kStartSkip: the operation has a collective error, every block of every rank returns). The epoch barrier releases
+// kStartGo alone; its verdict is op_error.
+constexpr uint32_t kStartGo = 1;
+constexpr uint32_t kStartSkip = 2;
+
 // The epoch barrier of a data kernel (cached dispatch, combine), run by warp 0 of block 0: the handshake, the
 // verdict in this rank's op_error (and, for the host, in HostShared), then block b's start word released for every
 // other block b of the grid (start_operation). Not inlined: the data roles' registers stay as they were.
@@ -132,7 +138,8 @@ static __device__ __noinline__ void run_epoch_barrier(const FailState& fail, con
   // Lane 0's op_error and every lane's flag acquires come before each lane's release of the start words
   // (release is cumulative over what the warp observed before __syncwarp).
   __syncwarp();
-  for (int b = 1 + lane; b < gridDim.x; b += 32) dev::publish(&self->block_start[b], 1u);  // pairs with wait_for_start
+  for (int b = 1 + lane; b < gridDim.x; b += 32)
+    dev::publish(&self->block_start[b], kStartGo);  // pairs with wait_for_start
   // For the host, after the releases (which need not wait for these stores over PCIe). The host reads them once
   // the stream has synchronized (Buffer::check), so no system fence: the notify kernel, which the host polls while
   // it runs, has one.

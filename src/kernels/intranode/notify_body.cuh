@@ -29,11 +29,6 @@ using namespace dev;
 // cost one or two memory latencies instead of one per 32 tokens.
 constexpr int kCountBatch = 16;
 
-// The start word's values for the data blocks of a grid whose last block runs the notify (kStartGo: write the rows;
-// kStartSkip: the operation has a collective error, every block of every rank returns).
-constexpr uint32_t kStartGo = 1;
-constexpr uint32_t kStartSkip = 2;
-
 // Tokens this rank sends to rank j in channel c, for all (j, c).
 __device__ void count_channels(const NotifyParams& p, int (*s_counts)[kMaxChannels]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;

@@ -9,6 +9,7 @@
 #include "device/transport.cuh"
 #include "device/wait.cuh"
 #include "device/warp.cuh"
+#include "kernels/intranode/early_senders.cuh"
 #include "kernels/intranode/sender_groups.hpp"
 #include "layout/fail_state.hpp"
 
@@ -20,15 +21,19 @@ namespace epx {
 // the receiver needs to free the slot, at any ring capacity), then waits for the head. Returns the head seen,
 // on every lane. The wait's diagnostic site is built only when it waits: a WaitSite built by the caller and
 // passed in would be stored to local memory on every call, ahead of the branch (a large cost at 2 ranks).
+// With early senders (`early` not null) no head moves before the operation's verdict, so the warp waits for that
+// first, and returns kSlotSkipped when the operation skips.
+constexpr uint64_t kSlotSkipped = ~uint64_t(0);
 __device__ __forceinline__ uint64_t wait_for_slot(uint64_t i, uint64_t base, uint64_t cap, uint64_t head_seen,
-                                                  const uint64_t* head_ptr, int32_t* progress, const FailState& env,
-                                                  int role, int channel, int peer, int64_t extra) {
+                                                  const uint64_t* head_ptr, int32_t* progress, const EarlyStart* early,
+                                                  const FailState& env, int role, int channel, int peer,
+                                                  int64_t extra) {
   if (base + i + 1 <= cap + head_seen) return head_seen;
   __syncwarp();  // every lane's stores so far come before lane 0's release
-  if (threadIdx.x % 32 == 0) {
-    dev::st_release_cta(progress, int32_t(i));  // pairs with the coordinator's acquire
+  if (threadIdx.x % 32 == 0) dev::st_release_cta(progress, int32_t(i));  // pairs with the coordinator's acquire
+  if (early != nullptr && !await_go(*early, env, role, channel)) return kSlotSkipped;
+  if (threadIdx.x % 32 == 0)
     head_seen = dev::wait_at_least(head_ptr, base + i + 1 - cap, env, dev::WaitSite{role, channel, peer, extra});
-  }
   return __shfl_sync(dev::kFullMask, head_seen, 0);
 }
 
