@@ -141,6 +141,9 @@ const char* intranode_usage() {
          "                     --worst-case), then dispatch; by default dispatch_sized runs both in\n"
          "                     one launch into outputs sized by a guess (the sum of all ranks' tokens), as the\n"
          "                     Python package does there from its second call with a token count on\n"
+         "  --guess-offset N   dispatch_sized's guess: the rows each rank receives + N (0: exact; below 0 every\n"
+         "                     call's guess is short and every rank repeats the count exchange, the cost of\n"
+         "                     a wrong guess); default: the sum of all ranks' tokens\n"
          "  --check-all        check results against the reference model for every swept config, not only\n"
          "                     the default one\n"
          "  --seed S           routing and data seed (1)\n"
@@ -172,7 +175,7 @@ Options parse_ht_mode_options(int argc, char** argv, bool* help, Own own) {
 }
 
 IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
-  return parse_ht_mode_options<IntranodeOptions>(
+  IntranodeOptions o = parse_ht_mode_options<IntranodeOptions>(
       argc, argv, help, [](IntranodeOptions& o, const std::string& a, const std::function<std::string()>& value) {
         if (a == "--chunks")
           o.chunks = parse_int_list(a, value(), 1, 1 << 20);
@@ -184,10 +187,18 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
           o.in_buffer = true;
         else if (a == "--two-step")
           o.two_step = true;
-        else
+        else if (a == "--guess-offset") {
+          o.guess_given = true;
+          o.guess_offset = parse_int(a, value(), -(1 << 20), 1 << 20);
+        } else
           return false;
         return true;
       });
+  if (o.guess_given && (!runs_sized(o) || o.worst_case))
+    throw UsageError{
+        "--guess-offset sizes the outputs of dispatch_sized, which --two-step, --in-buffer and "
+        "--worst-case do not run with a guess"};
+  return o;
 }
 
 void validate_intranode_options(const IntranodeOptions& o, int num_ranks) { check_experts_split(o, num_ranks); }

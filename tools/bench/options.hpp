@@ -38,6 +38,10 @@ struct HtOptions {
   bool worst_case = false;  // dispatch with num_worst_tokens: no host wait for the counts
   bool in_buffer = false;   // intranode: dispatch into the buffer's output region, combine from it (--in-buffer)
   bool two_step = false;    // intranode: notify_dispatch, then dispatch (--two-step), not dispatch_sized
+  // intranode, sized dispatch: the guess is the rows a rank receives + guess_offset (--guess-offset; < 0: every call
+  // repeats the count exchange), else all ranks' tokens
+  bool guess_given = false;
+  int guess_offset = 0;
   uint64_t seed = 1;
 };
 

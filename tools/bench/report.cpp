@@ -213,10 +213,17 @@ void print_header(std::FILE* out, const RunInfo& i) {
   if (i.worst_case)
     std::fprintf(out, "dispatch in worst-case mode: num_worst_tokens = %d (all ranks' tokens), no host wait\n",
                  i.tokens * i.num_ranks);
-  if (i.benchmark == "intranode" && !i.in_buffer)
-    std::fprintf(out, i.two_step ? "dispatch with a layout: notify_dispatch, then dispatch\n"
-                                 : "dispatch with a layout: dispatch_sized (count exchange and data kernel in one "
-                                   "launch, outputs sized by a guess: all ranks' tokens)\n");
+  if (i.benchmark == "intranode" && !i.in_buffer && i.two_step)
+    std::fprintf(out, "dispatch with a layout: notify_dispatch, then dispatch\n");
+  else if (i.benchmark == "intranode" && !i.in_buffer && !i.guess_given)
+    std::fprintf(out,
+                 "dispatch with a layout: dispatch_sized (count exchange and data kernel in one launch, outputs "
+                 "sized by a guess: all ranks' tokens)\n");
+  else if (i.benchmark == "intranode" && !i.in_buffer)
+    std::fprintf(out,
+                 "dispatch with a layout: dispatch_sized (count exchange and data kernel in one launch, outputs "
+                 "sized by a guess: the rows received %+d%s)\n",
+                 i.guess_offset, i.guess_offset < 0 ? "; too small, so every rank repeats the count exchange" : "");
   if (i.in_buffer)
     std::fprintf(out,
                  "outputs in the buffer: the dispatch's senders write rows to their output rows in the receiver's "
