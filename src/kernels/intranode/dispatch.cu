@@ -205,6 +205,7 @@ __device__ void dispatch_sender_coordinated(const DispatchParams& p, int channel
     routed += __popc(mask);
     __syncwarp();                                     // every lane's stores of this window come before lane 0's release
     if (lane == 0) st_release_cta(progress, routed);  // pairs with the coordinator's acquire
+    if (early != nullptr && skipped(*early)) return;  // nothing of this operation will be published
   }
   __syncwarp();
   if (lane == 0) st_release_cta(progress, -routed - 1);  // done: the final count, negated

@@ -11,7 +11,7 @@
 // published and released each head after those reads, so every slot may be rewritten. No tail moves before go, so
 // the peer reads none of the new records before its own start; on skip (a collective error, or a resize) nothing is
 // published and the rings stay as they were. Before go no head moves either, so a sender that needs a slot past the
-// ring's capacity waits for the verdict first (await_go).
+// ring's capacity waits for the verdict first (await_go); on a skip every sender stops after its window (skipped).
 //
 // Roles: the coordinator warp (take_start) opens the slots and takes the start word; the sender warps wait for the
 // slots (await_slots) and, where they need the verdict, for it (await_go). Both words live in shared memory.
@@ -118,6 +118,14 @@ __device__ __forceinline__ bool await_slots(const EarlyStart& s, const FailState
 // True once the operation goes; false when it skips.
 __device__ __forceinline__ bool await_go(const EarlyStart& s, const FailState& fail, int role, int channel) {
   return await_word(&s.verdict, fail, role, channel) == EarlyStart::kGo;
+}
+
+// Without waiting: true on every lane once the verdict says skip. A sender warp asks after every window, so that on a
+// skip it stops within one window instead of filling the ring's capacity with records nobody reads.
+__device__ __forceinline__ bool skipped(const EarlyStart& s) {
+  int32_t v = 0;
+  if (threadIdx.x % 32 == 0) v = dev::ld_acquire_cta(&s.verdict);  // pairs with set_word's release
+  return __shfl_sync(dev::kFullMask, v, 0) == EarlyStart::kSkip;
 }
 
 }  // namespace epx
