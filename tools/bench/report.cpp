@@ -213,17 +213,18 @@ void print_header(std::FILE* out, const RunInfo& i) {
   if (i.worst_case)
     std::fprintf(out, "dispatch in worst-case mode: num_worst_tokens = %d (all ranks' tokens), no host wait\n",
                  i.tokens * i.num_ranks);
-  if (i.benchmark == "intranode" && !i.in_buffer && i.two_step)
+  if (i.benchmark == "intranode" && !i.in_buffer && i.two_step) {
     std::fprintf(out, "dispatch with a layout: notify_dispatch, then dispatch\n");
-  else if (i.benchmark == "intranode" && !i.in_buffer && !i.guess_given)
+  } else if (i.benchmark == "intranode" && !i.in_buffer) {
+    char guess[128] = "all ranks' tokens";
+    if (i.guess_given)
+      std::snprintf(guess, sizeof guess, "the rows received %+d%s", i.guess_offset,
+                    i.guess_offset < 0 ? "; too small, so every rank repeats the count exchange" : "");
     std::fprintf(out,
                  "dispatch with a layout: dispatch_sized (count exchange and data kernel in one launch, outputs "
-                 "sized by a guess: all ranks' tokens)\n");
-  else if (i.benchmark == "intranode" && !i.in_buffer)
-    std::fprintf(out,
-                 "dispatch with a layout: dispatch_sized (count exchange and data kernel in one launch, outputs "
-                 "sized by a guess: the rows received %+d%s)\n",
-                 i.guess_offset, i.guess_offset < 0 ? "; too small, so every rank repeats the count exchange" : "");
+                 "sized by a guess: %s)\n",
+                 guess);
+  }
   if (i.in_buffer)
     std::fprintf(out,
                  "outputs in the buffer: the dispatch's senders write rows to their output rows in the receiver's "
