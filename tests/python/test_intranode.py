@@ -503,7 +503,7 @@ CASES = [name for name in list(globals()) if name.startswith("case_")]
 
 
 # ---- pytest side ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}gpus")
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}gpus")
 def results(request):
     _dist.require_gpus(request.param)
     return _dist.run_cases(os.path.abspath(__file__), CASES, request.param, timeout_s=180)
