@@ -1,4 +1,4 @@
-"""epx.Buffer's high-throughput methods on 2 and 4 GPUs against the torch reference (_ref.py): layout,
+"""epx.Buffer's high-throughput methods on 2, 3 and 4 GPUs against the torch reference (_ref.py): layout,
 dispatch (bit-exact), cached and worst-case dispatch, combine (bit-identical), FP8, async and
 previous-event variants, and buffer lifetime. Each case runs on every rank (see _dist.py)."""
 

@@ -1,4 +1,4 @@
-"""epx.Buffer's low-latency methods on 2 and 4 GPUs against the torch reference (_ref.py): dispatch rows,
+"""epx.Buffer's low-latency methods on 2, 3 and 4 GPUs against the torch reference (_ref.py): dispatch rows,
 counts and layout exact; FP8 rows equal to the reference quantization (plain, round_scale, UE8M0); combine
 bit-identical, also with use_logfmt and reduction="rank"; hooks, async, zero-copy, out=, statistics, clean, double buffering and a CUDA
 graph."""
@@ -16,7 +16,7 @@ from _common import Ctx, assert_bitwise, assert_one_kernel, profiled_kernels  # 
 
 M = 32      # num_max_dispatch_tokens_per_rank
 H = 1024    # hidden (a multiple of 512 for UE8M0)
-E = 16      # experts
+E = 24      # experts: divides over 2, 3 and 4 ranks
 K = 4       # top-k
 
 
@@ -492,7 +492,7 @@ CASES = [name for name in list(globals()) if name.startswith("case_")]
 
 
 # ---- pytest side ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}gpus")
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}gpus")
 def results(request):
     _dist.require_gpus(request.param)
     return _dist.run_cases(os.path.abspath(__file__), CASES, request.param, timeout_s=180)
