@@ -88,9 +88,14 @@ def make_buffer(group, world, max_tokens, hidden, num_experts):
     return epx.Buffer(group, num_rdma_bytes=rdma, low_latency_mode=True, num_qps_per_rank=num_experts // world)
 
 
-def run(rank, world, group, steps=4, check=True, batch=16, hidden=512, num_experts=16, topk=4, max_tokens=32,
+def run(rank, world, group, steps=4, check=True, batch=16, hidden=512, num_experts=None, topk=4, max_tokens=32,
         use_fp8=True, verbose=True):
-    """Runs the loop through a CUDA graph; with check, returns the largest relative error of any step."""
+    """Runs the loop through a CUDA graph; with check, returns the largest relative error of any step. num_experts:
+    a multiple of world (default 8 per rank)."""
+    # moe_layer.py's experts_for, repeated: each example stands alone.
+    num_experts = 8 * world if num_experts is None else num_experts
+    if num_experts <= 0 or num_experts % world:
+        raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the world size ({world})")
     buffer = make_buffer(group, world, max_tokens, hidden, num_experts)
     buffer.clean_low_latency_buffer(max_tokens, hidden, num_experts)
     step = DecodeStep(buffer, rank, world, batch, hidden, num_experts, topk, max_tokens, use_fp8)

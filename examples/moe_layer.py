@@ -104,14 +104,24 @@ def reference(all_x, sizes, router, all_experts, topk):
     return out
 
 
+def experts_for(world, num_experts=None):
+    """num_experts, or 8 per rank when None; every rank holds the same number of experts."""
+    num_experts = 8 * world if num_experts is None else num_experts
+    if num_experts <= 0 or num_experts % world:
+        raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the world size ({world})")
+    return num_experts
+
+
 def make_buffer(group, hidden, world):
     configs = [epx.Buffer.get_dispatch_config(world), epx.Buffer.get_combine_config(world)]
     nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, world) for c in configs)
     return epx.Buffer(group, num_nvl_bytes=nvl_bytes)
 
 
-def run(rank, world, group, steps=3, check=True, tokens=64, hidden=256, num_experts=16, topk=4, verbose=True):
-    """Trains a few steps; with check, returns the first step's largest errors against the reference."""
+def run(rank, world, group, steps=3, check=True, tokens=64, hidden=256, num_experts=None, topk=4, verbose=True):
+    """Trains a few steps; with check, returns the first step's largest errors against the reference. num_experts:
+    a multiple of world (default 8 per rank)."""
+    num_experts = experts_for(world, num_experts)
     buffer = make_buffer(group, hidden, world)
     layer = MoELayer(buffer, hidden, num_experts, topk, rank, world)
     optimizer = torch.optim.SGD(layer.parameters(), lr=1e-2)

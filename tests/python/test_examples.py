@@ -1,4 +1,4 @@
-"""The examples end to end on 2 and 4 GPUs: the MoE layer's output and gradients, and the CUDA-graph
+"""The examples end to end on 2, 3 and 4 GPUs: the MoE layer's output and gradients, and the CUDA-graph
 decoding loop's outputs, against single-GPU references (bf16 tolerance); plus one torchrun launch of
 each example as a user would run it."""
 
@@ -56,7 +56,7 @@ def case_decode_loop_bf16_matches_reference(ctx):
 CASES = [name for name in list(globals()) if name.startswith("case_")]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}gpus")
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}gpus")
 def results(request):
     _dist.require_gpus(request.param)
     return _dist.run_cases(os.path.abspath(__file__), CASES, request.param, timeout_s=180)
