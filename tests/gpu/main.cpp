@@ -1,11 +1,12 @@
 // epx_gpu_tests: the GPU test suite, one process per GPU through the local launcher.
 //   epx_gpu_tests [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]
 //                 [--expect-transport cuda-ipc|nvshmem|nvshmem-forced] [--internode DxG | --no-internode]
-//                 [--build-info]
+//                 [--build-info] [--process-suites-only]
 // By default the suite runs on one NVLink domain of all ranks, then (builds with NVSHMEM) the internode suite on
 // every split D x G of the ranks (G <= 8; 1 x R forced); --internode DxG runs only that split.
 // The low-latency transport follows the build and EPX_DISABLE_NVSHMEM / EPX_LL_FORCE_NVSHMEM (docs/design.md);
-// the suite prints it, and --expect-transport makes a different one a failure.
+// the suite prints it, and --expect-transport makes a different one a failure. --process-suites-only runs only the
+// suites that start their own processes (the timeout suites, the low-latency process suites).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,6 +33,7 @@ struct Options {
   int gpus = 0;
   std::string filter;
   bool timeout_suite = true;  // and the other suites that run in their own processes
+  bool in_process = true;     // the cases of suite(); false with --process-suites-only
   double budget_s = 20;
   std::string expect_transport;
   int internode_domains = 0;  // > 0: the internode suite on this many domains (--internode DxG)
@@ -149,6 +151,8 @@ int main(int argc, char** argv) {
       return 0;
     } else if (a == "--no-timeout-suite") {
       opt.timeout_suite = false;
+    } else if (a == "--process-suites-only") {
+      opt.in_process = false;
     } else if (a == "--budget" && i + 1 < argc) {
       opt.budget_s = std::atof(argv[++i]);
     } else if (a == "--expect-transport" && i + 1 < argc &&
@@ -168,7 +172,8 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]\n"
-                   "       [--expect-transport cuda-ipc|nvshmem|nvshmem-forced] [--internode DxG | --no-internode]\n",
+                   "       [--expect-transport cuda-ipc|nvshmem|nvshmem-forced] [--internode DxG | --no-internode]\n"
+                   "       [--process-suites-only]\n",
                    argv[0]);
       return 2;
     }
@@ -197,10 +202,12 @@ int main(int argc, char** argv) {
   for (int d : splits) {
     gpu_test::Options o = opt;
     o.internode_domains = d;
-    const LaunchResult res = launch_local(
-        R, [&](Bootstrap& bs) { return gpu_test::suite(bs, o); }, 3600, 60);
-    rc |= res.num_failed == 0 ? 0 : 1;
-    if (res.num_failed) std::printf("%s", res.summary.c_str());
+    if (opt.in_process) {
+      const LaunchResult res = launch_local(
+          R, [&](Bootstrap& bs) { return gpu_test::suite(bs, o); }, 3600, 60);
+      rc |= res.num_failed == 0 ? 0 : 1;
+      if (res.num_failed) std::printf("%s", res.summary.c_str());
+    }
     if (d > 0 && opt.timeout_suite && opt.filter.empty() && R >= 2)
       rc |= gpu_test::run_internode_timeout_suite(R, R / d);
   }

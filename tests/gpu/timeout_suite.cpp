@@ -102,7 +102,7 @@ int run_timeout_suite(int num_ranks) {
           harness::HtCase c;
           c.tokens = {128};
           c.hidden = 2048;
-          c.routing.num_experts = 32;
+          c.routing.num_experts = 8 * num_ranks;  // a multiple of any rank count
           c.in_buffer = op == MissingOp::kDispatchInBuffer;
           c.sized = op == MissingOp::kSizedDispatch;
           c.sized_offset = {harness::HtCase::kLargest};
