@@ -170,12 +170,13 @@ int main(int argc, char** argv) {
     } else if (a == "--no-internode") {
       opt.internode = false;
     } else {
-      std::fprintf(stderr,
+      const bool help = a == "--help" || a == "-h";
+      std::fprintf(help ? stdout : stderr,
                    "usage: %s [--gpus N] [--filter SUBSTRING] [--no-timeout-suite] [--budget SECONDS]\n"
                    "       [--expect-transport cuda-ipc|nvshmem|nvshmem-forced] [--internode DxG | --no-internode]\n"
                    "       [--process-suites-only]\n",
                    argv[0]);
-      return 2;
+      return help ? 0 : 2;
     }
   }
   const int available = count_local_gpus();
