@@ -179,6 +179,10 @@ int main(int argc, char** argv) {
       return help ? 0 : 2;
     }
   }
+  if (!opt.in_process && !opt.timeout_suite) {
+    std::fprintf(stderr, "--process-suites-only and --no-timeout-suite together leave nothing to run\n");
+    return 2;
+  }
   const int available = count_local_gpus();
   if (available <= 0) {
     std::printf("epx_gpu_tests: no CUDA GPU visible on this machine; nothing to test here\n");
