@@ -1,10 +1,15 @@
-"""Helpers shared by the multi-GPU test modules: bitwise comparison and the per-process context."""
+"""Helpers shared by the multi-GPU test modules: bitwise comparison, the per-process context, and loading an
+example as a module."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
          torch.float64: torch.int64, torch.float8_e4m3fn: torch.uint8}
@@ -60,3 +65,11 @@ def assert_one_kernel(what: str, names, word: str) -> None:
     """Exactly one of the kernel names contains word (case-insensitive): what users' timing scripts select."""
     hits = [n for n in names if word in n.lower()]
     assert len(hits) == 1, f"{what}: {len(hits)} kernels whose name contains {word!r}: {hits} (all: {names})"
+
+
+def load_example(name: str):
+    """examples/<name>.py as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_epx_example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 decoding loop's outputs, against single-GPU references (bf16 tolerance); plus one torchrun launch of
 each example as a user would run it."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,17 +12,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 import _dist  # noqa: E402
-from _common import Ctx  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLES = os.path.join(REPO, "examples")
-
-
-def _example(name):
-    spec = importlib.util.spec_from_file_location(f"_epx_example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _common import EXAMPLES, Ctx, load_example  # noqa: E402
 
 
 def setup(rank, world):
@@ -35,20 +24,20 @@ def teardown(ctx):
 
 
 def case_moe_layer_matches_reference(ctx):
-    moe = _example("moe_layer")
+    moe = load_example("moe_layer")
     errors = moe.run(ctx.rank, ctx.world, dist.group.WORLD, steps=2, check=True, verbose=False)
     assert set(errors) == {"output", "grad_x", "grad_router", "grad_experts"}
     assert max(errors.values()) <= moe.TOLERANCE, errors
 
 
 def case_decode_loop_fp8_matches_reference(ctx):
-    decode = _example("decode_loop")
+    decode = load_example("decode_loop")
     worst = decode.run(ctx.rank, ctx.world, dist.group.WORLD, steps=3, check=True, use_fp8=True, verbose=False)
     assert worst <= decode.TOLERANCE, worst
 
 
 def case_decode_loop_bf16_matches_reference(ctx):
-    decode = _example("decode_loop")
+    decode = load_example("decode_loop")
     worst = decode.run(ctx.rank, ctx.world, dist.group.WORLD, steps=3, check=True, use_fp8=False, verbose=False)
     assert worst <= decode.TOLERANCE, worst
 
