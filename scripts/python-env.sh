@@ -10,6 +10,7 @@
 #      and gets pytest;
 #   4. else .venv/ is created with python3 and gets torch (PyPI's default Linux wheel, a CUDA build of ~5 GB with its
 #      nvidia-* packages: about a minute on the CI machines; a CPU build is enough for the tests), numpy and pytest.
+#      pip keeps no cache (the wheels would take ~3 GB more); with less than ~6 GB free it says so before it starts.
 #      EPX_TORCH_INDEX_URL: a pip index to take torch from instead (PyTorch's CPU-only index, ~200 MB, where it is
 #      reachable).
 # Where nothing could be set up it prints python3 and exits 1 (the tests then run without torch, or fail in CI).
@@ -23,8 +24,10 @@ has() { "$1" -c "import $2" >/dev/null 2>&1; }
 pip_in() {  # pip_in PYTHON ARGS...: short network timeouts, so that a machine without network gives up quickly
   local py=$1
   shift
-  timeout "$PIP_LIMIT_S" "$py" -m pip install --quiet --disable-pip-version-check --timeout 30 --retries 2 "$@" >&2
+  timeout "$PIP_LIMIT_S" "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir --timeout 30 \
+    --retries 2 "$@" >&2
 }
+free_gb() { df -Pk "$PWD" 2>/dev/null | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'; }
 
 if [ -x "$VENV/bin/python" ] && has "$VENV/bin/python" torch && has "$VENV/bin/python" pytest; then
   echo "$VENV/bin/python"
@@ -83,6 +86,11 @@ for py in "${candidates[@]}"; do
 done
 
 say "setting up $VENV with torch, numpy and pytest (a first run downloads torch: ~5 GB from PyPI)"
+free=$(free_gb)
+if [ -z "${EPX_TORCH_INDEX_URL:-}" ] && [ -n "$free" ] && awk -v f="$free" 'BEGIN { exit !(f < 6) }'; then
+  say "only ${free} GB free on $PWD's disk; torch with its nvidia-* packages needs ~5.5 GB:" \
+    "the install may fail"
+fi
 start=$SECONDS
 if ! make_venv python3; then
   echo python3
@@ -94,7 +102,8 @@ else
   installed() { pip_in "$VENV/bin/python" torch numpy pytest; }
 fi
 if ! installed; then
-  say "could not install torch, numpy and pytest into $VENV (no network? over ${PIP_LIMIT_S} s?)"
+  say "could not install torch, numpy and pytest into $VENV" \
+    "(no network? over ${PIP_LIMIT_S} s? disk full? $(free_gb) GB free now)"
   rm -rf "$VENV"
   echo python3
   exit 1
