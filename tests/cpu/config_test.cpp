@@ -389,10 +389,11 @@ TEST(RecvRegion, HoldsWhatItsHintSays) {
           EXPECT_LE(r.scale_offset + int64_t(r.capacity) * scales * 4, r.src_offset);
           EXPECT_LE(r.src_offset + int64_t(r.capacity) * 4, r.topk_offset);
           EXPECT_LE(r.topk_offset + int64_t(r.capacity) * k * 8, r.weight_offset);
-          if (rows > 0)
+          if (rows > 0) {
             EXPECT_LT(epx::RecvRegion::make(bytes - epx::RecvRegion::row_bytes(x_bytes, scales, k), x_bytes, scales, k)
                           .capacity,
                       rows);
+          }
         }
   EXPECT_EQ(epx::RecvRegion::make(0, 14336, 0, 8).capacity, 0);
 }
