@@ -168,10 +168,13 @@ __device__ __forceinline__ int32_t wait_nonzero(const int32_t* p, const FailStat
 // A spin with no memory to watch (a coordinator waiting on its own block) still has a budget.
 struct SpinBudget {
   uint64_t start = 0;
-  __device__ __forceinline__ void tick(const FailState& env, const WaitSite& site, int64_t seen, int64_t awaited) {
+  // `budgets`: how many of env.budget_ns the wait may last. The start words' waits take 2, so that when a rank does
+  // not call, the wait that names it (one budget) reports first and these stop on the abort word it raises.
+  __device__ __forceinline__ void tick(const FailState& env, const WaitSite& site, int64_t seen, int64_t awaited,
+                                       uint32_t budgets = 1) {
     if (start == 0) start = globaltimer_ns();
     check_abort(env, site);
-    if (globaltimer_ns() - start > env.budget_ns) fail_fatal(env, kErrTimeout, site, seen, awaited);
+    if (globaltimer_ns() - start > budgets * env.budget_ns) fail_fatal(env, kErrTimeout, site, seen, awaited);
   }
   // The same spin for a caller that writes its own report: checks the abort flag, returns true once the budget
   // is spent.

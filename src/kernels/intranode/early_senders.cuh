@@ -75,16 +75,13 @@ static __device__ __noinline__ bool take_start(EarlyStart& s, const PeerMap& pee
   __syncwarp();
   bool open = peer_rings_idle(peers);
   if (open) set_word(&s.slots, EarlyStart::kOpen);
-  const uint64_t start = dev::globaltimer_ns();
+  dev::SpinBudget budget;
   uint32_t seen = 0;
   while (true) {
     if (lane == 0) seen = dev::acquire(word);  // pairs with the notify block's release of the start word
     seen = __shfl_sync(dev::kFullMask, seen, 0);
     if (seen != 0) break;
-    if (lane == 0) {
-      dev::check_abort(fail, site);
-      if (dev::globaltimer_ns() - start > 2 * fail.budget_ns) dev::fail_fatal(fail, kErrTimeout, site, seen, 1);
-    }
+    if (lane == 0) budget.tick(fail, site, seen, 1, 2);
     if (!open && (open = peer_rings_idle(peers))) set_word(&s.slots, EarlyStart::kOpen);
   }
   if (lane == 0) dev::write_word(word, 0u);
@@ -100,12 +97,10 @@ static __device__ __noinline__ bool take_start(EarlyStart& s, const PeerMap& pee
 __device__ __forceinline__ int32_t await_word(const int32_t* word, const FailState& fail, int role, int channel) {
   int32_t v = 0;
   if (threadIdx.x % 32 == 0) {
-    const uint64_t start = dev::globaltimer_ns();
-    while ((v = dev::ld_acquire_cta(word)) == 0) {  // pairs with set_word's release
-      const dev::WaitSite site{role, channel, -1, 0};
-      dev::check_abort(fail, site);
-      if (dev::globaltimer_ns() - start > 2 * fail.budget_ns) dev::fail_fatal(fail, kErrTimeout, site, 0, 1);
-    }
+    const dev::WaitSite site{role, channel, -1, 0};
+    dev::SpinBudget budget;
+    while ((v = dev::ld_acquire_cta(word)) == 0)  // pairs with set_word's release
+      budget.tick(fail, site, 0, 1, 2);
   }
   return __shfl_sync(dev::kFullMask, v, 0);
 }

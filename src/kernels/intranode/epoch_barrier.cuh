@@ -157,12 +157,10 @@ static __device__ __noinline__ void run_epoch_barrier(const FailState& fail, con
 static __device__ __noinline__ uint32_t wait_for_start(const FailState& fail, NvlControl* self) {
   uint32_t* word = &self->block_start[blockIdx.x];
   const dev::WaitSite site{kRoleDataStart, int(blockIdx.x / 2), -1, blockIdx.x};
-  const uint64_t start = dev::globaltimer_ns();
+  dev::SpinBudget budget;
   uint32_t seen;
-  while ((seen = dev::acquire(word)) == 0) {  // pairs with run_epoch_barrier's release of the start word
-    dev::check_abort(fail, site);
-    if (dev::globaltimer_ns() - start > 2 * fail.budget_ns) dev::fail_fatal(fail, kErrTimeout, site, seen, 1);
-  }
+  while ((seen = dev::acquire(word)) == 0)  // pairs with run_epoch_barrier's release of the start word
+    budget.tick(fail, site, seen, 1, 2);
   dev::write_word(word, 0u);
   return seen;
 }
