@@ -112,7 +112,7 @@ HtCase make_case(const HtOptions& o, epx_dtype dtype) {
   c.worst_case = o.worst_case;  // num_worst_tokens = the sum of all ranks' tokens
   c.in_buffer = o.in_buffer;
   c.sized = runs_sized(o);  // the harness sizes inside one domain only
-  c.sized_offset = {o.guess_given ? o.guess_offset : HtCase::kLargest};
+  c.sized_offset = {o.guess_offset.value_or(HtCase::kLargest)};
   c.seed = o.seed;
   return c;
 }
@@ -231,7 +231,6 @@ RunInfo make_run_info(const char* benchmark, const HtOptions& o, int num_ranks, 
   info.worst_case = o.worst_case;
   info.in_buffer = o.in_buffer;
   info.two_step = o.two_step;
-  info.guess_given = o.guess_given;
   info.guess_offset = o.guess_offset;
   info.iters = o.iters, info.warmup = o.warmup, info.seed = o.seed;
   info.nccl = "NCCL: skipped (--no-nccl)";

@@ -188,13 +188,12 @@ IntranodeOptions parse_intranode_options(int argc, char** argv, bool* help) {
         else if (a == "--two-step")
           o.two_step = true;
         else if (a == "--guess-offset") {
-          o.guess_given = true;
           o.guess_offset = parse_int(a, value(), -(1 << 20), 1 << 20);
         } else
           return false;
         return true;
       });
-  if (o.guess_given && (!runs_sized(o) || o.worst_case))
+  if (o.guess_offset && (!runs_sized(o) || o.worst_case))
     throw UsageError{
         "--guess-offset sizes the outputs of dispatch_sized, which --two-step, --in-buffer and "
         "--worst-case do not run with a guess"};

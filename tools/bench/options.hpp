@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,8 +41,7 @@ struct HtOptions {
   bool two_step = false;    // intranode: notify_dispatch, then dispatch (--two-step), not dispatch_sized
   // intranode, sized dispatch: the guess is the rows a rank receives + guess_offset (--guess-offset; < 0: every call
   // repeats the count exchange), else all ranks' tokens
-  bool guess_given = false;
-  int guess_offset = 0;
+  std::optional<int> guess_offset;
   uint64_t seed = 1;
 };
 

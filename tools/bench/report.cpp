@@ -217,9 +217,9 @@ void print_header(std::FILE* out, const RunInfo& i) {
     std::fprintf(out, "dispatch with a layout: notify_dispatch, then dispatch\n");
   } else if (i.benchmark == "intranode" && !i.in_buffer) {
     char guess[128] = "all ranks' tokens";
-    if (i.guess_given)
-      std::snprintf(guess, sizeof guess, "the rows received %+d%s", i.guess_offset,
-                    i.guess_offset < 0 ? "; too small, so every rank repeats the count exchange" : "");
+    if (i.guess_offset)
+      std::snprintf(guess, sizeof guess, "the rows received %+d%s", *i.guess_offset,
+                    *i.guess_offset < 0 ? "; too small, so every rank repeats the count exchange" : "");
     std::fprintf(out,
                  "dispatch with a layout: dispatch_sized (count exchange and data kernel in one launch, outputs "
                  "sized by a guess: %s)\n",

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,11 +59,10 @@ struct RunInfo {
   std::string gpu;
   int tokens = 0, hidden = 0, topk = 0, experts = 0;
   std::string routing;
-  bool worst_case = false;   // the dispatches ran with num_worst_tokens (no host wait)
-  bool in_buffer = false;    // the dispatches wrote into the buffer's output region
-  bool two_step = false;     // dispatches with a layout ran as notify_dispatch, then dispatch
-  bool guess_given = false;  // dispatch_sized's guess: the rows received + guess_offset (else all ranks' tokens)
-  int guess_offset = 0;
+  bool worst_case = false;          // the dispatches ran with num_worst_tokens (no host wait)
+  bool in_buffer = false;           // the dispatches wrote into the buffer's output region
+  bool two_step = false;            // dispatches with a layout ran as notify_dispatch, then dispatch
+  std::optional<int> guess_offset;  // dispatch_sized's guess: the rows received + this (else all ranks' tokens)
   int iters = 0, warmup = 0;
   uint64_t seed = 0;
   std::string check;  // "PASS", or what failed
